@@ -1,0 +1,71 @@
+"""MPI setup: the world, local (same host) and cross (same local rank) communicators."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import traceback
+
+import mpi4py
+
+# The background engine makes every MPI call from one thread that is not the
+# main thread: that needs MPI_THREAD_SERIALIZED, never MULTIPLE.
+if "mpi4py.MPI" not in sys.modules:
+    mpi4py.rc.thread_level = "serialized"
+from mpi4py import MPI  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Communicators:
+    """Private duplicates of the user's communicator, so our messages never meet theirs."""
+
+    world: MPI.Comm
+    local: MPI.Comm
+    cross: MPI.Comm
+
+    def free(self) -> None:
+        for comm in (self.cross, self.local, self.world):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+
+
+def create(parent: "MPI.Comm | None" = None) -> Communicators:
+    """Split ``parent`` (default COMM_WORLD) into world/local/cross communicators.
+
+    ``local`` groups the ranks that share memory (MPI's own notion of a host),
+    ``cross`` groups the ranks with the same local rank across hosts.
+    """
+    world = (parent or MPI.COMM_WORLD).Dup()
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    cross = world.Split(color=local.Get_rank(), key=world.Get_rank())
+    return Communicators(world=world, local=local, cross=cross)
+
+
+def threading_level_ok() -> bool:
+    return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
+
+
+_installed = False
+
+
+def install_abort_on_exception() -> None:
+    """An uncaught exception in any rank aborts the whole job instead of hanging the rest.
+
+    The traceback is printed first, with the rank, so the report names the culprit.
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    previous_hook = sys.excepthook
+
+    def abort_hook(kind, value, tb):  # type: ignore[no-untyped-def]
+        if kind is KeyboardInterrupt or MPI.COMM_WORLD.Get_size() == 1:
+            previous_hook(kind, value, tb)
+            return
+        rank = MPI.COMM_WORLD.Get_rank()
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write(f"mtrain: rank {rank} raised an uncaught exception; aborting the job\n{text}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_hook

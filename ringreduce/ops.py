@@ -1,0 +1,85 @@
+"""Reduction operators and the dtypes the runtime accepts.
+
+The operator values match Horovod's (``Average=0, Sum=1, Adasum=2, Min=3,
+Max=4, Product=5``) so code that stores or compares them keeps working.
+"""
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+
+class ReduceOp(enum.IntEnum):
+    Average = 0
+    Sum = 1
+    Adasum = 2  # named for Horovod compatibility; not implemented, rejected by check_op
+    Min = 3
+    Max = 4
+    Product = 5
+
+
+Average = ReduceOp.Average
+Sum = ReduceOp.Sum
+Adasum = ReduceOp.Adasum
+Min = ReduceOp.Min
+Max = ReduceOp.Max
+Product = ReduceOp.Product
+
+SUPPORTED_OPS = (Average, Sum, Min, Max, Product)
+
+
+def check_op(op: object) -> ReduceOp:
+    """Return ``op`` as a ReduceOp, or raise naming the bad value."""
+    try:
+        value = ReduceOp(op)
+    except (ValueError, TypeError):
+        names = ", ".join(o.name for o in SUPPORTED_OPS)
+        raise ValueError(f"unsupported reduction op {op!r}; use one of {names}") from None
+    if value not in SUPPORTED_OPS:
+        names = ", ".join(o.name for o in SUPPORTED_OPS)
+        raise ValueError(f"reduction op {value.name} is not supported by mtrain; use one of {names}")
+    return value
+
+
+def _bfloat16() -> "np.dtype | None":
+    try:
+        import ml_dtypes  # optional: only present where the user installed it
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+# The order of this tuple is the wire code used in metadata checks: append, never reorder.
+_DTYPES = [np.dtype(t) for t in (
+    np.float16, np.float32, np.float64,
+    np.int8, np.int16, np.int32, np.int64,
+    np.uint8, np.uint16, np.uint32, np.uint64,
+    np.bool_,
+)]
+_BF16 = _bfloat16()
+if _BF16 is not None:
+    _DTYPES.append(_BF16)
+SUPPORTED_DTYPES: tuple = tuple(_DTYPES)
+_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+
+
+def dtype_code(dtype: object) -> int:
+    """Small integer naming a supported dtype; TypeError for anything else."""
+    dt = np.dtype(dtype)
+    code = _CODE.get(dt)
+    if code is None:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        hint = "" if _BF16 is not None else " (bfloat16 needs the ml_dtypes package)"
+        raise TypeError(f"unsupported dtype {dt}; mtrain supports {names}{hint}")
+    return code
+
+
+def dtype_from_code(code: int) -> np.dtype:
+    return SUPPORTED_DTYPES[code]
+
+
+def check_reducible(dtype: np.dtype, op: ReduceOp) -> None:
+    """Bool buffers only take Min/Max (logical and/or); everything else takes every op."""
+    if dtype == np.bool_ and op not in (Min, Max):
+        raise TypeError(f"op {op.name} is not defined for bool arrays; use Min (logical and) or Max (logical or)")
