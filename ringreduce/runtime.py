@@ -107,6 +107,8 @@ def mpi_threads_supported() -> bool:
 def _array(value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
+    if isinstance(value, np.generic):  # a NumPy scalar: treat as a 0-d array
+        return np.asarray(value)
     raise TypeError(f"expected a numpy.ndarray, got {type(value).__name__}; "
                     "wrap Python data with numpy.asarray() first")
 

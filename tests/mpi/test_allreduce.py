@@ -1,0 +1,80 @@
+"""All-reduce against a float64 reference, across dtypes, ops, shapes and job sizes."""
+import numpy as np
+from mpi4py import MPI
+
+import ringreduce as rr
+from tests.mpi.data import DTYPES, OPS, assert_matches, reference, values
+from tests.mpi.harness import mpi_test
+
+
+def _shapes(n: int):
+    # 0, 1, fewer than the ranks, primes, multi-dimensional, and a few MiB.
+    return [(0,), (1,), (max(n - 1, 1),), (7,), (13,), (101,), (4099,), (3, 5, 7), (2, 0, 3)]
+
+
+def _check_identical_everywhere(result: np.ndarray, what: str) -> None:
+    blobs = MPI.COMM_WORLD.allgather(result.tobytes())
+    for r, blob in enumerate(blobs):
+        assert blob == blobs[0], f"{what}: rank {r}'s result differs from rank 0's bit for bit"
+
+
+@mpi_test(nps=(1, 2, 3))
+def test_allreduce_every_dtype_op_and_shape():
+    n, me = rr.size(), rr.rank()
+    for dtype in DTYPES:
+        for op in OPS:
+            for shape in _shapes(n):
+                what = f"allreduce {np.dtype(dtype).name} {op.name} shape {shape} np={n} rank {me}"
+                inputs = [values(r, shape, dtype, op) for r in range(n)]
+                mine = inputs[me].copy()
+                result = rr.allreduce(mine, op=op)
+                assert np.array_equal(mine, inputs[me]), f"{what}: input was modified"
+                assert result.dtype == np.dtype(dtype), f"{what}: dtype became {result.dtype}"
+                assert_matches(result, reference(inputs, op), what)
+                _check_identical_everywhere(result, what)
+
+
+# The same body with the latency path off (the ring runs even for tiny buffers)
+# and tiny segments, so the segment pipeline wraps its scratch buffers many times.
+test_allreduce_ring_only_small_segments = mpi_test(
+    nps=(2, 3), env={"MTRAIN_SMALL_ALLREDUCE_BYTES": "0", "MTRAIN_RING_SEGMENT_BYTES": "24"},
+)(test_allreduce_every_dtype_op_and_shape.rank_body)
+
+
+@mpi_test(nps=(1, 2, 3))
+def test_allreduce_large_buffers():
+    n, me = rr.size(), rr.rank()
+    for dtype, count in [(np.float32, (1 << 20) + 3), (np.float64, 655_357), (np.int32, (1 << 19) + 1)]:
+        for op in (rr.Sum, rr.Average, rr.Max):
+            what = f"allreduce {np.dtype(dtype).name} {op.name} count {count} np={n}"
+            inputs = [values(r, (count,), dtype, op) for r in range(n)]
+            result = rr.allreduce(inputs[me].copy(), op=op)
+            assert_matches(result, reference(inputs, op), what)
+            _check_identical_everywhere(result, what)
+
+
+@mpi_test(nps=(1, 2, 3))
+def test_allreduce_in_place_noncontiguous_and_scaling():
+    n, me = rr.size(), rr.rank()
+    base = [values(r, (6, 10), np.float64) for r in range(n)]
+    # In place on a contiguous array.
+    a = base[me].copy()
+    out = rr.allreduce_(a, op=rr.Sum)
+    assert out is a
+    assert_matches(a, reference(base, rr.Sum), "allreduce_ in place")
+    # A strided view: handled (copied internally), result written back into the view.
+    holder = base[me].copy()
+    view = holder[:, ::3]
+    rr.allreduce_(view, op=rr.Sum)
+    assert_matches(view, reference([b[:, ::3] for b in base], rr.Sum), "allreduce_ on a strided view")
+    assert_matches(holder[:, 1::3], base[me][:, 1::3].astype(np.float64), "untouched columns")
+    # Fortran order input, out-of-place.
+    f = np.asfortranarray(base[me])
+    assert_matches(rr.allreduce(f, op=rr.Max), reference(base, rr.Max), "allreduce of Fortran-order")
+    # Pre/post scaling: sum(x * 0.5) * 3.
+    got = rr.allreduce(base[me], op=rr.Sum, prescale_factor=0.5, postscale_factor=3.0)
+    assert_matches(got, reference(base, rr.Sum) * 1.5, "allreduce with pre/post scaling")
+    # bool: Min is logical and, Max logical or.
+    flags = [np.array([True, r % 2 == 0, False, r == 0]) for r in range(n)]
+    assert rr.allreduce(flags[me], op=rr.Min).tolist() == np.logical_and.reduce(flags).tolist()
+    assert rr.allreduce(flags[me], op=rr.Max).tolist() == np.logical_or.reduce(flags).tolist()

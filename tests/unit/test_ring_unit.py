@@ -1,0 +1,62 @@
+"""Pure pieces of the runtime: chunk bounds, ops, dtypes, the not-initialized error."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ringreduce import ops
+from ringreduce.backend import NumpyBackend
+from ringreduce.ring import even_bounds, segment_bounds
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 5, 7, 64, 101, 4099])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
+def test_segment_bounds_tile_the_buffer_evenly(count, parts):
+    bounds = even_bounds(count, parts)
+    assert bounds[0][0] == 0 and bounds[-1][1] == count
+    for (lo, hi), (next_lo, _) in zip(bounds, bounds[1:]):
+        assert hi == next_lo
+    lengths = [hi - lo for lo, hi in bounds]
+    assert max(lengths) - min(lengths) <= 1
+    assert lengths == sorted(lengths, reverse=True)  # the first count % parts are the longer ones
+    assert segment_bounds(count, parts, parts - 1) == bounds[-1]
+
+
+def test_op_values_match_horovod():
+    assert (ops.Average, ops.Sum, ops.Adasum, ops.Min, ops.Max, ops.Product) == (0, 1, 2, 3, 4, 5)
+
+
+def test_unsupported_op_and_dtype_are_named():
+    with pytest.raises(ValueError, match="unsupported reduction op 'sum'"):
+        ops.check_op("sum")
+    with pytest.raises(ValueError, match="Adasum is not supported"):
+        ops.check_op(ops.Adasum)
+    with pytest.raises(TypeError, match="unsupported dtype complex128"):
+        ops.dtype_code(np.complex128)
+    for dtype in ("float16", "float32", "float64", "int32", "int64", "uint8"):
+        assert ops.dtype_from_code(ops.dtype_code(dtype)) == np.dtype(dtype)
+
+
+def test_backend_scale_and_divide_keep_the_dtype():
+    backend = NumpyBackend()
+    ints = np.array([7, -7, 9], dtype=np.int32)
+    backend.divide(ints, 2)
+    assert ints.tolist() == [3, -4, 4] and ints.dtype == np.int32
+    halves = np.array([1.0, 3.0], dtype=np.float16)
+    backend.scale(halves, 0.5)
+    assert halves.tolist() == [0.5, 1.5] and halves.dtype == np.float16
+
+
+def test_scratch_buffers_are_reused():
+    backend = NumpyBackend()
+    first = backend.scratch(0, 100, np.dtype(np.float32))
+    again = backend.scratch(0, 50, np.dtype(np.float64))
+    assert np.shares_memory(first, again)
+
+
+def test_collective_before_init_says_to_call_init():
+    code = "import numpy, ringreduce as rr\ntry:\n    rr.allreduce(numpy.ones(2))\nexcept ValueError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "call init() first" in out.stdout, out.stderr
+    assert out.returncode == 0
