@@ -1,0 +1,8 @@
+"""mtrain's launcher: `mtrain run` starts, watches and stops the ranks of a job.
+
+Importing this package is cheap on purpose: every rank and every remote host
+imports it (the rank wrapper, the remote guard, the preflight probe), so it
+must not pull in paramiko, click or any deep-learning framework.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,192 @@
+"""`mtrain`: the command line.  Parsing and user-facing errors only.
+
+Usage errors print one line and exit 2; environment problems found by the
+preflight exit 1; otherwise mtrain exits with the job's status (see supervise).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+import launcher
+from launcher import hosts as hostlib
+from launcher.config import LaunchConfig, SshOptions, check_env_item
+
+_INTERFACE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
+
+
+class HostListType(click.ParamType):
+    """`-H host1:4,host2:4`, parsed into [HostSlots] or a usage error."""
+
+    name = "HOST:SLOTS,…"
+
+    def convert(self, value: Any, param, ctx) -> list[hostlib.HostSlots]:
+        if isinstance(value, list):
+            return value
+        try:
+            return hostlib.parse_host_list(value)
+        except hostlib.HostSpecError as error:
+            self.fail(str(error), param, ctx)
+
+
+class EnvItemType(click.ParamType):
+    """`-x VAR` or `-x VAR=value`."""
+
+    name = "VAR[=VALUE]"
+
+    def convert(self, value: Any, param, ctx) -> str:
+        try:
+            return check_env_item(value)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+class InterfaceListType(click.ParamType):
+    """`--network-interface eth0[,ib0]` (names or CIDR subnets)."""
+
+    name = "IF[,IF…]"
+
+    def convert(self, value: Any, param, ctx) -> tuple[str, ...]:
+        if isinstance(value, tuple):
+            return value
+        names = tuple(part.strip() for part in value.split(","))
+        for part in names:
+            if not part or not _INTERFACE.match(part):
+                self.fail(f"{part!r} is not an interface name or subnet (e.g. eth0 or 10.0.0.0/16)",
+                          param, ctx)
+        return names
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(launcher.__version__, prog_name="mtrain")
+def main_group() -> None:
+    """mtrain: data-parallel training across hosts (Horovod-style launcher)."""
+
+
+@main_group.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-np", "--num-proc", "num_proc", type=int, default=None,
+              help="Number of ranks (default: all slots of the hosts).")
+@click.option("-H", "--hosts", "host_list", type=HostListType(), default=None,
+              help="Hosts and slots, e.g. host1:4,host2:4 (a host without :N has 1 slot).")
+@click.option("--hostfile", type=click.Path(dir_okay=False), default=None,
+              help="File with one `host slots=N` per line.")
+@click.option("-p", "--ssh-port", type=click.IntRange(1, 65535), default=None,
+              help="SSH port of the remote hosts (default: ~/.ssh/config, else 22).")
+@click.option("-i", "--ssh-identity-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Private key to log in with (with ssh-agent's keys).")
+@click.option("--ssh-accept-new-hosts", is_flag=True,
+              help="Record unknown host keys in ~/.ssh/known_hosts instead of refusing them.")
+@click.option("--start-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Seconds allowed for checking and reaching all hosts.")
+@click.option("--network-interface", "interfaces", type=InterfaceListType(), default=None,
+              help="Interfaces (or subnets) MPI may use between hosts, e.g. eth0 or eth0,ib0.")
+@click.option("--output-filename", "--output-dir", "output_dir", type=click.Path(file_okay=False),
+              default=None, help="Also write DIR/rank.N/stdout and DIR/rank.N/stderr.")
+@click.option("-x", "env_items", type=EnvItemType(), multiple=True,
+              help="Pass VAR (or set VAR=value) to every rank; repeatable.")
+@click.option("--mpirun", "mpirun_path", default=None,
+              help="MPI launcher to use (default: $MTRAIN_MPIRUN, else the one of this environment).")
+@click.option("--mpi-args", default=None, help="Extra arguments for mpirun, as one quoted string.")
+@click.option("--dry-run", is_flag=True, help="Print the host plan and the mpirun command; run nothing.")
+@click.option("--verbose", is_flag=True, help="Log each step.")
+@click.option("--disable-cache", is_flag=True, hidden=True, help="Accepted for horovodrun compatibility.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run(**options: Any) -> None:
+    """Run COMMAND as NUM_PROC ranks across the hosts."""
+    from launcher.launch import launch  # deferred: keeps `mtrain --help` fast
+    config, dry_run = build_config(options)
+    sys.exit(launch(config, dry_run=dry_run))
+
+
+def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
+    """Validate the options of `mtrain run` into a LaunchConfig (usage errors raise click errors)."""
+    from launcher import mpirun as mpilib
+    command = tuple(options["command"])
+    if not command:
+        raise click.UsageError("no command given (write e.g. `mtrain run -np 2 python train.py`)")
+    if command[0].startswith("-"):
+        raise click.UsageError(f"unknown option {command[0]} (mtrain's options go before the command)")
+    if options["host_list"] is not None and options["hostfile"] is not None:
+        raise click.UsageError("give either -H or --hostfile, not both")
+    try:
+        if options["host_list"] is not None:
+            available = options["host_list"]
+        elif options["hostfile"] is not None:
+            available = hostlib.read_hostfile(options["hostfile"])
+        else:
+            available = hostlib.slurm_hosts(os.environ)
+        num_proc = options["num_proc"]
+        if available is None:
+            if num_proc is None:
+                raise click.UsageError("-np is required when no hosts are given (e.g. -np 2)")
+            if num_proc < 1:
+                raise hostlib.HostSpecError(f"-np {num_proc}: need at least one process")
+            available = [hostlib.HostSlots("localhost", num_proc)]
+        plan = hostlib.assign_slots(available, num_proc if num_proc is not None else
+                                    sum(h.slots for h in available))
+    except hostlib.HostSpecError as error:
+        raise click.UsageError(str(error)) from None
+    names = hostlib.local_names()
+    remote = tuple(h.name for h in plan if not hostlib.is_local(h.name, names))
+    mpi_args: tuple[str, ...] = ()
+    if options["mpi_args"]:
+        try:
+            mpi_args = tuple(shlex.split(options["mpi_args"]))
+        except ValueError as error:
+            raise click.UsageError(f"--mpi-args: {error}") from None
+    try:
+        mpi = mpilib.find_mpirun(options["mpirun_path"])
+    except mpilib.MpiNotFound as error:
+        raise click.UsageError(str(error)) from None
+    ssh = SshOptions(port=options["ssh_port"], identity_file=options["ssh_identity_file"],
+                     accept_new_hosts=options["ssh_accept_new_hosts"],
+                     connect_timeout=options["start_timeout"])
+    config = LaunchConfig(
+        plan=tuple(plan), command=command, remote_hosts=remote, ssh=ssh, mpi=mpi,
+        start_timeout=options["start_timeout"], network_interfaces=options["interfaces"] or (),
+        output_dir=Path(options["output_dir"]).resolve() if options["output_dir"] else None,
+        env_pass=tuple(options["env_items"]), mpi_args=mpi_args, verbose=options["verbose"])
+    return config, bool(options["dry_run"])
+
+
+@main_group.command()
+def check() -> None:
+    """Print what this install can do: MPI, CUDA-awareness, frameworks, GPUs."""
+    from launcher.capabilities import report
+    sys.exit(report())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: click without tracebacks and with one-line usage errors."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        main_group.main(args=args, prog_name="mtrain", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as error:  # bare `mtrain`
+        click.echo(error.ctx.get_help() if error.ctx else str(error))
+        return 0
+    except click.UsageError as error:
+        command = error.ctx.command_path if error.ctx else "mtrain"
+        click.echo(f"{command}: error: {error.format_message()} (see `{command} --help`)", err=True)
+        return 2
+    except click.Abort:
+        click.echo("mtrain: aborted", err=True)
+        return 130
+    except click.ClickException as error:
+        click.echo(f"mtrain: error: {error.format_message()}", err=True)
+        return error.exit_code
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except KeyboardInterrupt:
+        click.echo("mtrain: interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The frozen, validated description of one `mtrain run`, built by the CLI.
+
+Everything downstream (argv builder, preflight, supervisor) reads this and
+nothing else, so there is exactly one place where user input is validated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from launcher.hosts import HostSlots
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SshOptions:
+    """How to reach remote hosts; None means "whatever ~/.ssh/config / OpenSSH defaults say"."""
+
+    port: int | None = None
+    identity_file: str | None = None
+    accept_new_hosts: bool = False
+    connect_timeout: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MpiLauncher:
+    """An MPI launcher program and the family of its command line."""
+
+    path: str
+    kind: str  # "openmpi" or "mpich"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """One validated job: which hosts run how many ranks of which command."""
+
+    plan: tuple[HostSlots, ...]          # hosts actually used, in rank order
+    command: tuple[str, ...]
+    remote_hosts: tuple[str, ...]        # hosts reached over SSH (empty: local job)
+    ssh: SshOptions
+    mpi: MpiLauncher
+    start_timeout: float = 30.0
+    network_interfaces: tuple[str, ...] = ()
+    output_dir: Path | None = None
+    env_pass: tuple[str, ...] = ()       # `-x` items: "VAR" or "VAR=value"
+    mpi_args: tuple[str, ...] = ()
+    verbose: bool = False
+
+    @property
+    def num_proc(self) -> int:
+        return sum(host.slots for host in self.plan)
+
+
+def check_env_item(item: str) -> str:
+    """Validate one `-x VAR` / `-x VAR=value`; return it unchanged or raise ValueError."""
+    name = item.split("=", 1)[0]
+    if not _ENV_NAME.match(name):
+        raise ValueError(f"-x {item!r}: {name!r} is not an environment variable name")
+    return item

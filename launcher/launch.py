@@ -1,0 +1,111 @@
+"""From a LaunchConfig to a finished job: argv, dry run, preflight, supervision."""
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import sys
+import tempfile
+import time
+
+import launcher
+from launcher import mpirun as mpilib
+from launcher import ssh_agent
+from launcher.config import LaunchConfig
+from launcher.environment import rank_environment
+from launcher.hosts import is_local, local_names
+
+AGENT = [sys.executable, "-m", "launcher.ssh_agent"]
+
+
+def _log(config: LaunchConfig, message: str) -> None:
+    if config.verbose:
+        print(f"mtrain: [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def cpus_per_host(config: LaunchConfig, remote_cpus: dict[str, int]) -> dict[str, int]:
+    names = local_names()
+    return {h.name: (os.cpu_count() or 1) if is_local(h.name, names) else remote_cpus.get(h.name, 0)
+            for h in config.plan}
+
+
+def build_job_argv(config: LaunchConfig, agent: list[str] | None, remote_cpus: dict[str, int]) -> list[str]:
+    """The launcher argv for `config` (pure apart from reading os.environ)."""
+    names, values = rank_environment(os.environ, config.env_pass)
+    cpus = cpus_per_host(config, remote_cpus)
+    oversubscribed = any(cpus[h.name] and h.slots > cpus[h.name] for h in config.plan)
+    return mpilib.build_argv(
+        config.mpi, config.plan, config.command, rank_python=sys.executable, agent=agent,
+        env_names=names, env_values=values, network_interfaces=config.network_interfaces,
+        yield_when_idle=oversubscribed, as_root=os.geteuid() == 0, extra_args=config.mpi_args)
+
+
+def agent_environment(config: LaunchConfig) -> dict[str, str]:
+    """What the SSH agents (children of mpirun) need to know, passed through the environment."""
+    env = {ssh_agent.ENV_ACCEPT_NEW: "1" if config.ssh.accept_new_hosts else "0",
+           ssh_agent.ENV_TIMEOUT: str(config.start_timeout),
+           ssh_agent.ENV_PYTHON: sys.executable}
+    if config.ssh.port:
+        env[ssh_agent.ENV_PORT] = str(config.ssh.port)
+    if config.ssh.identity_file:
+        env[ssh_agent.ENV_IDENTITY] = os.path.abspath(config.ssh.identity_file)
+    return env
+
+
+def _hydra_shim(directory: str) -> list[str]:
+    # hydra's -launcher-exec takes one program path, so wrap `python -m launcher.ssh_agent`.
+    path = os.path.join(directory, "mtrain-ssh-agent")
+    with open(path, "w") as handle:
+        handle.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m launcher.ssh_agent \"$@\"\n")
+    os.chmod(path, stat.S_IRWXU)
+    return [path]
+
+
+def print_plan(config: LaunchConfig, argv: list[str]) -> None:
+    rank = 0
+    for host in config.plan:
+        where = "ssh" if host.name in config.remote_hosts else "local"
+        print(f"host {host.name}: ranks {rank}-{rank + host.slots - 1} ({where})")
+        rank += host.slots
+    print(shlex.join(argv))
+
+
+def launch(config: LaunchConfig, dry_run: bool = False) -> int:
+    """Run the job described by `config`; return mtrain's exit status."""
+    from launcher import supervise
+    with tempfile.TemporaryDirectory(prefix="mtrain-agent-") as scratch:
+        agent = None
+        if config.remote_hosts:
+            agent = _hydra_shim(scratch) if config.mpi.kind == "mpich" else list(AGENT)
+        remote_cpus: dict[str, int] = {}
+        if dry_run:
+            try:
+                argv = build_job_argv(config, agent, remote_cpus)
+            except ValueError as error:
+                print(f"mtrain run: error: {error}", file=sys.stderr)
+                return 2
+            print_plan(config, argv)
+            return 0
+        if config.remote_hosts:
+            from launcher.preflight import run_preflight, slot_warnings
+            _log(config, f"preflight of {', '.join(config.remote_hosts)}")
+            reports = run_preflight(config.remote_hosts, config.ssh, sys.executable,
+                                    launcher.__version__, config.start_timeout)
+            errors = [r.error for r in reports.values() if r.error]
+            if errors:
+                for line in errors:
+                    print(f"mtrain: {line}", file=sys.stderr)
+                print(f"mtrain: preflight failed on {len(errors)} host(s); nothing was started",
+                      file=sys.stderr)
+                return 1
+            for line in slot_warnings(reports, {h.name: h.slots for h in config.plan}):
+                print(f"mtrain: warning: {line}", file=sys.stderr)
+            remote_cpus = {host: report.cpus for host, report in reports.items()}
+            _log(config, "preflight passed")
+        try:
+            argv = build_job_argv(config, agent, remote_cpus)
+        except ValueError as error:
+            print(f"mtrain run: error: {error}", file=sys.stderr)
+            return 2
+        env = dict(os.environ, **agent_environment(config))
+        return supervise.run_job(argv, env, config.output_dir, config.verbose)

@@ -1,0 +1,110 @@
+"""Check every remote host before any rank starts: all hosts in parallel, one bounded wait.
+
+Per host: connect (host key verified), then run a probe with the launcher's
+own Python path that reports mtrain's version, CPU and GPU counts.  Every
+failing host yields one line; the job starts only if there are none.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import threading
+import time
+from typing import Mapping, Sequence
+
+from launcher.config import SshOptions
+
+# Runs on the remote host; must work with nothing but mtrain installed.
+PROBE = r"""
+import json, os, shutil, subprocess, sys
+try:
+    import launcher
+    version = launcher.__version__
+except Exception:
+    version = None
+gpus = 0
+smi = shutil.which("nvidia-smi")
+if smi:
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+        gpus = sum(1 for line in listing.splitlines() if line.startswith("GPU"))
+    except Exception:
+        pass
+print(json.dumps({"version": version, "cpus": os.cpu_count() or 1, "gpus": gpus}))
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostReport:
+    """What the preflight learned about one host (error set when it failed)."""
+
+    host: str
+    error: str | None = None
+    cpus: int = 0
+    gpus: int = 0
+
+
+def probe_host(host: str, options: SshOptions, python: str, version: str, timeout: float) -> HostReport:
+    """Connect to `host` and run the probe; never raises."""
+    from launcher import ssh  # keeps paramiko out of local-only jobs
+    try:
+        client = ssh.connect(host, options, timeout=timeout)
+    except ssh.SshError as error:
+        return HostReport(host, str(error))
+    try:
+        status, out, err = ssh.run_command(client, f"{shlex.quote(python)} -c {shlex.quote(PROBE)}", timeout)
+    except Exception as error:
+        return HostReport(host, f"host {host}: probe failed: {error}")
+    finally:
+        client.close()
+    if status == 127:
+        return HostReport(host, f"host {host}: no Python at {python} (mtrain needs the same "
+                          "environment at the same path on every host)")
+    try:
+        found = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        return HostReport(host, f"host {host}: probe with {python} failed: {last}")
+    if found.get("version") is None:
+        return HostReport(host, f"host {host}: mtrain is not installed for {python} there")
+    if found["version"] != version:
+        return HostReport(host, f"host {host}: mtrain {found['version']} there but {version} here; "
+                          "install the same version on every host")
+    return HostReport(host, None, int(found.get("cpus", 1)), int(found.get("gpus", 0)))
+
+
+def run_preflight(hosts: Sequence[str], options: SshOptions, python: str, version: str,
+                  timeout: float) -> dict[str, HostReport]:
+    """Probe all hosts in parallel; a host without an answer by `timeout` is reported as such."""
+    results: dict[str, HostReport] = {}
+    lock = threading.Lock()
+
+    def work(host: str) -> None:
+        report = probe_host(host, options, python, version, timeout)
+        with lock:
+            results[host] = report
+
+    # Daemon threads: a host stuck in a TCP handshake must not keep mtrain alive past the deadline.
+    threads = [threading.Thread(target=work, args=(host,), daemon=True) for host in hosts]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with lock:
+        for host in hosts:
+            if host not in results:
+                results[host] = HostReport(host, f"host {host}: no answer within --start-timeout "
+                                           f"{timeout:g} s (check the network or raise --start-timeout)")
+        return dict(results)
+
+
+def slot_warnings(reports: Mapping[str, HostReport], slots: Mapping[str, int]) -> list[str]:
+    """One line per host that has GPUs but fewer than the ranks it will run."""
+    lines = []
+    for host, report in reports.items():
+        if report.error is None and 0 < report.gpus < slots.get(host, 0):
+            lines.append(f"host {host}: {slots[host]} ranks but only {report.gpus} GPUs; "
+                         "ranks will share GPUs")
+    return lines

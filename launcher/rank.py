@@ -1,0 +1,143 @@
+"""`python -m launcher.rank -- COMMAND…`: the wrapper MPI starts as each rank.
+
+It runs the user's command as a child and
+* prefixes every output line with the rank, `[3]<stdout>:` / `[3]<stderr>:`,
+  keeping stdout and stderr apart (mpirun forwards them separately);
+* when the child ends, writes one exit record (a marker line on stderr, read
+  and removed by the supervisor) with rank, host, exit status, whether we had
+  been told to stop, the time, and the last lines of the child's stderr; the
+  supervisor uses the records to name the *first* failing rank;
+* stops the child (its whole process group) when MPI stops us, and dies with
+  its parent, so a killed mpirun/prted never leaves a rank running.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from launcher.process_tools import die_with_parent, exit_code, kill_group
+
+EXIT_MARKER = b"@@mtrain-rank-exit@@ "
+TAIL_LINES = 15
+TERM_GRACE = 3.0
+_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+def rank_from_env(env: dict[str, str] | os._Environ) -> int:
+    for name in _RANK_VARIABLES:
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return 0
+
+
+class _Relay(threading.Thread):
+    """Copies one pipe to one of our streams, a prefixed line at a time."""
+
+    def __init__(self, source: int, target, prefix: bytes, lock: threading.Lock,
+                 tail: collections.deque | None) -> None:
+        super().__init__(daemon=True)
+        self.source, self.target, self.prefix, self.lock, self.tail = source, target, prefix, lock, tail
+
+    def _emit(self, line: bytes) -> None:
+        with self.lock:
+            self.target.write(self.prefix + line)
+            self.target.flush()
+        if self.tail is not None:
+            self.tail.append(line.rstrip(b"\n").decode(errors="replace"))
+
+    def run(self) -> None:
+        pending = b""
+        while True:
+            try:
+                data = os.read(self.source, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                self._emit(line + b"\n")
+        if pending:  # a last line without newline still gets one, so prefixes stay aligned
+            self._emit(pending + b"\n")
+        os.close(self.source)
+
+
+def _set_child_deathsig() -> None:
+    # Runs in the child between fork and exec: if this wrapper is SIGKILLed, so is the rank.
+    die_with_parent(signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m launcher.rank -- COMMAND…", file=sys.stderr)
+        return 2
+    die_with_parent(signal.SIGTERM)
+    rank = rank_from_env(os.environ)
+    host = socket.gethostname()
+    stopping = threading.Event()
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    start = time.time()
+    try:
+        child = subprocess.Popen(argv, stdout=out_write, stderr=err_write,
+                                 start_new_session=True, preexec_fn=_set_child_deathsig)
+    except OSError as error:
+        os.close(out_write)
+        os.close(err_write)
+        message = f"cannot start {argv[0]!r}: {error.strerror}"
+        sys.stderr.buffer.write(f"[{rank}]<stderr>:{message}\n".encode())
+        _write_record(rank, host, 127, False, [message])
+        return 127
+    os.close(out_write)
+    os.close(err_write)
+
+    def on_signal(number, frame) -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        kill_group(child.pid, signal.SIGTERM)
+        threading.Timer(TERM_GRACE, kill_group, args=(child.pid, signal.SIGKILL)).start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    if os.getppid() == 1:  # the parent died before die_with_parent took effect
+        on_signal(signal.SIGTERM, None)
+
+    lock = threading.Lock()
+    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    relays = [_Relay(out_read, sys.stdout.buffer, f"[{rank}]<stdout>:".encode(), lock, None),
+              _Relay(err_read, sys.stderr.buffer, f"[{rank}]<stderr>:".encode(), lock, tail)]
+    for relay in relays:
+        relay.start()
+    returncode = child.wait()
+    end = time.time()
+    # Whatever the rank left behind in its group (workers, daemons) ends with it.
+    kill_group(child.pid, signal.SIGKILL)
+    for relay in relays:
+        relay.join(timeout=2.0)
+    with lock:
+        _write_record(rank, host, returncode, stopping.is_set(), list(tail), end, start)
+    return exit_code(returncode)
+
+
+def _write_record(rank: int, host: str, returncode: int, stopped: bool, tail: list[str],
+                  end: float | None = None, start: float | None = None) -> None:
+    record = {"rank": rank, "host": host, "returncode": returncode, "stopped": stopped,
+              "time": end or time.time(), "start": start, "stderr_tail": tail}
+    sys.stderr.buffer.write(EXIT_MARKER + json.dumps(record).encode() + b"\n")
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""`python -m launcher.ssh_agent [ssh options] HOST WORD…`: mtrain's stand-in for `ssh`.
+
+MPI's launcher calls this exactly as it would call ssh.  Like OpenSSH, the
+command words are joined with spaces into one string for the remote shell
+(MPI has already quoted them for that shell).  Unlike plain ssh:
+
+* hosts are reached with mtrain's host-key policy and ~/.ssh/config handling
+  (launcher/ssh.py), configured through MTRAIN_AGENT_* variables set by the
+  supervisor;
+* PRRTE's `--daemonize` is dropped, so the remote daemon stays inside this SSH
+  session, and the session runs under `launcher.remote_guard`: when this agent
+  dies or the link goes silent, the guard kills the daemon and its ranks;
+* a heartbeat goes to the guard every second; with TCP_USER_TIMEOUT on the
+  socket a cut link is noticed here within seconds, reported to the supervisor
+  as a `host-lost` event naming the host, and the agent exits 255 like ssh.
+
+The user's own command never passes through here: MPI delivers it to each
+rank as an argv list.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+
+from launcher import events
+from launcher.config import SshOptions
+from launcher.process_tools import die_with_parent
+
+ENV_PORT = "MTRAIN_AGENT_PORT"
+ENV_IDENTITY = "MTRAIN_AGENT_IDENTITY"
+ENV_ACCEPT_NEW = "MTRAIN_AGENT_ACCEPT_NEW"
+ENV_TIMEOUT = "MTRAIN_AGENT_TIMEOUT"
+ENV_PYTHON = "MTRAIN_AGENT_PYTHON"
+HEARTBEAT_SECONDS = 1.0
+# ssh options MPI launchers may put before the host (hydra passes -x); ignored.
+_FLAGS = {"-x", "-X", "-q", "-T", "-t", "-tt", "-n", "-a", "-A", "-4", "-6", "-C"}
+_WITH_VALUE = {"-o", "-l", "-p", "-i", "-F", "-E"}
+
+
+def options_from_env(env: dict[str, str] | None = None) -> SshOptions:
+    """The SSH options the supervisor handed down through the environment."""
+    env = dict(os.environ) if env is None else env
+    port = env.get(ENV_PORT)
+    return SshOptions(port=int(port) if port else None,
+                      identity_file=env.get(ENV_IDENTITY) or None,
+                      accept_new_hosts=env.get(ENV_ACCEPT_NEW) == "1",
+                      connect_timeout=float(env.get(ENV_TIMEOUT, "30")))
+
+
+def split_arguments(argv: list[str]) -> tuple[str, list[str], int | None]:
+    """(host, command words, port from -p) out of an ssh-style argv."""
+    index, port = 0, None
+    while index < len(argv) and argv[index].startswith("-"):
+        word = argv[index]
+        if word in _WITH_VALUE:
+            if word == "-p" and index + 1 < len(argv):
+                port = int(argv[index + 1])
+            index += 2
+        elif word in _FLAGS:
+            index += 1
+        else:
+            raise ValueError(f"unsupported ssh option {word}")
+    if index >= len(argv):
+        raise ValueError("no host given")
+    return argv[index], argv[index + 1:], port
+
+
+def remote_command(words: list[str], python: str) -> str:
+    """The string the remote shell runs: the guard around MPI's daemon command."""
+    words = [word for word in words if word != "--daemonize"]
+    inner = " ".join(words)  # what OpenSSH would send: MPI quoted the words for a shell
+    return f"exec {shlex.quote(python)} -m launcher.remote_guard {shlex.quote(inner)}"
+
+
+def _pump(read, fd: int) -> None:
+    while True:
+        try:
+            data = read(65536)
+        except Exception:
+            return
+        if not data:
+            return
+        try:
+            os.write(fd, data)
+        except OSError:
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    die_with_parent(signal.SIGTERM)
+    try:
+        host, words, port = split_arguments(argv)
+    except ValueError as error:
+        print(f"mtrain-agent: {error}; usage: python -m launcher.ssh_agent HOST COMMAND…", file=sys.stderr)
+        return 255
+    stop = threading.Event()
+
+    def on_signal(number, frame) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+
+    from launcher import ssh  # paramiko is imported only once we know we need it
+    options = options_from_env()
+    if port is not None:
+        options = SshOptions(port, options.identity_file, options.accept_new_hosts, options.connect_timeout)
+    try:
+        client = ssh.connect(host, options)
+    except ssh.SshError as error:
+        events.emit("connect-failed", host, str(error))
+        print(f"mtrain-agent: {error}", file=sys.stderr)
+        return 255
+    transport = client.get_transport()
+    try:
+        channel = transport.open_session(timeout=options.connect_timeout)
+        channel.exec_command(remote_command(words, os.environ.get(ENV_PYTHON, sys.executable)))
+    except Exception as error:
+        events.emit("connect-failed", host, f"host {host}: cannot start a session: {error}")
+        print(f"mtrain-agent: host {host}: cannot start a session: {error}", file=sys.stderr)
+        return 255
+    pumps = [threading.Thread(target=_pump, args=(channel.recv, 1), daemon=True),
+             threading.Thread(target=_pump, args=(channel.recv_stderr, 2), daemon=True)]
+    for thread in pumps:
+        thread.start()
+
+    def heartbeat() -> None:
+        # Keeps the guard's watchdog fed and gives TCP something to time out on.
+        while not stop.is_set() and transport.is_active():
+            try:
+                channel.sendall(b"\n")
+            except Exception:
+                return
+            stop.wait(HEARTBEAT_SECONDS)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    while True:
+        if channel.status_event.wait(0.2):
+            for thread in pumps:
+                thread.join(timeout=2)
+            status = channel.recv_exit_status()
+            client.close()
+            return status if status >= 0 else 255
+        if stop.is_set():
+            client.close()  # the guard sees the session end and kills the daemon
+            return 143
+        if not transport.is_active():
+            detail = f"host {host}: lost the SSH connection mid-job (host down or network cut)"
+            events.emit("host-lost", host, detail)
+            print(f"mtrain-agent: {detail}", file=sys.stderr)
+            return 255
+
+
+if __name__ == "__main__":
+    sys.exit(main())
