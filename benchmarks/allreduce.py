@@ -1,0 +1,159 @@
+"""All-reduce bandwidth: ringreduce vs MPI_Allreduce (mpi4py) vs torch.distributed gloo.
+
+Run as ``mpirun -np 2 python benchmarks/allreduce.py`` (or ``mtrain run -np 2 …``).
+Prints an nccl-tests-style table per implementation and size:
+
+    time  = median over iterations of the slowest rank's time for one call
+    algbw = bytes / time
+    busbw = algbw · 2(n-1)/n   (the traffic each rank's link actually carries)
+
+plus a reference row, "memcpy": every rank copying its buffer at the same time,
+the physical bound on one host. ``--plot FILE.png`` also draws busbw vs size.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ringreduce as rr  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def parse_size(text: str) -> int:
+    units = {"K": KiB, "M": MiB, "G": 1 << 30}
+    text = text.strip().upper().rstrip("IB")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def timed(comm: MPI.Comm, fn: Callable[[], None], nbytes: int, budget_s: float, min_iters: int) -> float:
+    """Median over iterations of the slowest rank's time for one call of ``fn``."""
+    for _ in range(2):  # warm-up: page in buffers, fill caches and MPI's free lists
+        fn()
+    iters = max(min_iters, min(200, int(budget_s / max(nbytes / 2e9, 2e-5))))
+    iters = comm.bcast(iters, root=0)
+    samples = np.empty(iters)
+    for i in range(iters):
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        samples[i] = time.perf_counter() - start
+    slowest = np.empty_like(samples)
+    comm.Allreduce(samples, slowest, op=MPI.MAX)
+    return float(statistics.median(slowest))
+
+
+def gloo_group(comm: MPI.Comm):
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None, None
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.Get_rank(), world_size=comm.Get_size())
+    return torch, dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-bytes", default="4K")
+    parser.add_argument("--max-bytes", default="256M")
+    parser.add_argument("--budget", type=float, default=0.4, help="seconds of timing per point (approx.)")
+    parser.add_argument("--min-iters", type=int, default=7)
+    parser.add_argument("--only", help="comma-separated implementations to run (default: all)")
+    parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--plot", help="write busbw vs size to this PNG")
+    args = parser.parse_args()
+
+    rr.init()
+    comm = MPI.COMM_WORLD
+    n, me = comm.Get_size(), comm.Get_rank()
+    torch, dist = (None, None) if args.no_gloo else gloo_group(comm)
+    bus_factor = 2 * (n - 1) / n if n > 1 else 1.0
+
+    sizes = []
+    size = parse_size(args.min_bytes)
+    while size <= parse_size(args.max_bytes):
+        sizes.append(size)
+        size *= 2
+
+    rows = []
+    for nbytes in sizes:
+        count = nbytes // 4
+        # In-place sums double the buffer every call; starting near 2**-100 keeps
+        # hundreds of calls finite and normal (no inf, no denormal slow paths).
+        data = ((np.arange(count, dtype=np.float32) % 1000 + 1) * (me + 1) * np.float32(2.0 ** -100))
+        out = np.empty_like(data)
+        ring_buf = data.copy()
+        copy_dst = np.empty_like(data)
+        impls: "dict[str, Callable[[], None]]" = {
+            "ringreduce": lambda: rr.allreduce_(ring_buf, op=rr.Sum),
+            "MPI_Allreduce": lambda: comm.Allreduce(data, out, op=MPI.SUM),
+            "memcpy": lambda: np.copyto(copy_dst, data),
+        }
+        if torch is not None:
+            tensor = torch.from_numpy(data.copy())
+            impls["gloo"] = lambda: dist.all_reduce(tensor)
+        if args.only:
+            impls = {k: v for k, v in impls.items() if k in args.only.split(",")}
+        for name, fn in impls.items():
+            seconds = timed(comm, fn, nbytes, args.budget, args.min_iters)
+            algbw = nbytes / seconds / 1e9
+            busbw = algbw * (1.0 if name == "memcpy" else bus_factor)
+            rows.append((name, nbytes, seconds, algbw, busbw))
+        del data, out, ring_buf, copy_dst
+
+    if me == 0:
+        print(f"# all-reduce, float32, {n} ranks, Open MPI via mpi4py {MPI.Get_library_version().splitlines()[0]}")
+        print(f"# busbw = algbw * 2(n-1)/n; memcpy row: every rank copies its buffer at once (busbw = its rate)")
+        print(f"{'size':>10} {'impl':>14} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
+        for name, nbytes, seconds, algbw, busbw in rows:
+            label = f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"
+            print(f"{label:>10} {name:>14} {seconds * 1e6:12.1f} {algbw:12.2f} {busbw:12.2f}")
+        sys.stdout.flush()
+        if args.plot:
+            write_plot(rows, args.plot, n)
+    if dist is not None:
+        dist.destroy_process_group()
+
+
+def write_plot(rows: list, path: str, n: int) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib is not installed: no plot written (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in dict.fromkeys(r[0] for r in rows):
+        points = [(r[1], r[4]) for r in rows if r[0] == name]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("buffer size (bytes, float32)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"all-reduce busbw, {n} ranks")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"# plot written to {path}")
+
+
+if __name__ == "__main__":
+    main()
