@@ -29,14 +29,20 @@ def cpus_per_host(config: LaunchConfig, remote_cpus: dict[str, int]) -> dict[str
             for h in config.plan}
 
 
-def build_job_argv(config: LaunchConfig, agent: list[str] | None, remote_cpus: dict[str, int]) -> list[str]:
-    """The launcher argv for `config` (pure apart from reading os.environ)."""
+def build_job_argv(config: LaunchConfig, agent: list[str] | None, remote_cpus: dict[str, int],
+                   subnets: tuple[str, ...] = ()) -> list[str]:
+    """The launcher argv for `config` (pure apart from reading os.environ).
+
+    `subnets` is the automatic interface choice, used when the user gave none.
+    """
     names, values = rank_environment(os.environ, config.env_pass)
+    if config.mpi.kind == "mpich":
+        subnets = ()  # hydra's -iface wants an interface name, not a subnet
     cpus = cpus_per_host(config, remote_cpus)
     oversubscribed = any(cpus[h.name] and h.slots > cpus[h.name] for h in config.plan)
     return mpilib.build_argv(
         config.mpi, config.plan, config.command, rank_python=sys.executable, agent=agent,
-        env_names=names, env_values=values, network_interfaces=config.network_interfaces,
+        env_names=names, env_values=values, network_interfaces=config.network_interfaces or subnets,
         yield_when_idle=oversubscribed, as_root=os.geteuid() == 0, extra_args=config.mpi_args)
 
 
@@ -50,6 +56,15 @@ def agent_environment(config: LaunchConfig) -> dict[str, str]:
     if config.ssh.identity_file:
         env[ssh_agent.ENV_IDENTITY] = os.path.abspath(config.ssh.identity_file)
     return env
+
+
+def _subnets(reports) -> tuple[str, ...]:
+    """Subnets our SSH connections left through; MPI traffic between hosts stays on them."""
+    from launcher.netif import subnet_of
+    found = {subnet_of(r.local_address) for r in reports if r.local_address}
+    if None in found:
+        return ()  # some host reached in a way we cannot name: fall back to the exclude list
+    return tuple(sorted(found))
 
 
 def _hydra_shim(directory: str) -> list[str]:
@@ -78,6 +93,7 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
         if config.remote_hosts:
             agent = _hydra_shim(scratch) if config.mpi.kind == "mpich" else list(AGENT)
         remote_cpus: dict[str, int] = {}
+        subnets: tuple[str, ...] = ()
         if dry_run:
             try:
                 argv = build_job_argv(config, agent, remote_cpus)
@@ -101,9 +117,10 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
             for line in slot_warnings(reports, {h.name: h.slots for h in config.plan}):
                 print(f"mtrain: warning: {line}", file=sys.stderr)
             remote_cpus = {host: report.cpus for host, report in reports.items()}
-            _log(config, "preflight passed")
+            subnets = _subnets(reports.values())
+            _log(config, f"preflight passed; hosts reached through {', '.join(subnets) or 'unknown subnets'}")
         try:
-            argv = build_job_argv(config, agent, remote_cpus)
+            argv = build_job_argv(config, agent, remote_cpus, subnets)
         except ValueError as error:
             print(f"mtrain run: error: {error}", file=sys.stderr)
             return 2

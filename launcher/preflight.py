@@ -43,6 +43,7 @@ class HostReport:
     error: str | None = None
     cpus: int = 0
     gpus: int = 0
+    local_address: str | None = None  # our end of the SSH connection: which NIC reaches the host
 
 
 def probe_host(host: str, options: SshOptions, python: str, version: str, timeout: float) -> HostReport:
@@ -53,6 +54,7 @@ def probe_host(host: str, options: SshOptions, python: str, version: str, timeou
     except ssh.SshError as error:
         return HostReport(host, str(error))
     try:
+        local_address = client.get_transport().sock.getsockname()[0]
         status, out, err = ssh.run_command(client, f"{shlex.quote(python)} -c {shlex.quote(PROBE)}", timeout)
     except Exception as error:
         return HostReport(host, f"host {host}: probe failed: {error}")
@@ -71,7 +73,7 @@ def probe_host(host: str, options: SshOptions, python: str, version: str, timeou
     if found["version"] != version:
         return HostReport(host, f"host {host}: mtrain {found['version']} there but {version} here; "
                           "install the same version on every host")
-    return HostReport(host, None, int(found.get("cpus", 1)), int(found.get("gpus", 0)))
+    return HostReport(host, None, int(found.get("cpus", 1)), int(found.get("gpus", 0)), local_address)
 
 
 def run_preflight(hosts: Sequence[str], options: SshOptions, python: str, version: str,
