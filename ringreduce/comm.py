@@ -5,13 +5,10 @@ import dataclasses
 import sys
 import traceback
 
-import mpi4py
-
-# The background engine makes every MPI call from one thread that is not the
-# main thread: that needs MPI_THREAD_SERIALIZED, never MULTIPLE.
-if "mpi4py.MPI" not in sys.modules:
-    mpi4py.rc.thread_level = "serialized"
-from mpi4py import MPI  # noqa: E402
+# The background engine makes every MPI call of the runtime from one thread that
+# is not the main thread: that needs MPI_THREAD_SERIALIZED. mpi4py asks for
+# MULTIPLE by default, which also lets user code call MPI from its own threads.
+from mpi4py import MPI
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,9 @@ import numpy as np
 
 from . import comm as comm_module
 from . import ring
-from .collectives import Executor
-from .ops import Average, ReduceOp
+from .collectives import Executor, Kind
+from .engine import Engine, EngineConfig, Handle, make_request
+from .ops import Average, ReduceOp, check_op, check_reducible
 
 
 class NotInitializedError(ValueError):
@@ -18,9 +19,13 @@ class NotInitializedError(ValueError):
 
 
 class _Runtime:
-    def __init__(self, comms: comm_module.Communicators, executor: Executor) -> None:
+    def __init__(self, comms: comm_module.Communicators, engine: Engine) -> None:
         self.comms = comms
-        self.executor = executor
+        self.engine = engine
+        # Cached so that user threads never call into MPI while the engine thread does.
+        self.rank, self.size = comms.world.Get_rank(), comms.world.Get_size()
+        self.local_rank, self.local_size = comms.local.Get_rank(), comms.local.Get_size()
+        self.cross_rank, self.cross_size = comms.cross.Get_rank(), comms.cross.Get_size()
 
 
 _runtime: "_Runtime | None" = None
@@ -47,11 +52,18 @@ def init(comm: Any = None) -> None:
     """
     global _runtime
     if _runtime is not None:
-        return
-    comms = comm_module.create(comm)
+        if _runtime.engine.alive():
+            return
+        shutdown()  # another rank shut the job's engine down: start afresh, together
+    if not comm_module.threading_level_ok():
+        raise RuntimeError("MPI was initialized without thread support; mtrain's background engine needs "
+                           "MPI_THREAD_SERIALIZED or higher: leave mpi4py.rc.thread_level at its default")
     segment = _env_int("MTRAIN_RING_SEGMENT_BYTES", ring.DEFAULT_SEGMENT_BYTES) or ring.DEFAULT_SEGMENT_BYTES
     small = _env_int("MTRAIN_SMALL_ALLREDUCE_BYTES", ring.DEFAULT_SMALL_BYTES)
-    _runtime = _Runtime(comms, Executor(comms.world, segment, small))
+    config = EngineConfig.from_environment()
+    comms = comm_module.create(comm)
+    engine = Engine(Executor(comms.world, segment, small), comms.world.Dup(), config)
+    _runtime = _Runtime(comms, engine)
     comm_module.install_abort_on_exception()
     atexit.register(shutdown)
 
@@ -61,7 +73,9 @@ def shutdown() -> None:
     global _runtime
     runtime, _runtime = _runtime, None
     if runtime is not None:
-        runtime.comms.free()
+        runtime.engine.shutdown()
+        if not runtime.engine.alive():
+            runtime.comms.free()
 
 
 def is_initialized() -> bool:
@@ -76,27 +90,27 @@ def _rt() -> _Runtime:
 
 
 def rank() -> int:
-    return _rt().comms.world.Get_rank()
+    return _rt().rank
 
 
 def size() -> int:
-    return _rt().comms.world.Get_size()
+    return _rt().size
 
 
 def local_rank() -> int:
-    return _rt().comms.local.Get_rank()
+    return _rt().local_rank
 
 
 def local_size() -> int:
-    return _rt().comms.local.Get_size()
+    return _rt().local_size
 
 
 def cross_rank() -> int:
-    return _rt().comms.cross.Get_rank()
+    return _rt().cross_rank
 
 
 def cross_size() -> int:
-    return _rt().comms.cross.Get_size()
+    return _rt().cross_size
 
 
 def mpi_threads_supported() -> bool:
@@ -113,56 +127,171 @@ def _array(value: Any) -> np.ndarray:
                     "wrap Python data with numpy.asarray() first")
 
 
+def _submit(kind: Kind, arrays: "Sequence[np.ndarray | None]", name: "str | None", grouped: bool = False,
+            **fields: Any) -> Handle:
+    engine = _rt().engine
+    handle = Handle(len(arrays), grouped)
+    if grouped:
+        base = name or engine.auto_name()
+        names: "list[str | None]" = [f"{base}.{i}" for i in range(len(arrays))]
+    else:
+        names = [name]
+    requests = [make_request(engine, kind, array, n, handle, i, **fields)
+                for i, (array, n) in enumerate(zip(arrays, names))]
+    engine.submit(requests)
+    return handle
+
+
+def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | None", prescale_factor: float,
+                      postscale_factor: float, in_place: bool, grouped: bool) -> Handle:
+    op = check_op(op)
+    for array in arrays:
+        check_reducible(array.dtype, op)
+    return _submit(Kind.ALLREDUCE, arrays, name, grouped, op=op, in_place=in_place,
+                   prescale=float(prescale_factor), postscale=float(postscale_factor))
+
+
+def _check_root(root_rank: int) -> int:
+    size_ = _rt().size
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < size_:
+        raise ValueError(f"root_rank must be an integer in [0, {size_}); got {root_rank!r}")
+    return int(root_rank)
+
+
+# -- asynchronous API -------------------------------------------------------
+# Every op returns a Handle at once; synchronize(handle) waits and returns the
+# result or raises the op's error. Ops are matched across ranks by name, so
+# ranks may submit in different orders; unnamed ops must come in the same order.
+
+
+def poll(handle: Handle) -> bool:
+    """True once ``handle``'s op has finished (successfully or not)."""
+    return handle.done()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for ``handle``'s op; return its result or raise its error."""
+    return handle.wait()
+
+
+def allreduce_async(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an all-reduce into a new array; ``synchronize`` returns it."""
+    return _submit_allreduce([_array(array)], op, name, prescale_factor, postscale_factor, False, False)
+
+
+def allreduce_async_(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an in-place all-reduce of ``array``; ``synchronize`` returns ``array``."""
+    return _submit_allreduce([_array(array)], op, name, prescale_factor, postscale_factor, True, False)
+
+
+def grouped_allreduce_async(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average, name: "str | None" = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start all-reduces of several arrays as one unit; ``synchronize`` returns a list of new arrays."""
+    return _submit_allreduce([_array(a) for a in arrays], op, name, prescale_factor, postscale_factor,
+                             False, True)
+
+
+def grouped_allreduce_async_(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average,
+                             name: "str | None" = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> Handle:
+    """In-place grouped all-reduce; ``synchronize`` returns the list of the same arrays."""
+    return _submit_allreduce([_array(a) for a in arrays], op, name, prescale_factor, postscale_factor,
+                             True, True)
+
+
+def allgather_async(array: np.ndarray, name: "str | None" = None) -> Handle:
+    return _submit(Kind.ALLGATHER, [_array(array)], name)
+
+
+def broadcast_async(array: np.ndarray, root_rank: int, name: "str | None" = None) -> Handle:
+    return _submit(Kind.BROADCAST, [_array(array)], name, root=_check_root(root_rank))
+
+
+def broadcast_async_(array: np.ndarray, root_rank: int, name: "str | None" = None) -> Handle:
+    return _submit(Kind.BROADCAST, [_array(array)], name, root=_check_root(root_rank), in_place=True)
+
+
+def reducescatter_async(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None) -> Handle:
+    array = _array(array)
+    op = check_op(op)
+    check_reducible(array.dtype, op)
+    if array.ndim == 0:
+        raise ValueError("reducescatter needs an array with at least one dimension to split")
+    return _submit(Kind.REDUCESCATTER, [array], name, op=op)
+
+
+def alltoall_async(array: np.ndarray, splits: "Sequence[int] | None" = None,
+                   name: "str | None" = None) -> Handle:
+    """Start an all-to-all; ``synchronize`` returns ``(received, received_splits)``."""
+    array = _array(array)
+    if array.ndim == 0:
+        raise ValueError("alltoall needs an array with at least one dimension to split")
+    return _submit(Kind.ALLTOALL, [array], name, splits=None if splits is None else list(splits))
+
+
+# -- synchronous API: the asynchronous one, waited on ----------------------
+
+
 def allreduce(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
     """A new array: the elementwise reduction of ``array`` over all ranks (default Average)."""
-    return _rt().executor.allreduce(_array(array), op, None, prescale_factor, postscale_factor, name)
+    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor))
 
 
 def allreduce_(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
     """In-place all-reduce: ``array`` is overwritten with the result and returned."""
-    array = _array(array)
-    return _rt().executor.allreduce(array, op, array, prescale_factor, postscale_factor, name)
+    return synchronize(allreduce_async_(array, op, name, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average, name: "str | None" = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average, name: "str | None" = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    return synchronize(grouped_allreduce_async_(arrays, op, name, prescale_factor, postscale_factor))
 
 
 def allgather(array: np.ndarray, name: "str | None" = None) -> np.ndarray:
     """Every rank's array concatenated along the first dimension, in rank order."""
-    return _rt().executor.allgather(_array(array), name)
+    return synchronize(allgather_async(array, name))
 
 
 def broadcast(array: np.ndarray, root_rank: int, name: "str | None" = None) -> np.ndarray:
     """A new array holding ``root_rank``'s values."""
-    return _rt().executor.broadcast(_array(array), root_rank, None, name)
+    return synchronize(broadcast_async(array, root_rank, name))
 
 
 def broadcast_(array: np.ndarray, root_rank: int, name: "str | None" = None) -> np.ndarray:
     """In-place broadcast: ``array`` is overwritten with ``root_rank``'s values."""
-    array = _array(array)
-    return _rt().executor.broadcast(array, root_rank, array, name)
+    return synchronize(broadcast_async_(array, root_rank, name))
 
 
 def reducescatter(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None) -> np.ndarray:
     """Reduce over ranks, then keep this rank's share of the first dimension."""
-    return _rt().executor.reducescatter(_array(array), op, name)
+    return synchronize(reducescatter_async(array, op, name))
 
 
 def alltoall(array: np.ndarray, splits: "Sequence[int] | None" = None, name: "str | None" = None):
     """Scatter rows to every rank and gather theirs. Returns the received array, or
     ``(received, received_splits)`` when ``splits`` is given (as Horovod does)."""
-    received, received_splits = _rt().executor.alltoall(_array(array), splits, name)
+    received, received_splits = synchronize(alltoall_async(array, splits, name))
     return received if splits is None else (received, received_splits)
 
 
 def barrier() -> None:
-    _rt().executor.barrier()
+    synchronize(_submit(Kind.BARRIER, [None], None))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: "str | None" = None) -> Any:
     """``root_rank``'s picklable object, on every rank."""
-    return _rt().executor.broadcast_object(obj, root_rank, name)
+    return synchronize(_submit(Kind.BROADCAST_OBJECT, [None], name, root=_check_root(root_rank), obj=obj))
 
 
 def allgather_object(obj: Any, name: "str | None" = None) -> list:
     """A list of every rank's picklable object, in rank order."""
-    return _rt().executor.allgather_object(obj, name)
+    return synchronize(_submit(Kind.ALLGATHER_OBJECT, [None], name, obj=obj))

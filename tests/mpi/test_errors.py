@@ -22,7 +22,7 @@ def test_mismatched_calls_fail_on_every_rank_naming_each_side():
     n, me = rr.size(), rr.rank()
     # Different sizes.
     _raises(lambda: rr.allreduce(np.zeros(10 + (me == 1), np.float32), name="grad.w"),
-            rr.MismatchError, "rank 0: allreduce 'grad.w' float32[10]", "rank 1: allreduce 'grad.w' float32[11]")
+            rr.MismatchError, "'grad.w'", "rank 0: allreduce float32[10]", "rank 1: allreduce float32[11]")
     # Different dtypes.
     dtype = np.float64 if me == n - 1 else np.float32
     _raises(lambda: rr.allreduce(np.zeros(4, dtype)), rr.MismatchError, "float64[4]", "float32[4]")

@@ -1,0 +1,487 @@
+"""The background engine: one thread owns every MPI call of the runtime.
+
+User threads submit named ops and get a Handle back at once. Each cycle the
+engine thread
+
+1. takes the newly submitted ops,
+2. negotiates with the other ranks which ops every rank has submitted
+   (``negotiation.py``: a response-cache bit vector in the steady state, a
+   coordinator round trip for new names),
+3. runs the ready ops in the same order on every rank: all-reduces with equal
+   dtype, op and scaling are packed into one reusable fusion buffer up to the
+   fusion threshold and reduced by one ring; large tensors are reduced in
+   place with no copy; other collectives run one by one,
+4. completes the handles.
+
+Errors are delivered to the handles of every rank (``synchronize`` raises
+them): mismatched submissions, stalls past MTRAIN_STALL_SHUTDOWN_SECONDS, and
+shutdown with ops in flight. Nothing waits forever on a rank that has left.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import NumpyBackend, backend_for
+from .collectives import Executor, Kind, MismatchError
+from .negotiation import (CONTROL_SHUTDOWN, CONTROL_STALL_CHECK, CONTROL_UNREPORTED, Coordinator,
+                          ResponseCache, bits_of, set_bit)
+from .ops import ReduceOp, dtype_code
+from .timeline import Timeline
+
+# Chosen by measurement on the 2-core development VM (benchmarks/fusion.py):
+DEFAULT_CYCLE_TIME_MS = 1.0
+DEFAULT_FUSION_THRESHOLD_BYTES = 8 << 20
+# Tensors at least this big skip the fusion buffer: copying them in and out
+# costs more than the per-ring overhead that fusing saves.
+DEFAULT_INPLACE_MIN_BYTES = 1 << 20
+
+
+class ShutdownError(RuntimeError):
+    """The runtime shut down (here or on another rank) while the op was in flight."""
+
+
+class StallError(RuntimeError):
+    """Some ranks never submitted an op the others are waiting on."""
+
+
+class EngineError(RuntimeError):
+    """The background engine failed; the message carries the original error."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    cycle_time_s: float = DEFAULT_CYCLE_TIME_MS / 1000
+    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
+    inplace_min_bytes: int = DEFAULT_INPLACE_MIN_BYTES
+    stall_warning_s: float = 60.0
+    stall_shutdown_s: float = 0.0
+    timeline_path: "str | None" = None
+
+    @staticmethod
+    def from_environment() -> "EngineConfig":
+        def number(name: str, default: float) -> float:
+            raw = os.environ.get(name, "")
+            if raw == "":
+                return default
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not a number; unset it or give a number") from None
+            if value < 0:
+                raise ValueError(f"{name}={raw!r} must not be negative")
+            return value
+
+        return EngineConfig(
+            cycle_time_s=number("MTRAIN_CYCLE_TIME_MS", DEFAULT_CYCLE_TIME_MS) / 1000,
+            fusion_threshold_bytes=int(number("MTRAIN_FUSION_THRESHOLD_BYTES", DEFAULT_FUSION_THRESHOLD_BYTES)),
+            inplace_min_bytes=int(number("MTRAIN_FUSION_INPLACE_MIN_BYTES", DEFAULT_INPLACE_MIN_BYTES)),
+            stall_warning_s=number("MTRAIN_STALL_WARNING_SECONDS", 60.0),
+            stall_shutdown_s=number("MTRAIN_STALL_SHUTDOWN_SECONDS", 0.0),
+            timeline_path=os.environ.get("MTRAIN_TIMELINE") or None,
+        )
+
+
+class Handle:
+    """The future of one submitted op (or of a group of all-reduces)."""
+
+    def __init__(self, parts: int, grouped: bool) -> None:
+        self._event = threading.Event()
+        self._results: "list[Any]" = [None] * parts
+        self._remaining = parts
+        self._grouped = grouped
+        self._error: "BaseException | None" = None
+        self._lock = threading.Lock()
+        if parts == 0:
+            self._event.set()
+
+    def _complete(self, index: int, result: Any) -> None:
+        with self._lock:
+            self._results[index] = result
+            self._remaining -= 1
+            if self._remaining == 0:
+                self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> Any:
+        # Short waits keep Ctrl-C responsive in the main thread.
+        while not self._event.wait(0.1):
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._results if self._grouped else self._results[0]
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    kind: Kind
+    name: str
+    array: np.ndarray
+    handle: Handle
+    index: int
+    backend: NumpyBackend
+    op: "ReduceOp | None" = None
+    root: int = -1
+    splits: "Sequence[int] | None" = None
+    in_place: bool = False
+    prescale: float = 1.0
+    postscale: float = 1.0
+    obj: Any = None
+    submitted: float = 0.0
+    state: str = "unreported"  # -> "reported" (coordinator knows) or "cached" (bit set)
+    signature: tuple = ()  # what every rank must agree on; set once by make_request
+
+    def meta(self) -> tuple:
+        """What every rank must agree on for this name."""
+        if self.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
+            shape: tuple = tuple(self.array.shape[1:])  # first dimension may differ per rank
+        elif self.kind in (Kind.BARRIER, Kind.BROADCAST_OBJECT, Kind.ALLGATHER_OBJECT):
+            shape = ()
+        else:
+            shape = tuple(self.array.shape)
+        code = dtype_code(self.array.dtype)
+        return (int(self.kind), code, shape, -1 if self.op is None else int(self.op), self.root,
+                self.prescale, self.postscale, self.backend.name)
+
+    def describe(self) -> str:
+        text = self.kind.name.lower()
+        if self.array is not None and self.kind not in (Kind.BARRIER, Kind.BROADCAST_OBJECT,
+                                                        Kind.ALLGATHER_OBJECT):
+            text += f" {self.array.dtype}{list(self.array.shape)}"
+        if self.op is not None:
+            text += f" op={ReduceOp(self.op).name}"
+        if self.root >= 0:
+            text += f" root_rank={self.root}"
+        if (self.prescale, self.postscale) != (1.0, 1.0):
+            text += f" prescale={self.prescale:g} postscale={self.postscale:g}"
+        return text
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+
+_PLACEHOLDER = np.empty(0, dtype=np.uint8)
+
+
+class Engine:
+    def __init__(self, executor: Executor, control: MPI.Comm, config: EngineConfig) -> None:
+        self.executor = executor
+        self.config = config
+        self._control = control  # negotiation traffic only, apart from the data rings
+        self._rank, self._size = control.Get_rank(), control.Get_size()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._incoming: "list[Request]" = []
+        self._in_flight: "set[str]" = set()
+        self._closing = False
+        self._closed_error: "BaseException | None" = None
+        # One counter for every kind of unnamed op: a rank calling a different
+        # collective than the others then collides on the same name and gets a
+        # mismatch error naming both calls, instead of a stall.
+        self._unnamed = itertools.count()
+        # Engine-thread state.
+        self._pending: "dict[str, Request]" = {}
+        self._cache = ResponseCache()
+        self._coordinator = (Coordinator(self._size, config.stall_warning_s, config.stall_shutdown_s)
+                             if self._rank == 0 else None)
+        self._stall_check_next = False
+        self._fusion: "np.ndarray | None" = None
+        self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
+        self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
+        self._thread.start()
+
+    # -- user side -----------------------------------------------------------
+    def auto_name(self) -> str:
+        return f"noname.{next(self._unnamed)}"
+
+    def submit(self, requests: "list[Request]") -> None:
+        """Queue requests (all parts of one handle) for the engine thread."""
+        now = time.monotonic()
+        with self._lock:
+            if self._closing or self._closed_error is not None:
+                raise self._closed_error or ShutdownError(
+                    "mtrain was shut down; call init() again before submitting more ops")
+            names = [r.name for r in requests]
+            taken = [n for n in names if n in self._in_flight]
+            if taken or len(set(names)) != len(names):
+                dup = taken[0] if taken else next(n for n in names if names.count(n) > 1)
+                raise ValueError(f"an op named {dup!r} is already in flight on this rank; synchronize it "
+                                 f"before submitting that name again, or give the new op another name")
+            for request in requests:
+                request.submitted = now
+            self._in_flight.update(names)
+            self._incoming.extend(requests)
+            self._wake.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine: in-flight ops fail with ShutdownError on every rank."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            sys.stderr.write("mtrain: the engine did not stop within "
+                             f"{timeout:g}s (another rank may be frozen); exiting without it\n")
+        if self._timeline is not None:
+            self._timeline.close()
+        if not self._thread.is_alive():
+            self._control.Free()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- engine thread --------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._cycle():
+                pass
+            self._fail_all(ShutdownError("mtrain shut down (on this or another rank) while this op was "
+                                         "in flight; synchronize every op before shutdown()"))
+        except BaseException as exc:  # a bug or an MPI failure: fail loudly, never hang the user
+            traceback.print_exc()
+            self._fail_all(EngineError(f"mtrain's background engine failed: {exc!r}"))
+
+    def _take_incoming(self) -> bool:
+        """Move submitted ops into the pending table; returns whether we are closing."""
+        with self._lock:
+            if not self._incoming and not self._closing:
+                self._wake.wait(self.config.cycle_time_s)
+            incoming, self._incoming = self._incoming, []
+            closing = self._closing
+        for request in incoming:
+            self._pending[request.name] = request
+        return closing
+
+    def _cycle(self) -> bool:
+        closing = self._take_incoming()
+        words = self._cache.words
+        mine = np.zeros(words + 1, dtype=np.uint64)
+        control = 0
+        for request in self._pending.values():
+            if request.state == "unreported" and self._cache.lookup(request.name, request.signature) >= 0:
+                request.state = "cached"
+            if request.state == "cached":
+                set_bit(mine, self._cache.lookup(request.name, request.signature))
+            elif request.state == "unreported":
+                control |= CONTROL_UNREPORTED
+        if closing:
+            control |= CONTROL_SHUTDOWN
+        if self._stall_check_next:
+            control |= CONTROL_STALL_CHECK
+            self._stall_check_next = False
+        mine[words] = np.uint64(control)
+        everywhere, anywhere = self._and_or(mine)
+        agreed_control = int(anywhere[words])
+        if agreed_control & CONTROL_SHUTDOWN:
+            return False
+        ready = [self._cache.names[b] for b in bits_of(everywhere[:words])]
+        partial = [self._cache.names[b] for b in bits_of(anywhere[:words] & ~everywhere[:words])]
+        responses: list = []
+        if agreed_control & (CONTROL_UNREPORTED | CONTROL_STALL_CHECK):
+            responses = self._coordinate(set(partial) | set(ready), bool(agreed_control & CONTROL_STALL_CHECK))
+        for response in responses:
+            self._cache.apply(response)
+            if response.kind == "ready":
+                ready.append(response.name)
+            elif response.kind == "invalidate" and response.name in self._pending:
+                self._pending[response.name].state = "unreported"
+            elif response.kind == "error" and response.name in self._pending:
+                error = StallError if response.message.startswith("stalled") else MismatchError
+                self._finish(self._pending.pop(response.name), error=error(response.message))
+        if self._coordinator is not None:
+            now = time.monotonic()
+            for name in ready:
+                self._coordinator.forget(name)
+            self._coordinator.note_partial(partial, now)
+            self._stall_check_next = self._coordinator.stall_check_due(now)
+        if ready:
+            self._execute([self._pending.pop(name) for name in ready])
+        return True
+
+    def _and_or(self, mine: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+        """Bitwise AND and OR of every rank's vector, from one BAND all-reduce of (x, ~x)."""
+        send = np.concatenate([mine, ~mine])
+        recv = np.empty_like(send)
+        request = self._control.Iallreduce(send, recv, op=MPI.BAND)
+        # Poll with a growing sleep rather than blocking: a blocked Open MPI rank
+        # busy-spins a core, which here belongs to the user's training thread.
+        spins = 0
+        while not request.Test():
+            spins += 1
+            if spins > 20:
+                time.sleep(min(1e-3, 2e-5 * (spins - 20)))
+        half = mine.size
+        return recv[:half], ~recv[half:]
+
+    def _coordinate(self, cached_anywhere: "set[str]", stall_check: bool) -> list:
+        reports = []
+        for request in self._pending.values():
+            if request.state == "unreported":
+                reports.append((request.name, request.signature, request.describe()))
+                request.state = "reported"
+        pending = sorted(self._pending) if stall_check else None
+        gathered = self._control.gather((reports, pending), root=0)
+        responses = None
+        if self._coordinator is not None:
+            responses = self._coordinator.decide(gathered, self._cache, cached_anywhere, time.monotonic())
+        return self._control.bcast(responses, root=0)
+
+    # -- execution ------------------------------------------------------------
+    def _execute(self, ready: "list[Request]") -> None:
+        start = time.monotonic()
+        if self._timeline is not None:
+            for request in ready:
+                self._timeline.span(request.name, "NEGOTIATE", request.submitted, start)
+        groups: "dict[tuple, list[Request]]" = {}
+        for request in ready:
+            if request.kind == Kind.ALLREDUCE:
+                key = (request.array.dtype, request.op, request.prescale, request.postscale, request.backend.name)
+                groups.setdefault(key, []).append(request)
+            else:
+                self._run_one(request)
+        for group in groups.values():
+            self._allreduce_group(group)
+
+    def _run_one(self, request: Request) -> None:
+        ex, name = self.executor, request.name
+        try:
+            begin = time.monotonic()
+            if request.kind == Kind.ALLGATHER:
+                result: Any = ex.allgather(request.array, name)
+            elif request.kind == Kind.BROADCAST:
+                out = request.array if request.in_place else None
+                result = ex.broadcast(request.array, request.root, out, name)
+            elif request.kind == Kind.REDUCESCATTER:
+                result = ex.reducescatter(request.array, request.op, name)
+            elif request.kind == Kind.ALLTOALL:
+                result = ex.alltoall(request.array, request.splits, name)
+            elif request.kind == Kind.BARRIER:
+                result = ex.barrier()
+            elif request.kind == Kind.BROADCAST_OBJECT:
+                result = ex.broadcast_object(request.obj, request.root, name)
+            elif request.kind == Kind.ALLGATHER_OBJECT:
+                result = ex.allgather_object(request.obj, name)
+            else:  # pragma: no cover - every kind is listed above
+                raise AssertionError(request.kind)
+            if self._timeline is not None:
+                self._timeline.span(name, request.kind.name, begin, time.monotonic())
+        except (ValueError, TypeError) as exc:
+            self._finish(request, error=exc)
+            return
+        self._finish(request, result)
+
+    def _allreduce_group(self, group: "list[Request]") -> None:
+        threshold = self.config.fusion_threshold_bytes
+        batch: "list[Request]" = []
+        batch_bytes = 0
+        for request in group:
+            if threshold == 0 or request.nbytes >= min(threshold, self.config.inplace_min_bytes):
+                self._allreduce_alone(request)
+                continue
+            if batch and batch_bytes + request.nbytes > threshold:
+                self._allreduce_fused(batch, batch_bytes)
+                batch, batch_bytes = [], 0
+            batch.append(request)
+            batch_bytes += request.nbytes
+        if batch:
+            if len(batch) == 1:
+                self._allreduce_alone(batch[0])
+            else:
+                self._allreduce_fused(batch, batch_bytes)
+
+    def _allreduce_alone(self, request: Request) -> None:
+        """One tensor, reduced in place in its own memory (or in a fresh copy)."""
+        out = request.array if request.in_place else np.array(request.array, copy=True, order="C")
+        flat, copied = request.backend.flatten(out)
+        begin = time.monotonic()
+        self.executor.allreduce_flat(flat, request.op, request.backend, request.prescale, request.postscale)
+        if copied:
+            np.copyto(out, flat.reshape(out.shape))
+        if self._timeline is not None:
+            self._timeline.span(request.name, "ALLREDUCE", begin, time.monotonic(), bytes=request.nbytes)
+        self._finish(request, out)
+
+    def _allreduce_fused(self, batch: "list[Request]", nbytes: int) -> None:
+        """Pack, reduce with one ring, unpack."""
+        first = batch[0]
+        dtype = first.array.dtype
+        if self._fusion is None or self._fusion.nbytes < nbytes:
+            # Allocated once at the threshold size and reused by every later step.
+            self._fusion = np.empty(max(nbytes, self.config.fusion_threshold_bytes), dtype=np.uint8)
+        fused = self._fusion[:nbytes].view(dtype)
+        t0 = time.monotonic()
+        offset = 0
+        for request in batch:
+            size = request.array.size
+            fused[offset:offset + size].reshape(request.array.shape)[...] = request.array
+            offset += size
+        t1 = time.monotonic()
+        self.executor.allreduce_flat(fused, first.op, first.backend, first.prescale, first.postscale)
+        t2 = time.monotonic()
+        offset = 0
+        outputs = []
+        for request in batch:
+            size = request.array.size
+            piece = fused[offset:offset + size].reshape(request.array.shape)
+            if request.in_place:
+                request.array[...] = piece
+                outputs.append(request.array)
+            else:
+                outputs.append(piece.copy())
+            offset += size
+        t3 = time.monotonic()
+        if self._timeline is not None:
+            for request in batch:
+                self._timeline.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
+                self._timeline.span(request.name, "ALLREDUCE", t1, t2, fused_bytes=nbytes, fused_ops=len(batch))
+                self._timeline.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
+        for request, out in zip(batch, outputs):
+            self._finish(request, out)
+
+    def _finish(self, request: Request, result: Any = None, error: "BaseException | None" = None) -> None:
+        with self._lock:
+            self._in_flight.discard(request.name)
+        if error is not None:
+            request.handle._fail(error)
+        else:
+            request.handle._complete(request.index, result)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            self._closed_error = error if not isinstance(error, ShutdownError) else None
+            self._closing = True
+            leftovers = list(self._pending.values()) + self._incoming
+            self._incoming = []
+            self._in_flight.clear()
+        self._pending.clear()
+        for request in leftovers:
+            request.handle._fail(error)
+
+
+def make_request(engine: Engine, kind: Kind, array: "np.ndarray | None", name: "str | None", handle: Handle,
+                 index: int = 0, **fields: Any) -> Request:
+    backend = backend_for(array) if array is not None else backend_for(_PLACEHOLDER)
+    request = Request(kind=kind, name=name or engine.auto_name(),
+                      array=array if array is not None else _PLACEHOLDER,
+                      handle=handle, index=index, backend=backend, **fields)
+    request.signature = request.meta()  # validates the dtype here, in the caller's thread
+    return request
+

@@ -1,0 +1,51 @@
+"""Chrome-trace timeline of every op (``MTRAIN_TIMELINE=path``), written by rank 0.
+
+Open the file in chrome://tracing or ui.perfetto.dev: one row per op name,
+with its NEGOTIATE, MEMCPY_IN_FUSION_BUFFER, ALLREDUCE (the ring) and
+MEMCPY_OUT_FUSION_BUFFER phases. Events are appended as they happen; the
+file is a valid JSON array once ``close()`` runs (viewers also accept it
+without the closing bracket, e.g. after a crash).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+
+class Timeline:
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "w", encoding="utf-8")
+        self._file.write("[\n")
+        self._rows: "dict[str, int]" = {}
+        self._lock = threading.Lock()
+        self._origin = time.monotonic()
+        self._pid = os.getpid()
+
+    def _row(self, name: str) -> int:
+        row = self._rows.get(name)
+        if row is None:
+            row = self._rows[name] = len(self._rows) + 1
+            self._write({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": row,
+                         "args": {"name": name}})
+        return row
+
+    def _write(self, event: dict) -> None:
+        self._file.write(json.dumps(event) + ",\n")
+
+    def span(self, name: str, phase: str, start: float, end: float, **args: object) -> None:
+        """One phase of op ``name`` from ``start`` to ``end`` (time.monotonic() seconds)."""
+        with self._lock:
+            self._write({"name": phase, "ph": "X", "pid": self._pid, "tid": self._row(name),
+                         "ts": round((start - self._origin) * 1e6, 1),
+                         "dur": round(max(end - start, 0.0) * 1e6, 1), "args": args})
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.write(json.dumps({"name": "end", "ph": "i", "pid": self._pid, "tid": 0,
+                                         "ts": round((time.monotonic() - self._origin) * 1e6, 1),
+                                         "s": "g"}) + "\n]\n")
+            self._file.close()
