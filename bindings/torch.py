@@ -1,0 +1,531 @@
+"""PyTorch adapter: ``import bindings.torch as hvd`` in place of ``import horovod.torch as hvd``.
+
+CPU tensors cross to the runtime as NumPy views of their own memory (no copy);
+in-place ops write the result straight back into the tensor. CUDA tensors are
+refused with a clear error until the runtime's GPU path exists.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+import ringreduce as rr
+from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
+    Adasum, Average, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp, Sum,
+    allgather_object, barrier, broadcast_object, cross_rank, cross_size, init, is_initialized,
+    local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
+)
+
+from . import compression as _compression
+from .handles import Handle, poll, start, synchronize  # noqa: F401
+
+__all__ = [
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "MismatchError",
+    "NotInitializedError", "Product", "ReduceOp", "Sum", "allgather", "allgather_async",
+    "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank", "cross_size",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "init", "is_initialized", "local_rank", "local_size", "mpi_threads_supported", "poll", "rank",
+    "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
+]
+
+
+class Compression:
+    """Gradient compression choices: ``Compression.none`` or ``Compression.fp16``."""
+    none = _compression.NoneCompressor
+    fp16 = _compression.fp16_compressor(
+        cast=lambda t, dtype: t.to(dtype), is_floating=lambda t: t.is_floating_point(),
+        dtype_of=lambda t: t.dtype, float16=torch.float16)
+
+
+# Horovod build queries: scripts branch on these.
+def mpi_built() -> bool: return True
+def mpi_enabled() -> bool: return True
+def gloo_built() -> bool: return False
+def gloo_enabled() -> bool: return False
+def nccl_built() -> bool: return False
+def ddl_built() -> bool: return False
+def ccl_built() -> bool: return False
+def cuda_built() -> bool: return False
+def rocm_built() -> bool: return False
+
+
+# -- tensors <-> NumPy ---------------------------------------------------------
+
+def _bfloat16() -> Any:
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("bfloat16 tensors need the ml_dtypes package: pip install ml_dtypes") from None
+    return ml_dtypes.bfloat16
+
+
+def _check_cpu(tensor: Any, what: str = "tensor") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor as {what}, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise NotImplementedError(
+            f"{what} is on {tensor.device}: mtrain's GPU path (DLPack to CuPy) is not there yet; "
+            "move the tensor to the CPU (tensor.cpu()) or train on CPU")
+    if tensor.is_sparse:
+        raise NotImplementedError(f"{what} is sparse: only dense tensors are supported; call .to_dense() first")
+    return tensor
+
+
+def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's own memory as a NumPy array (tensor must be contiguous for writes to land)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(_bfloat16())
+    return tensor.numpy()
+
+
+def _from_numpy(array: np.ndarray) -> torch.Tensor:
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array)
+
+
+def _resolve_op(average: Optional[bool], op: Any) -> ReduceOp:
+    """Horovod's deprecated ``average=`` flag, or ``op`` (default Average)."""
+    if average is not None:
+        if op is not None:
+            raise ValueError("pass either op= or the deprecated average=, not both")
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+def _inplace_buffer(tensor: torch.Tensor) -> Tuple[np.ndarray, Any]:
+    """A NumPy buffer the runtime may write, and how to land it back into ``tensor``."""
+    if tensor.is_contiguous():
+        return _numpy_view(tensor), lambda _: tensor
+    temp = tensor.detach().contiguous()
+
+    def copy_back(_: Any) -> torch.Tensor:
+        with torch.no_grad():
+            tensor.copy_(temp)
+        return tensor
+    return _numpy_view(temp), copy_back
+
+
+# -- all-reduce --------------------------------------------------------------
+
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an all-reduce of ``tensor`` into a new tensor; ``synchronize`` returns it."""
+    array = _numpy_view(_check_cpu(tensor))
+    inner = start("allreduce", array, _resolve_op(average, op), name, prescale_factor, postscale_factor)
+    return Handle(inner, _from_numpy)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an in-place all-reduce of ``tensor``; ``synchronize`` returns ``tensor``."""
+    buffer, land = _inplace_buffer(_check_cpu(tensor))
+    inner = start("allreduce_", buffer, _resolve_op(average, op), name, prescale_factor, postscale_factor)
+    return Handle(inner, land)
+
+
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: type = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """A new tensor: ``tensor`` reduced over all ranks (default Average). Differentiable."""
+    op = _resolve_op(average, op)
+    compressed, ctx = compression.compress(_check_cpu(tensor))
+    if tensor.requires_grad and torch.is_grad_enabled():
+        reduced = _AllreduceFunction.apply(compressed, op, name, prescale_factor, postscale_factor)
+    else:
+        reduced = synchronize(allreduce_async(compressed, None, name, op, prescale_factor, postscale_factor))
+    return compression.decompress(reduced, ctx)
+
+
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """In-place all-reduce: ``tensor`` is overwritten with the result and returned."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+class _AllreduceFunction(torch.autograd.Function):
+    """All-reduce whose gradient is the same all-reduce of the incoming gradient (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, name, prescale_factor, postscale_factor):  # type: ignore[override]
+        ctx.args = (op, prescale_factor, postscale_factor)
+        return synchronize(allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        op, pre, post = ctx.args
+        reduced = synchronize(allreduce_async(grad.contiguous(), None, None, op, pre, post))
+        return reduced, None, None, None, None
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> Handle:
+    """Start all-reduces of several tensors as one unit; ``synchronize`` returns new tensors."""
+    arrays = [_numpy_view(_check_cpu(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    inner = start("grouped_allreduce", arrays, _resolve_op(average, op), name, prescale_factor, postscale_factor)
+    return Handle(inner, lambda results: [_from_numpy(a) for a in results])
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> Handle:
+    """In-place grouped all-reduce; ``synchronize`` returns the same tensors."""
+    pairs = [_inplace_buffer(_check_cpu(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    inner = start("grouped_allreduce_", [b for b, _ in pairs], _resolve_op(average, op), name,
+                  prescale_factor, postscale_factor)
+    return Handle(inner, lambda results: [land(r) for (_, land), r in zip(pairs, results)])
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None, compression: type = Compression.none, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """New tensors: each of ``tensors`` reduced over all ranks, as one fused unit."""
+    compressed = [compression.compress(_check_cpu(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    reduced = synchronize(grouped_allreduce_async([t for t, _ in compressed], average, name, op,
+                                                  prescale_factor, postscale_factor))
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+# -- other collectives --------------------------------------------------------
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
+    return Handle(start("allgather", _numpy_view(_check_cpu(tensor)), name), _from_numpy)
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+    """Every rank's tensor concatenated along dimension 0 (first dimensions may differ)."""
+    return synchronize(allgather_async(tensor, name))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+    return Handle(start("broadcast", _numpy_view(_check_cpu(tensor)), root_rank, name), _from_numpy)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+    buffer, land = _inplace_buffer(_check_cpu(tensor))
+    return Handle(start("broadcast_", buffer, root_rank, name), land)
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+    """A new tensor holding ``root_rank``'s values."""
+    return synchronize(broadcast_async(tensor, root_rank, name))
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+    """In place: ``tensor`` takes ``root_rank``'s values and is returned."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    array = _numpy_view(_check_cpu(tensor))
+    if prescale_factor != 1.0:
+        array = array * np.asarray(prescale_factor, dtype=array.dtype)
+
+    def finish(result: np.ndarray) -> torch.Tensor:
+        if postscale_factor != 1.0:
+            result = result * np.asarray(postscale_factor, dtype=result.dtype)
+        return _from_numpy(result)
+    return Handle(start("reducescatter", array, op, name), finish)
+
+
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: type = Compression.none,
+                  op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce over ranks, keep this rank's rows (the first ``rows % size`` ranks get one extra)."""
+    compressed, ctx = compression.compress(_check_cpu(tensor))
+    reduced = synchronize(reducescatter_async(compressed, name, op, prescale_factor, postscale_factor))
+    return compression.decompress(reduced, ctx)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Handle:
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+
+    def finish(result: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        array, received = result if isinstance(result, tuple) else (result, None)
+        received = None if received is None else torch.as_tensor(np.asarray(received), dtype=torch.int32)
+        return _from_numpy(array), received
+    return Handle(start("alltoall", _numpy_view(_check_cpu(tensor)), splits, name), finish)
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Any:
+    """Send ``splits[r]`` rows to rank r (equal shares if None). Returns the received tensor,
+    plus the received splits when ``splits`` is given (as Horovod)."""
+    received, received_splits = synchronize(alltoall_async(tensor, splits, name))
+    return received if splits is None else (received, received_splits)
+
+
+# -- model and optimizer state -----------------------------------------------
+
+def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable[Any]], root_rank: int) -> None:
+    """Overwrite every rank's parameters with ``root_rank``'s.
+
+    ``params``: ``model.state_dict()``, ``model.named_parameters()`` or a list of tensors.
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, (str, torch.Tensor)):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}: pass model.state_dict(), "
+                         "model.named_parameters() or a list of tensors")
+    handles = [broadcast_async_(p, root_rank, None if name is None else f"broadcast_parameters.{name}")
+               for name, p in items if isinstance(p, torch.Tensor)]
+    for handle in handles:
+        handle.wait()
+
+
+class _TensorSpec:
+    """Stands for a tensor in the picklable skeleton of a state dict."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+
+def _skeleton(value: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(_check_cpu(value, "optimizer state"))
+        return _TensorSpec(value)
+    if isinstance(value, dict):
+        return {k: _skeleton(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_skeleton(v, tensors) for v in value)
+    return value
+
+
+def _fill(value: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(value, _TensorSpec):
+        tensors.append(torch.empty(value.shape, dtype=value.dtype))
+        return tensors[-1]
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fill(v, tensors) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Make every rank's optimizer state and hyperparameters equal ``root_rank``'s.
+
+    Works whether or not any rank has stepped: when ``root_rank`` has no state yet,
+    every rank ends with none (exactly root's state), instead of Horovod's
+    zero-gradient step, which advances Adam's step count and applies weight decay.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    state = optimizer.state_dict()
+    root_tensors: List[torch.Tensor] = []
+    skeleton = broadcast_object(_skeleton(state, root_tensors) if rank() == root_rank else None,
+                                root_rank, name="broadcast_optimizer_state.skeleton")
+    tensors: List[torch.Tensor] = []
+    received = _fill(skeleton, tensors)
+    if rank() == root_rank:
+        tensors = root_tensors
+    handles = [broadcast_async_(t, root_rank, f"broadcast_optimizer_state.{i}") for i, t in enumerate(tensors)]
+    for handle in handles:
+        handle.wait()
+    if rank() != root_rank:
+        optimizer.load_state_dict(received)
+
+
+# -- DistributedOptimizer ------------------------------------------------------
+
+class _DistributedOptimizer:
+    """Mixed in before the wrapped optimizer's own class (see ``DistributedOptimizer``)."""
+
+    def _mtrain_setup(self, named_parameters: Any, compression: type, backward_passes_per_step: int,
+                      op: Any, gradient_predivide_factor: float) -> None:
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._parameter_names = _parameter_names(named_parameters, params)
+        self._requires_update = [p for p in dict.fromkeys(params) if p.requires_grad]
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
+        self._handles: Dict[torch.Tensor, Any] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = []
+        for p in self._requires_update:
+            self._hook_handles.append(p.register_hook(self._make_check_hook(p)))
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _make_check_hook(self, p: torch.Tensor) -> Any:
+        # Runs before the gradient is accumulated: an all-reduce may be writing p.grad.
+        def check(grad: torch.Tensor) -> None:
+            if self._allreduce_delay[p] <= 0:
+                raise RuntimeError(
+                    f"gradient of {self._parameter_names[p]!r} computed more than backward_passes_per_step="
+                    f"{self.backward_passes_per_step} times before optimizer.step(); call step() (or "
+                    "synchronize()) after each group of backward passes, or raise backward_passes_per_step")
+        return check
+
+    def _make_hook(self, p: torch.Tensor) -> Any:
+        def hook(_: torch.Tensor) -> None:
+            self._synchronized = False
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                self._handles[p] = self._allreduce_grad_async(p)
+            else:
+                self._handles.setdefault(p, None)
+        return hook
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Handle, Any]:
+        if p.grad is None:  # no gradient on this rank this step: take part with zeros
+            p.grad = torch.zeros_like(p)
+        compressed, ctx = self._compression.compress(p.grad)
+        pre, post = 1.0, 1.0
+        if self.op == Average:  # the runtime divides by size after the postscale
+            pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        handle = allreduce_async_(compressed, name=f"DistributedOptimizer.{self._parameter_names[p]}",
+                                  op=self.op, prescale_factor=pre, postscale_factor=post)
+        return handle, ctx
+
+    def synchronize(self) -> None:
+        """Finish every gradient's all-reduce now (starting those not yet started)."""
+        try:
+            for p in self._requires_update:
+                if self._handles.get(p) is None:
+                    self._handles[p] = self._allreduce_grad_async(p)
+            for p, (handle, ctx) in self._handles.items():
+                reduced = self._compression.decompress(handle.wait(), ctx)
+                if reduced is not p.grad:
+                    with torch.no_grad():
+                        p.grad.copy_(reduced)
+        finally:
+            self._handles.clear()
+            for p in self._allreduce_delay:
+                self._allreduce_delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Any:
+        """Within this context ``step()`` does not synchronize (call ``synchronize()`` yourself)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:  # backward inside the closure must finish before we average
+            with torch.enable_grad():
+                loss = closure()
+        # After an explicit synchronize() the gradients are already averaged: no second round.
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        super().step()  # type: ignore[misc]
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
+                               "optimizer.step() or optimizer.synchronize(): the gradients are still "
+                               "being averaged; call step() (or synchronize()) first")
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._handles.clear()
+        self._synchronized = False
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = _check_passes(passes)
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+
+def _check_passes(passes: Any) -> int:
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes!r}")
+    return passes
+
+
+def _parameter_names(named_parameters: Any, params: List[torch.Tensor]) -> Dict[torch.Tensor, str]:
+    """Each optimized parameter's name; errors name duplicates and unnamed parameters."""
+    if named_parameters is None:
+        return {p: f"noname.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "usually model.named_parameters()")
+    seen, duplicates = set(), []
+    for name, _ in named:
+        if name in seen and name not in duplicates:
+            duplicates.append(name)
+        seen.add(name)
+    if duplicates:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: "
+                         f"{', '.join(map(str, duplicates))}")
+    names = {p: name for name, p in named}
+    unnamed = [i for i, p in enumerate(params) if p not in names]
+    if unnamed:
+        shapes = ", ".join(f"#{i} {tuple(params[i].shape)}" for i in unnamed)
+        raise ValueError(f"named_parameters misses {len(unnamed)} of the optimizer's parameters "
+                         f"(index in param_groups and shape: {shapes}); pass the named_parameters() "
+                         "of the model the optimizer was built from")
+    return names
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                         compression: type = Compression.none, backward_passes_per_step: int = 1,
+                         op: Any = Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None,
+                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Each gradient's all-reduce starts as soon as backward has produced it.
+    The result is an instance of the optimizer's own class (``isinstance`` holds)
+    sharing its hyperparameters and state. ``num_groups``/``groups`` are
+    accepted for Horovod compatibility; the runtime fuses small gradients itself.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    op = rr.ReduceOp(op) if op in list(ReduceOp) else op
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, got {op!r}"
+                         + (" (Adasum is not implemented in mtrain)" if op == Adasum else ""))
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor needs op=Average (it splits the averaging "
+                         "into a division before and a multiplication after the sum)")
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
+    _check_passes(backward_passes_per_step)
+    base = type(optimizer)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+        _CLASSES[base] = cls
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    # An LR scheduler built on the original patches an instance-level ``step`` that would
+    # bypass the averaging; schedulers must be built on the wrapped optimizer (as with Horovod).
+    wrapped.__dict__.pop("step", None)
+    wrapped._mtrain_setup(named_parameters, compression, backward_passes_per_step, op,
+                          gradient_predivide_factor)
+    return wrapped
