@@ -9,12 +9,20 @@ It runs the user's command as a child and
   supervisor uses the records to name the *first* failing rank;
 * stops the child (its whole process group) when MPI stops us, and dies with
   its parent, so a killed mpirun/prted never leaves a rank running.
+
+Runtimes can sharpen the root-cause report through $MTRAIN_ERROR_FILE (the
+idea of torchelastic's error file): a JSON object written there before the
+rank exits, with optional keys `time` (when the failure began, epoch
+seconds), `cause` ("peer" when this rank only failed because another one
+did) and `message` (one line).  Only the exit status is needed without it.
 """
 from __future__ import annotations
 
 import collections
 import json
 import os
+import shutil
+import tempfile
 import signal
 import socket
 import subprocess
@@ -28,6 +36,8 @@ EXIT_MARKER = b"@@mtrain-rank-exit@@ "
 TAIL_LINES = 15
 TERM_GRACE = 3.0
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+ENV_ERROR_FILE = "MTRAIN_ERROR_FILE"
+_ERROR_FILE_LIMIT = 65536
 
 
 def rank_from_env(env: dict[str, str] | os._Environ) -> int:
@@ -89,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     start = time.time()
+    scratch = tempfile.mkdtemp(prefix="mtrain-rank-")
+    error_file = os.path.join(scratch, "error.json")
     try:
         child = subprocess.Popen(argv, stdout=out_write, stderr=err_write,
+                                 env=dict(os.environ, **{ENV_ERROR_FILE: error_file}),
                                  start_new_session=True, preexec_fn=_set_child_deathsig)
     except OSError as error:
+        shutil.rmtree(scratch, ignore_errors=True)
         os.close(out_write)
         os.close(err_write)
         message = f"cannot start {argv[0]!r}: {error.strerror}"
@@ -126,15 +140,41 @@ def main(argv: list[str] | None = None) -> int:
     kill_group(child.pid, signal.SIGKILL)
     for relay in relays:
         relay.join(timeout=2.0)
+    report = read_error_file(error_file)
+    shutil.rmtree(scratch, ignore_errors=True)
     with lock:
-        _write_record(rank, host, returncode, stopping.is_set(), list(tail), end, start)
+        _write_record(rank, host, returncode, stopping.is_set(), list(tail), end, start, report)
     return exit_code(returncode)
 
 
+def read_error_file(path: str) -> dict:
+    """The runtime's own account of the failure, reduced to the keys we understand."""
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read(_ERROR_FILE_LIMIT))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    report = {}
+    if isinstance(data.get("time"), (int, float)):
+        report["time"] = float(data["time"])
+    if data.get("cause") in ("peer", "own"):
+        report["cause"] = data["cause"]
+    if isinstance(data.get("message"), str):
+        report["message"] = data["message"].splitlines()[0][:500] if data["message"] else ""
+    return report
+
+
 def _write_record(rank: int, host: str, returncode: int, stopped: bool, tail: list[str],
-                  end: float | None = None, start: float | None = None) -> None:
-    record = {"rank": rank, "host": host, "returncode": returncode, "stopped": stopped,
-              "time": end or time.time(), "start": start, "stderr_tail": tail}
+                  end: float | None = None, start: float | None = None,
+                  report: dict | None = None) -> None:
+    report = report or {}
+    end = end or time.time()
+    record = {"rank": rank, "host": host, "returncode": returncode,
+              "stopped": stopped or report.get("cause") == "peer",
+              "time": min(end, report.get("time", end)), "start": start, "stderr_tail": tail,
+              "message": report.get("message", "")}
     sys.stderr.buffer.write(EXIT_MARKER + json.dumps(record).encode() + b"\n")
     sys.stderr.flush()
 

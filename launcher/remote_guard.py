@@ -1,10 +1,14 @@
 """`python -m launcher.remote_guard 'SHELL COMMAND'`: runs on a remote host, inside the SSH session.
 
-It runs MPI's daemon command in the login shell and kills it (and through it
-the ranks) when the session ends or goes silent: the agent on the launcher
-host writes a heartbeat line every second to our stdin.  End of stdin means
-the agent or its connection is gone; silence for HEARTBEAT_TIMEOUT seconds
-means the link is cut.  Either way no process of the job survives here.
+It runs MPI's daemon command in the login shell and ends the whole process
+tree under it (daemons and ranks) when the session ends or goes silent: the
+agent on the launcher host writes a heartbeat line every second to our stdin.
+End of stdin means the agent or its connection is gone; silence for
+HEARTBEAT_TIMEOUT seconds means the link is cut.
+
+PRRTE's daemon forks and calls setsid(), so killing a process group is not
+enough: the guard makes itself a child subreaper, so every descendant stays
+under it even when its parent exits, and signals the whole tree.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import sys
 import threading
 import time
 
-from launcher.process_tools import exit_code, kill_group
+from launcher.process_tools import become_subreaper, descendants, exit_code
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -47,41 +51,62 @@ def _watch_stdin(stopped: threading.Event) -> str:
     return ""
 
 
+def end_tree(grace: float = TERM_GRACE) -> None:
+    """SIGTERM every descendant, then SIGKILL whatever is left after `grace` seconds."""
+    me = os.getpid()
+    for pid in descendants(me):
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while descendants(me) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in descendants(me):
+        _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m launcher.remote_guard 'COMMAND'", file=sys.stderr)
         return 2
-    child = subprocess.Popen([_login_shell(), "-c", argv[0]], stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+    become_subreaper()
+    child = subprocess.Popen([_login_shell(), "-c", argv[0]], stdin=subprocess.DEVNULL)
     done = threading.Event()
+    ending = threading.Lock()
 
-    def end_child(reason: str) -> None:
-        if child.poll() is not None:
-            return
-        kill_group(child.pid, signal.SIGTERM)
-        deadline = time.monotonic() + TERM_GRACE
-        while child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        kill_group(child.pid, signal.SIGKILL)
+    def end_once(reason: str) -> None:
+        if ending.acquire(blocking=False):
+            end_tree()
 
     def watchdog() -> None:
         reason = _watch_stdin(done)
         if reason:
-            end_child(reason)
+            end_once(reason)
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda number, frame: threading.Thread(
-            target=end_child, args=("signal",), daemon=True).start())
+            target=end_once, args=("signal",), daemon=True).start())
     threading.Thread(target=watchdog, daemon=True).start()
+    status = None
+    # Reap the direct child and every orphan handed to us; leave when no child is left.
     while True:
         try:
-            returncode = child.wait()
+            pid, raw = os.waitpid(-1, 0)
+        except ChildProcessError:
             break
         except InterruptedError:
             continue
+        if pid == child.pid:
+            status = os.waitstatus_to_exitcode(raw)
+            child.returncode = status
     done.set()
-    return exit_code(returncode)
+    return exit_code(status if status is not None else 255)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class RankExit:
     stopped: bool          # it had been told to stop (a consequence, not a cause)
     time: float
     stderr_tail: tuple[str, ...]
+    message: str = ""
 
     @property
     def failed(self) -> bool:
@@ -56,7 +57,8 @@ class RankExit:
             how = f"killed by {signal_name(-self.returncode)}"
         else:
             how = f"exit code {self.returncode}"
-        return f"rank {self.rank} on {self.host}: {how}"
+        detail = f" ({self.message})" if self.message else ""
+        return f"rank {self.rank} on {self.host}: {how}{detail}"
 
 
 def first_failure(records: Sequence[RankExit]) -> RankExit | None:
@@ -117,9 +119,13 @@ class Job:
 
     def _read(self, pipe: IO[bytes], stream: IO[bytes], is_stderr: bool) -> None:
         for line in iter(pipe.readline, b""):
-            if is_stderr and line.startswith(EXIT_MARKER):
-                self._record(line[len(EXIT_MARKER):])
-                continue
+            if is_stderr and EXIT_MARKER in line:
+                # mpirun may glue a record to an unterminated line of its own: split it off.
+                before, _, payload = line.partition(EXIT_MARKER)
+                self._record(payload)
+                if not before.strip():
+                    continue
+                line = before + b"\n"
             if not _PREFIX.match(line):
                 with self.lock:
                     self.launcher_tail = (self.launcher_tail + [line.decode(errors="replace").rstrip()])[-20:]
@@ -129,7 +135,8 @@ class Job:
         try:
             data = json.loads(payload)
             record = RankExit(int(data["rank"]), str(data["host"]), int(data["returncode"]),
-                              bool(data["stopped"]), float(data["time"]), tuple(data["stderr_tail"]))
+                              bool(data["stopped"]), float(data["time"]), tuple(data["stderr_tail"]),
+                              str(data.get("message", "")))
         except (ValueError, KeyError, TypeError):
             return
         with self.lock:

@@ -38,6 +38,7 @@ BRIDGE_ADDRESS = "10.77.0.1"
 LOCK_FILE = Path(tempfile.gettempdir()) / "mtrain-netcluster.lock"
 MAX_HOSTS = 8
 NAME_PREFIX = "mtr-"
+LOCK_WAIT = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +163,16 @@ def running_cluster(count: int = 2, base_dir: Path | None = None) -> Iterator[Cl
     LOCK_FILE.touch(exist_ok=True)
     with open(LOCK_FILE) as lock:
         # One cluster at a time on this machine: the names are fixed so leftovers can be found.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another test cluster holds {LOCK_FILE} for more than "
+                                       f"{LOCK_WAIT:g} s; is a benchmark or test run still going?") from None
+                time.sleep(0.5)
         workdir = Path(tempfile.mkdtemp(prefix="mtrain-cluster-", dir=base_dir))
         sshd_procs: list[subprocess.Popen] = []
         try:

@@ -1,0 +1,127 @@
+"""The real multi-host test cluster (network namespaces + sshd), and helpers to use it.
+
+Needs root.  Elsewhere these tests skip with the reason; in CI (CI=true) a
+missing prerequisite is a failure, so the cluster tests can never silently
+stop running there.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.netcluster import Cluster, prerequisites_missing, running_cluster
+
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    missing = prerequisites_missing()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"cluster tests must run in CI but cannot: {missing}")
+        pytest.skip(f"test cluster unavailable: {missing}")
+    with running_cluster(2) as built:
+        yield built
+
+
+@pytest.fixture
+def token() -> str:
+    """A unique word to put on rank command lines, to find leftover processes."""
+    return f"mtrtok{uuid.uuid4().hex[:10]}"
+
+
+def job_env(cluster: Cluster, home: Path | None = None) -> dict[str, str]:
+    env = cluster.env()
+    if home is not None:
+        env["HOME"] = str(home)
+    # Ranks run `python` from PATH as users do, so this environment's bin comes first.
+    env["PATH"] = os.path.dirname(PYTHON) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def mtrain_argv(*args: str) -> list[str]:
+    return [PYTHON, "-m", "launcher.cli", "run", *args]
+
+
+def run_mtrain(cluster: Cluster, *args: str, timeout: float = 90, home: Path | None = None,
+               cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(mtrain_argv(*args), env=job_env(cluster, home), capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+
+
+def start_mtrain(cluster: Cluster, *args: str, cwd: Path | None = None) -> subprocess.Popen:
+    return subprocess.Popen(mtrain_argv(*args), env=job_env(cluster), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
+
+
+def wait_for_lines(proc: subprocess.Popen, fragment: str, count: int, timeout: float) -> list[str]:
+    """Read stdout until `count` lines contain `fragment`; return them (bounded)."""
+    import selectors
+    found: list[str] = []
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while len(found) < count:
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None and not selector.select(0):
+            raise AssertionError(f"saw {len(found)} of {count} lines with {fragment!r}: {found}")
+        if selector.select(min(left, 0.5)):
+            line = proc.stdout.readline()
+            if fragment in line:
+                found.append(line)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def leftovers(cluster: Cluster, token: str) -> list[str]:
+    """Processes of a job still alive: anything with the token, anything but sshd on the hosts."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid() and token in _cmdline(int(entry)):
+            found.append(f"{entry}: {_cmdline(int(entry))[:120]}")
+    for host in cluster.hosts:
+        for pid in cluster.namespace_pids(host.name):
+            if _comm(pid) not in ("sshd", "sshd-session") and _cmdline(pid):
+                found.append(f"{host.name} {pid}: {_cmdline(pid)[:120]}")
+    return found
+
+
+def assert_no_leftovers(cluster: Cluster, token: str, within: float) -> None:
+    """Every process of the job is gone within `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = leftovers(cluster, token)
+        if not alive:
+            return
+        if time.monotonic() > deadline:
+            for line in alive:  # do not leave them behind for the next test
+                pid = int(line.split(":")[0].split()[-1])
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise AssertionError("processes left after the job:\n" + "\n".join(alive))
+        time.sleep(0.2)
