@@ -140,19 +140,21 @@ def main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=heartbeat, daemon=True).start()
     while True:
-        if channel.status_event.wait(0.2):
+        # paramiko also sets status_event when the connection dies; the status is then -1.
+        if channel.status_event.wait(0.2) and channel.exit_status >= 0:
             for thread in pumps:
                 thread.join(timeout=2)
             status = channel.recv_exit_status()
             client.close()
-            return status if status >= 0 else 255
+            return status
         if stop.is_set():
             client.close()  # the guard sees the session end and kills the daemon
             return 143
-        if not transport.is_active():
+        if channel.status_event.is_set() or not transport.is_active():
             detail = f"host {host}: lost the SSH connection mid-job (host down or network cut)"
             events.emit("host-lost", host, detail)
             print(f"mtrain-agent: {detail}", file=sys.stderr)
+            client.close()
             return 255
 
 

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import IO, Sequence
 
 from launcher.events import ENV_EVENTS, EventReader
-from launcher.process_tools import exit_code, signal_name
+from launcher.process_tools import die_with_parent, exit_code, signal_name
 from launcher.rank import EXIT_MARKER
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
+LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead daemon: shorter wait
 FAILURE_GRACE = 2.0        # mpirun normally stops the job itself after a rank fails
 SESSION_DRAIN = 3.0        # time for agents to finish after mpirun has exited
 _PREFIX = re.compile(rb"^\[(\d+)\]<(stdout|stderr)>:")
@@ -166,7 +167,7 @@ class Job:
         try:
             process = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=_mpirun_dies_with_us)
         except OSError as error:
             print(f"mtrain: cannot start {self.argv[0]}: {error.strerror}", file=sys.stderr)
             return 1
@@ -201,7 +202,8 @@ class Job:
                     self.log(f"stopping the job: {stop_reason}")
                     _signal_process(process.pid, signal.SIGTERM)
                     stop_sent_at = now
-            elif stop_sent_at is not None and now - stop_sent_at > STOP_GRACE:
+            elif stop_sent_at is not None and now - stop_sent_at > (
+                    LOST_HOST_GRACE if stop_reason == "a host was lost" else STOP_GRACE):
                 self.log("job still running; killing everything it started")
                 kill_session(process.pid, signal.SIGKILL)
                 stop_sent_at = None
@@ -252,6 +254,11 @@ class Job:
             print(f"mtrain: ranks {', '.join(map(str, others))} were stopped or failed after it",
                   file=sys.stderr)
         sys.stderr.flush()
+
+
+def _mpirun_dies_with_us() -> None:
+    # Runs in the child before exec: even `kill -9 mtrain` makes mpirun stop the job.
+    die_with_parent(signal.SIGTERM)
 
 
 def _signal_process(pid: int, sig: int) -> None:

@@ -57,27 +57,65 @@ def run_mtrain(cluster: Cluster, *args: str, timeout: float = 90, home: Path | N
                           text=True, timeout=timeout, cwd=cwd)
 
 
-def start_mtrain(cluster: Cluster, *args: str, cwd: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen(mtrain_argv(*args), env=job_env(cluster), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd)
+class RunningJob:
+    """An mtrain started in the background, its output read by threads (never blocks the job)."""
 
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import queue
+        import threading
+        self.proc = proc
+        self.lines: queue.Queue = queue.Queue()
+        self.stderr_parts: list[str] = []
 
-def wait_for_lines(proc: subprocess.Popen, fragment: str, count: int, timeout: float) -> list[str]:
-    """Read stdout until `count` lines contain `fragment`; return them (bounded)."""
-    import selectors
-    found: list[str] = []
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while len(found) < count:
-        left = deadline - time.monotonic()
-        if left <= 0 or proc.poll() is not None and not selector.select(0):
-            raise AssertionError(f"saw {len(found)} of {count} lines with {fragment!r}: {found}")
-        if selector.select(min(left, 0.5)):
-            line = proc.stdout.readline()
+        def pump_out() -> None:
+            for line in proc.stdout:
+                self.lines.put(line)
+            self.lines.put(None)
+
+        def pump_err() -> None:
+            for line in proc.stderr:
+                self.stderr_parts.append(line)
+
+        self.threads = [threading.Thread(target=pump_out, daemon=True),
+                        threading.Thread(target=pump_err, daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def wait_for_lines(self, fragment: str, count: int, timeout: float) -> list[str]:
+        """Wait until `count` stdout lines contain `fragment` (bounded); return them."""
+        import queue
+        found: list[str] = []
+        deadline = time.monotonic() + timeout
+        while len(found) < count:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                raise AssertionError(f"saw {len(found)} of {count} lines with {fragment!r}: {found}; "
+                                     f"stderr: {''.join(self.stderr_parts)[-2000:]}")
             if fragment in line:
                 found.append(line)
-    return found
+        return found
+
+    def stop(self) -> str:
+        """End mtrain politely (SIGTERM), then for sure; return its stderr."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for thread in self.threads:
+            thread.join(timeout=5)
+        return "".join(self.stderr_parts)
+
+
+def start_mtrain(cluster: Cluster, *args: str, cwd: Path | None = None) -> RunningJob:
+    proc = subprocess.Popen(mtrain_argv(*args), env=job_env(cluster), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
+    return RunningJob(proc)
 
 
 def _cmdline(pid: int) -> str:

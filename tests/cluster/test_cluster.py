@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import (PYTHON, assert_no_leftovers, run_mtrain, start_mtrain,
-                                    wait_for_lines)
+from tests.cluster.conftest import PYTHON, assert_no_leftovers, run_mtrain, start_mtrain
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 HERE = Path(__file__).resolve().parent
@@ -143,17 +142,17 @@ def test_uncaught_exception_is_the_reported_root_cause(cluster, tmp_path, token)
 
 
 def test_sigkill_of_a_rank(cluster, tmp_path, token):
-    proc = start_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "fault_rank.py"),
+    job = start_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "fault_rank.py"),
                         "loop", token, cwd=tmp_path)
     try:
-        ready = wait_for_lines(proc, "ready", 4, timeout=60)
+        ready = job.wait_for_lines("ready", 4, timeout=60)
         victim = next(l for l in ready if " ready 3 " in l.replace(">:", " "))
         os.kill(int(victim.split()[-1]), signal.SIGKILL)
         killed_at = time.monotonic()
-        _, err = proc.communicate(timeout=30)
+        job.proc.wait(timeout=30)
     finally:
-        proc.kill()
-    assert proc.returncode == 128 + 9, err
+        err = job.stop()
+    assert job.proc.returncode == 128 + 9, err
     assert "first failure: rank 3 on mtr-b: killed by SIGKILL" in err
     assert time.monotonic() - killed_at < 15
     assert_no_leftovers(cluster, token, within=10)
@@ -161,35 +160,35 @@ def test_sigkill_of_a_rank(cluster, tmp_path, token):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_ends_everything_on_every_host(cluster, tmp_path, token, sig):
-    proc = start_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "fault_rank.py"),
+    job = start_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "fault_rank.py"),
                         "loop", token, cwd=tmp_path)
     try:
-        wait_for_lines(proc, "ready", 4, timeout=60)
-        proc.send_signal(sig)
+        job.wait_for_lines("ready", 4, timeout=60)
+        job.proc.send_signal(sig)
         sent = time.monotonic()
-        _, err = proc.communicate(timeout=15)
+        job.proc.wait(timeout=15)
     finally:
-        proc.kill()
-    assert proc.returncode == 128 + sig, err
+        err = job.stop()
+    assert job.proc.returncode == 128 + sig, err
     assert time.monotonic() - sent < 10
     assert f"{signal.Signals(sig).name} received" in err
     assert_no_leftovers(cluster, token, within=10)
 
 
 def test_cut_link_ends_the_job_naming_the_host(cluster, tmp_path, token):
-    proc = start_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "fault_rank.py"),
+    job = start_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "fault_rank.py"),
                         "loop", token, cwd=tmp_path)
     try:
-        wait_for_lines(proc, "ready", 4, timeout=60)
+        job.wait_for_lines("ready", 4, timeout=60)
         cluster.cut_link("mtr-b")
         cut = time.monotonic()
-        _, err = proc.communicate(timeout=40)
+        job.proc.wait(timeout=40)
         elapsed = time.monotonic() - cut
         # The cut host's own guard notices the silence and cleans up there too.
         assert_no_leftovers(cluster, token, within=20)
     finally:
-        proc.kill()
+        err = job.stop()
         cluster.restore_link("mtr-b")
-    assert proc.returncode == 255, err
+    assert job.proc.returncode == 255, err
     assert "host mtr-b: lost the SSH connection" in err
     assert elapsed < 30
