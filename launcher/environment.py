@@ -5,15 +5,12 @@ from typing import Iterable, Mapping
 
 FORWARDED_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED")
 FORWARDED_PREFIXES = ("NCCL_", "CUDA_", "OMP_", "MTRAIN_")
-# Settings for mtrain's own SSH agent: they configure the launcher host, not the ranks.
-PRIVATE_PREFIX = "MTRAIN_AGENT_"
 
 
 def forwarded_names(env: Mapping[str, str]) -> list[str]:
     """Names from `env` the ranks get by default, sorted for a stable argv."""
     names = [name for name in env
-             if (name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES))
-             and not name.startswith(PRIVATE_PREFIX)]
+             if name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES)]
     return sorted(names)
 
 

@@ -1,8 +1,8 @@
 """A tiny side channel from the SSH agents to the supervisor: JSON lines in a file.
 
 Agents run as children of mpirun, whose own error reporting may hide them, so
-they append one-line JSON events (`connect-failed`, `host-lost`) to the file
-named by $MTRAIN_AGENT_EVENTS; the supervisor polls it.
+they append one-line JSON events (`connect-failed`, `host-lost`) to a file
+named in their config; the supervisor polls it.
 """
 from __future__ import annotations
 
@@ -11,12 +11,8 @@ import os
 import time
 from typing import Any
 
-ENV_EVENTS = "MTRAIN_AGENT_EVENTS"
-
-
-def emit(kind: str, host: str, detail: str) -> None:
-    """Append an event if a supervisor is listening (no-op otherwise)."""
-    path = os.environ.get(ENV_EVENTS)
+def emit(path: str | None, kind: str, host: str, detail: str) -> None:
+    """Append an event to `path` if a supervisor is listening (None: no-op)."""
     if not path:
         return
     line = json.dumps({"event": kind, "host": host, "detail": detail, "time": time.time()}) + "\n"

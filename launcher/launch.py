@@ -1,6 +1,7 @@
 """From a LaunchConfig to a finished job: argv, dry run, preflight, supervision."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import stat
@@ -14,9 +15,6 @@ from launcher import ssh_agent
 from launcher.config import LaunchConfig
 from launcher.environment import rank_environment
 from launcher.hosts import is_local, local_names
-
-AGENT = [sys.executable, "-m", "launcher.ssh_agent"]
-
 
 def _log(config: LaunchConfig, message: str) -> None:
     if config.verbose:
@@ -46,18 +44,6 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, remote_cpus: d
         yield_when_idle=oversubscribed, as_root=os.geteuid() == 0, extra_args=config.mpi_args)
 
 
-def agent_environment(config: LaunchConfig) -> dict[str, str]:
-    """What the SSH agents (children of mpirun) need to know, passed through the environment."""
-    env = {ssh_agent.ENV_ACCEPT_NEW: "1" if config.ssh.accept_new_hosts else "0",
-           ssh_agent.ENV_TIMEOUT: str(config.start_timeout),
-           ssh_agent.ENV_PYTHON: sys.executable}
-    if config.ssh.port:
-        env[ssh_agent.ENV_PORT] = str(config.ssh.port)
-    if config.ssh.identity_file:
-        env[ssh_agent.ENV_IDENTITY] = os.path.abspath(config.ssh.identity_file)
-    return env
-
-
 def _subnets(reports) -> tuple[str, ...]:
     """Subnets our SSH connections left through; MPI traffic between hosts stays on them."""
     from launcher.netif import subnet_of
@@ -67,11 +53,19 @@ def _subnets(reports) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def _hydra_shim(directory: str) -> list[str]:
-    # hydra's -launcher-exec takes one program path, so wrap `python -m launcher.ssh_agent`.
+def _agent(config: LaunchConfig, directory: str, events_path: str) -> list[str]:
+    """The remote-shell program handed to mpirun, with its settings written beside it."""
+    config_path = os.path.join(directory, "agent.json")
+    identity = os.path.abspath(config.ssh.identity_file) if config.ssh.identity_file else None
+    options = dataclasses.replace(config.ssh, identity_file=identity, connect_timeout=config.start_timeout)
+    ssh_agent.write_config(config_path, options, sys.executable, events_path)
+    words = [sys.executable, "-m", "launcher.ssh_agent", "--config", config_path]
+    if config.mpi.kind != "mpich":
+        return words
+    # hydra's -launcher-exec takes one program path, so wrap the words in a script.
     path = os.path.join(directory, "mtrain-ssh-agent")
     with open(path, "w") as handle:
-        handle.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m launcher.ssh_agent \"$@\"\n")
+        handle.write(f"#!/bin/sh\nexec {shlex.join(words)} \"$@\"\n")
     os.chmod(path, stat.S_IRWXU)
     return [path]
 
@@ -90,8 +84,9 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
     from launcher import supervise
     with tempfile.TemporaryDirectory(prefix="mtrain-agent-") as scratch:
         agent = None
+        events_path = os.path.join(scratch, "events")
         if config.remote_hosts:
-            agent = _hydra_shim(scratch) if config.mpi.kind == "mpich" else list(AGENT)
+            agent = _agent(config, scratch, events_path)
         remote_cpus: dict[str, int] = {}
         subnets: tuple[str, ...] = ()
         if dry_run:
@@ -124,5 +119,5 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
         except ValueError as error:
             print(f"mtrain run: error: {error}", file=sys.stderr)
             return 2
-        env = dict(os.environ, **agent_environment(config))
-        return supervise.run_job(argv, env, config.output_dir, config.verbose)
+        return supervise.run_job(argv, dict(os.environ), config.output_dir, config.verbose,
+                                 events_path if agent else None)

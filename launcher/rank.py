@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         relay.start()
     returncode = child.wait()
     end = time.time()
+    # Only a stop request that came *before* the child ended makes this rank a consequence;
+    # MPI often stops us while we are still flushing a rank that failed on its own.
+    stopped = stopping.is_set()
     # Whatever the rank left behind in its group (workers, daemons) ends with it.
     kill_group(child.pid, signal.SIGKILL)
     for relay in relays:
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     report = read_error_file(error_file)
     shutil.rmtree(scratch, ignore_errors=True)
     with lock:
-        _write_record(rank, host, returncode, stopping.is_set(), list(tail), end, start, report)
+        _write_record(rank, host, returncode, stopped, list(tail), end, start, report)
     return exit_code(returncode)
 
 

@@ -5,8 +5,9 @@ command words are joined with spaces into one string for the remote shell
 (MPI has already quoted them for that shell).  Unlike plain ssh:
 
 * hosts are reached with mtrain's host-key policy and ~/.ssh/config handling
-  (launcher/ssh.py), configured through MTRAIN_AGENT_* variables set by the
-  supervisor;
+  (launcher/ssh.py), configured by a JSON file named with `--config FILE`
+  (written by `mtrain run`; a file rather than environment variables, because
+  local ranks inherit mpirun's whole environment);
 * PRRTE's `--daemonize` is dropped, so the remote daemon stays inside this SSH
   session, and the session runs under `launcher.remote_guard`: when this agent
   dies or the link goes silent, the guard kills the daemon and its ranks;
@@ -19,6 +20,7 @@ rank as an argv list.
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -30,25 +32,31 @@ from launcher import events
 from launcher.config import SshOptions
 from launcher.process_tools import die_with_parent
 
-ENV_PORT = "MTRAIN_AGENT_PORT"
-ENV_IDENTITY = "MTRAIN_AGENT_IDENTITY"
-ENV_ACCEPT_NEW = "MTRAIN_AGENT_ACCEPT_NEW"
-ENV_TIMEOUT = "MTRAIN_AGENT_TIMEOUT"
-ENV_PYTHON = "MTRAIN_AGENT_PYTHON"
 HEARTBEAT_SECONDS = 1.0
 # ssh options MPI launchers may put before the host (hydra passes -x); ignored.
 _FLAGS = {"-x", "-X", "-q", "-T", "-t", "-tt", "-n", "-a", "-A", "-4", "-6", "-C"}
 _WITH_VALUE = {"-o", "-l", "-p", "-i", "-F", "-E"}
 
 
-def options_from_env(env: dict[str, str] | None = None) -> SshOptions:
-    """The SSH options the supervisor handed down through the environment."""
-    env = dict(os.environ) if env is None else env
-    port = env.get(ENV_PORT)
-    return SshOptions(port=int(port) if port else None,
-                      identity_file=env.get(ENV_IDENTITY) or None,
-                      accept_new_hosts=env.get(ENV_ACCEPT_NEW) == "1",
-                      connect_timeout=float(env.get(ENV_TIMEOUT, "30")))
+def write_config(path: str, options: SshOptions, python: str, events_path: str | None) -> None:
+    """Write the agent's settings for `--config` (done by the launcher before mpirun starts)."""
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"port": options.port, "identity_file": options.identity_file,
+                   "accept_new_hosts": options.accept_new_hosts,
+                   "connect_timeout": options.connect_timeout, "python": python,
+                   "events": events_path}, handle)
+
+
+def read_config(path: str | None) -> tuple[SshOptions, str, str | None]:
+    """(SSH options, remote Python, events file) from a `--config` file; defaults without one."""
+    if not path:
+        return SshOptions(), sys.executable, None
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    options = SshOptions(port=data.get("port"), identity_file=data.get("identity_file"),
+                         accept_new_hosts=bool(data.get("accept_new_hosts")),
+                         connect_timeout=float(data.get("connect_timeout", 30)))
+    return options, data.get("python") or sys.executable, data.get("events")
 
 
 def split_arguments(argv: list[str]) -> tuple[str, list[str], int | None]:
@@ -93,10 +101,15 @@ def _pump(read, fd: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent(signal.SIGTERM)
+    config_path = None
+    if argv[:1] == ["--config"] and len(argv) > 1:
+        config_path, argv = argv[1], argv[2:]
     try:
         host, words, port = split_arguments(argv)
-    except ValueError as error:
-        print(f"mtrain-agent: {error}; usage: python -m launcher.ssh_agent HOST COMMAND…", file=sys.stderr)
+        options, python, events_path = read_config(config_path)
+    except (ValueError, OSError) as error:
+        print(f"mtrain-agent: {error}; usage: python -m launcher.ssh_agent [--config FILE] HOST COMMAND…",
+              file=sys.stderr)
         return 255
     stop = threading.Event()
 
@@ -107,21 +120,20 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, on_signal)
 
     from launcher import ssh  # paramiko is imported only once we know we need it
-    options = options_from_env()
     if port is not None:
         options = SshOptions(port, options.identity_file, options.accept_new_hosts, options.connect_timeout)
     try:
         client = ssh.connect(host, options)
     except ssh.SshError as error:
-        events.emit("connect-failed", host, str(error))
+        events.emit(events_path, "connect-failed", host, str(error))
         print(f"mtrain-agent: {error}", file=sys.stderr)
         return 255
     transport = client.get_transport()
     try:
         channel = transport.open_session(timeout=options.connect_timeout)
-        channel.exec_command(remote_command(words, os.environ.get(ENV_PYTHON, sys.executable)))
+        channel.exec_command(remote_command(words, python))
     except Exception as error:
-        events.emit("connect-failed", host, f"host {host}: cannot start a session: {error}")
+        events.emit(events_path, "connect-failed", host, f"host {host}: cannot start a session: {error}")
         print(f"mtrain-agent: host {host}: cannot start a session: {error}", file=sys.stderr)
         return 255
     pumps = [threading.Thread(target=_pump, args=(channel.recv, 1), daemon=True),
@@ -152,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             return 143
         if channel.status_event.is_set() or not transport.is_active():
             detail = f"host {host}: lost the SSH connection mid-job (host down or network cut)"
-            events.emit("host-lost", host, detail)
+            events.emit(events_path, "host-lost", host, detail)
             print(f"mtrain-agent: {detail}", file=sys.stderr)
             client.close()
             return 255

@@ -20,13 +20,12 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import IO, Sequence
 
-from launcher.events import ENV_EVENTS, EventReader
+from launcher.events import EventReader
 from launcher.process_tools import die_with_parent, exit_code, signal_name
 from launcher.rank import EXIT_MARKER
 
@@ -106,8 +105,9 @@ class Job:
     """One running mpirun and what we learn about it."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], output_dir: Path | None,
-                 verbose: bool) -> None:
+                 verbose: bool, events_path: str | None) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
+        self.events_path = events_path
         self.sink = _OutputSink(output_dir)
         self.records: list[RankExit] = []
         self.launcher_tail: list[str] = []
@@ -147,22 +147,19 @@ class Job:
 
     def run(self) -> int:
         """Run to completion; print the outcome; return mtrain's exit status."""
-        with tempfile.TemporaryDirectory(prefix="mtrain-") as scratch:
-            events_path = os.path.join(scratch, "events")
-            env = dict(self.env, **{ENV_EVENTS: events_path})
-            previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                return self._run(env, EventReader(events_path))
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-                self.sink.close()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run(self.env, EventReader(self.events_path) if self.events_path else None)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.sink.close()
 
     def _on_signal(self, number: int, frame) -> None:
         if self.interrupted is None:
             self.interrupted = number
 
-    def _run(self, env: dict[str, str], reader: EventReader) -> int:
+    def _run(self, env: dict[str, str], reader: EventReader | None) -> int:
         self.log("starting: " + " ".join(self.argv))
         try:
             process = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
@@ -186,7 +183,7 @@ class Job:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
-            for event in reader.poll():
+            for event in (reader.poll() if reader else []):
                 host_problems.append(event)
                 self.log(f"{event['event']}: {event['detail']}")
             if failure_seen_at is None and any(r.failed and not r.stopped for r in self.records):
@@ -213,7 +210,7 @@ class Job:
             wait_session_empty(process.pid, 1.0)
         for thread in readers:
             thread.join(timeout=2.0)
-        host_problems += reader.poll()
+        host_problems += reader.poll() if reader else []
         return self._outcome(process.returncode, host_problems)
 
     def _outcome(self, mpirun_status: int, host_problems: list[dict]) -> int:
@@ -301,6 +298,9 @@ def wait_session_empty(session: int, timeout: float) -> bool:
 
 
 def run_job(argv: Sequence[str], env: dict[str, str], output_dir: Path | None = None,
-            verbose: bool = False) -> int:
-    """Run the launcher argv as one supervised job; return mtrain's exit status."""
-    return Job(argv, env, output_dir, verbose).run()
+            verbose: bool = False, events_path: str | None = None) -> int:
+    """Run the launcher argv as one supervised job; return mtrain's exit status.
+
+    `events_path` is the file the SSH agents report connection problems to.
+    """
+    return Job(argv, env, output_dir, verbose, events_path).run()

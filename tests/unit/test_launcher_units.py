@@ -3,7 +3,8 @@ import shlex
 
 import pytest
 
-from launcher.ssh_agent import options_from_env, remote_command, split_arguments
+from launcher.config import SshOptions
+from launcher.ssh_agent import read_config, remote_command, split_arguments, write_config
 from launcher.supervise import RankExit, first_failure
 
 
@@ -25,10 +26,10 @@ def test_agent_command_drops_daemonize_and_quotes_for_the_guard():
     assert parsed[4] == 'PATH=/p:$PATH;export PATH;/p/prted --x "a b"'
 
 
-def test_agent_options_from_environment():
-    options = options_from_env({"MTRAIN_AGENT_PORT": "2222", "MTRAIN_AGENT_ACCEPT_NEW": "1",
-                                "MTRAIN_AGENT_TIMEOUT": "5"})
-    assert (options.port, options.accept_new_hosts, options.connect_timeout) == (2222, True, 5.0)
+def test_agent_config_round_trip(tmp_path):
+    path = str(tmp_path / "agent.json")
+    write_config(path, SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events")
+    assert read_config(path) == (SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events")
 
 
 def _exit(rank, code, stopped, time):

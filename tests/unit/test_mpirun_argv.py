@@ -98,7 +98,7 @@ def test_unknown_mpi_refused():
 
 def test_forwarded_environment():
     env = {"PATH": "/bin", "HOME": "/root", "NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "0",
-           "OMP_NUM_THREADS": "2", "MTRAIN_X": "1", "MTRAIN_AGENT_PORT": "22", "SECRET": "s"}
+           "OMP_NUM_THREADS": "2", "MTRAIN_X": "1", "SECRET": "s"}
     assert forwarded_names(env) == ["CUDA_VISIBLE_DEVICES", "MTRAIN_X", "NCCL_DEBUG", "OMP_NUM_THREADS", "PATH"]
     names, values = rank_environment(env, ["SECRET", "PATH=/opt/bin", "UNSET_VAR", "NEW=a=b"])
     assert "SECRET" in names and "PATH" not in names and "UNSET_VAR" not in names

@@ -1,0 +1,142 @@
+"""End-to-end `mtrain run` on this machine only (no SSH, no root needed)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+PYTHON = sys.executable
+RANK = "int(__import__('os').environ['OMPI_COMM_WORLD_RANK'])"
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PATH"] = os.path.dirname(PYTHON) + os.pathsep + e.get("PATH", "")
+    return e
+
+
+def mtrain(*args: str, timeout: float = 60, extra_env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "launcher.cli", "run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(env(), **(extra_env or {})), cwd=cwd)
+
+
+def processes_with(token: str) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    line = handle.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if token in line:
+                found.append(f"{entry}: {line[:100]}")
+    return found
+
+
+def assert_gone(token: str, within: float) -> None:
+    deadline = time.monotonic() + within
+    while processes_with(token):
+        if time.monotonic() > deadline:
+            left = processes_with(token)
+            for line in left:
+                try:
+                    os.kill(int(line.split(":")[0]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise AssertionError(f"left behind: {left}")
+        time.sleep(0.1)
+
+
+def test_output_prefixed_streams_apart_and_arguments_exact():
+    tricky = ["a b", "$HOME", "*", ";", "'x'", '"y"', "", "ä"]
+    code = (f"import sys; r={RANK}; print('out', r, sys.argv[1:]); "
+            "sys.stderr.write(f'err {r}\\nno newline {r}')")
+    done = mtrain("-np", "2", PYTHON, "-c", code, *tricky)
+    assert done.returncode == 0, done.stderr
+    out = sorted(done.stdout.splitlines())
+    assert out == [f"[{r}]<stdout>:out {r} {tricky!r}" for r in (0, 1)]
+    for r in (0, 1):
+        assert f"[{r}]<stderr>:err {r}" in done.stderr.splitlines()
+        assert f"[{r}]<stderr>:no newline {r}" in done.stderr.splitlines()
+    assert "@@mtrain" not in done.stderr  # exit records never reach the user
+
+
+def test_first_failure_reported_with_its_code_and_stderr(tmp_path):
+    code = (f"import sys,time; r={RANK}\n"
+            "if r == 1:\n    print('boom: bad batch 17', file=sys.stderr); sys.exit(3)\n"
+            "time.sleep(60)")
+    started = time.monotonic()
+    done = mtrain("-np", "3", PYTHON, "-c", code)
+    assert done.returncode == 3, done.stderr
+    assert time.monotonic() - started < 30
+    assert "mtrain: job failed; first failure: rank 1 on" in done.stderr
+    assert "exit code 3" in done.stderr and "    boom: bad batch 17" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_killed_rank_gives_128_plus_signal():
+    code = (f"import os,signal,time; r={RANK}\n"
+            "if r == 0: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "time.sleep(60)")
+    done = mtrain("-np", "2", PYTHON, "-c", code)
+    assert done.returncode == 137, done.stderr
+    assert "rank 0 on" in done.stderr and "killed by SIGKILL" in done.stderr
+
+
+def test_command_not_found_is_127():
+    done = mtrain("-np", "1", "mtrain-no-such-program")
+    assert done.returncode == 127
+    assert "cannot start 'mtrain-no-such-program'" in done.stderr
+
+
+def test_output_dir_and_environment(tmp_path):
+    code = ("import os,sys; print(os.environ.get('MTR_A'), os.environ.get('MTRAIN_B'), "
+            "os.environ.get('MTRAIN_AGENT_TIMEOUT')); print('e', file=sys.stderr)")
+    done = mtrain("-np", "2", "--output-filename", str(tmp_path / "o"), "-x", "MTR_A=1 2", PYTHON, "-c", code,
+                  extra_env={"MTRAIN_B": "fwd"})
+    assert done.returncode == 0, done.stderr
+    for r in (0, 1):
+        assert (tmp_path / "o" / f"rank.{r}" / "stdout").read_text() == "1 2 fwd None\n"
+        assert (tmp_path / "o" / f"rank.{r}" / "stderr").read_text() == "e\n"
+
+
+def test_more_ranks_than_cores_with_mpi(tmp_path):
+    code = ("from mpi4py import MPI; c=MPI.COMM_WORLD; "
+            "assert c.allreduce(c.rank + 1) == c.size * (c.size + 1) // 2; print('ok', c.size)")
+    np_ = str(max(3, (os.cpu_count() or 1) + 1))
+    dry = mtrain("--dry-run", "-np", np_, PYTHON, "-c", code)
+    assert "mpi_yield_when_idle 1" in dry.stdout
+    done = mtrain("-np", np_, PYTHON, "-c", code, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(f"ok {np_}") == int(np_)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_stopping_mtrain_leaves_nothing(sig):
+    token = f"mtrtok{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([PYTHON, "-m", "launcher.cli", "run", "-np", "2", PYTHON, "-c",
+                             "import time; print('ready', flush=True); time.sleep(120)", token],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 60
+        while seen < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen += "ready" in line
+        assert seen == 2
+        proc.send_signal(sig)
+        proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+    if sig != signal.SIGKILL:
+        assert proc.returncode == 128 + sig
+    assert_gone(token, within=10)
