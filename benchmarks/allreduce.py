@@ -116,11 +116,10 @@ def main() -> None:
             algbw = nbytes / seconds / 1e9
             busbw = algbw * (1.0 if name == "memcpy" else bus_factor)
             rows.append((name, nbytes, seconds, algbw, busbw))
-        del data, out, ring_buf, copy_dst
 
     if me == 0:
         print(f"# all-reduce, float32, {n} ranks, Open MPI via mpi4py {MPI.Get_library_version().splitlines()[0]}")
-        print(f"# busbw = algbw * 2(n-1)/n; memcpy row: every rank copies its buffer at once (busbw = its rate)")
+        print("# busbw = algbw * 2(n-1)/n; memcpy row: every rank copies its buffer at once (busbw = its rate)")
         print(f"{'size':>10} {'impl':>14} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
         for name, nbytes, seconds, algbw, busbw in rows:
             label = f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"

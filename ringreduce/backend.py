@@ -47,7 +47,7 @@ class NumpyBackend:
             return array.reshape(-1), False
         return np.ascontiguousarray(array).reshape(-1), True
 
-    def scratch(self, slot: int, count: int, dtype: np.dtype) -> np.ndarray:
+    def scratch(self, slot: "int | str", count: int, dtype: np.dtype) -> np.ndarray:
         """A reusable buffer of ``count`` elements; contents undefined."""
         nbytes = count * dtype.itemsize
         buf = self._scratch.get(slot)

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from . import ring
 from .backend import NumpyBackend, backend_for
-from .ops import ReduceOp, check_op, check_reducible, dtype_code, dtype_from_code
+from .ops import ReduceOp, check_op, check_reducible, dtype_code
 
 
 class MismatchError(ValueError):
@@ -101,24 +101,6 @@ class Executor:
         self.small_bytes = small_bytes
 
     # -- all-reduce ---------------------------------------------------------
-    def allreduce(self, array: np.ndarray, op: ReduceOp, out: "np.ndarray | None" = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                  name: "str | None" = None) -> np.ndarray:
-        """Reduce ``array`` across ranks into ``out`` (a new array when None; may be ``array``)."""
-        backend = backend_for(array)
-        op = check_op(op)
-        check_reducible(array.dtype, op)
-        agree(self.comm, Kind.ALLREDUCE, array, int(op), name=name, same=(_DTYPE, _OP, _SHAPE, _NDIM))
-        if out is None:
-            out = np.array(array, copy=True, order="C")
-        elif out is not array:
-            np.copyto(out, array)
-        flat, copied = backend.flatten(out)
-        self.allreduce_flat(flat, op, backend, prescale_factor, postscale_factor)
-        if copied:
-            np.copyto(out, flat.reshape(out.shape))
-        return out
-
     def allreduce_flat(self, flat: np.ndarray, op: ReduceOp, backend: NumpyBackend,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> None:
         """The ring on an already-agreed contiguous buffer, with optional scaling."""

@@ -44,6 +44,7 @@ DEFAULT_FUSION_THRESHOLD_BYTES = 8 << 20
 # Tensors at least this big skip the fusion buffer: copying them in and out
 # costs more than the per-ring overhead that fusing saves.
 DEFAULT_INPLACE_MIN_BYTES = 1 << 20
+FUSION_SLOT = "fusion"
 
 
 class ShutdownError(RuntimeError):
@@ -203,7 +204,6 @@ class Engine:
         self._coordinator = (Coordinator(self._size, config.stall_warning_s, config.stall_shutdown_s)
                              if self._rank == 0 else None)
         self._stall_check_next = False
-        self._fusion: "np.ndarray | None" = None
         self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
         self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
         self._thread.start()
@@ -409,12 +409,13 @@ class Engine:
 
     def _allreduce_alone(self, request: Request) -> None:
         """One tensor, reduced in place in its own memory (or in a fresh copy)."""
-        out = request.array if request.in_place else np.array(request.array, copy=True, order="C")
-        flat, copied = request.backend.flatten(out)
+        backend = request.backend
+        out = request.array if request.in_place else request.array.copy(order="C")
+        flat, copied = backend.flatten(out)
         begin = time.monotonic()
-        self.executor.allreduce_flat(flat, request.op, request.backend, request.prescale, request.postscale)
+        self.executor.allreduce_flat(flat, request.op, backend, request.prescale, request.postscale)
         if copied:
-            np.copyto(out, flat.reshape(out.shape))
+            backend.copy(out, flat.reshape(out.shape))
         if self._timeline is not None:
             self._timeline.span(request.name, "ALLREDUCE", begin, time.monotonic(), bytes=request.nbytes)
         self._finish(request, out)
@@ -423,10 +424,11 @@ class Engine:
         """Pack, reduce with one ring, unpack."""
         first = batch[0]
         dtype = first.array.dtype
-        if self._fusion is None or self._fusion.nbytes < nbytes:
-            # Allocated once at the threshold size and reused by every later step.
-            self._fusion = np.empty(max(nbytes, self.config.fusion_threshold_bytes), dtype=np.uint8)
-        fused = self._fusion[:nbytes].view(dtype)
+        # The backend's reusable fusion buffer: host memory for host arrays, device
+        # memory for device arrays (the two are never fused together: the group key
+        # includes the backend). Grown to the threshold once, then reused every step.
+        first.backend.scratch(FUSION_SLOT, self.config.fusion_threshold_bytes, np.dtype(np.uint8))
+        fused = first.backend.scratch(FUSION_SLOT, nbytes // dtype.itemsize, dtype)
         t0 = time.monotonic()
         offset = 0
         for request in batch:

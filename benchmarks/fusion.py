@@ -1,0 +1,148 @@
+"""Per-step gradient all-reduce time: the engine's fusion vs one collective per tensor.
+
+Run as ``mpirun -np 2 python benchmarks/fusion.py`` (or ``mtrain run -np 2 …``).
+Workload 1: the 161 gradient tensors of ResNet-50 (25.6 M float32 parameters),
+shapes built from the architecture. Workload 2: 1,000 tensors of 1 KiB (the
+per-op overhead). Every variant moves the same bytes in the same run:
+
+* ringreduce, engine with fusion (defaults) and with fusion off,
+* mpi4py ``Allreduce`` per tensor,
+* torch.distributed gloo ``all_reduce`` per tensor, and in DDP-style 25 MiB buckets.
+
+``--sweep`` also times the engine over fusion thresholds (how the default was chosen).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ringreduce as rr  # noqa: E402
+from ringreduce import runtime  # noqa: E402
+from allreduce import gloo_group, timed  # noqa: E402
+
+MiB = 1 << 20
+
+
+def resnet50_gradient_shapes() -> "list[tuple[int, ...]]":
+    """Parameter shapes of ResNet-50 (torchvision layout), in definition order."""
+    shapes: "list[tuple[int, ...]]" = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for block in range(blocks):
+            shapes += [(width, inplanes, 1, 1), (width,), (width,),
+                       (width, width, 3, 3), (width,), (width,),
+                       (width * 4, width, 1, 1), (width * 4,), (width * 4,)]
+            if block == 0:
+                shapes += [(width * 4, inplanes, 1, 1), (width * 4,), (width * 4,)]
+            inplanes = width * 4
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def set_engine(**changes: int) -> None:
+    # Benchmark-only: switch the engine's fusion settings between variants of the
+    # same run (every rank makes the same change before the next step).
+    engine = runtime._rt().engine
+    engine.config = dataclasses.replace(engine.config, **changes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per variant (approx.)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the fusion threshold")
+    parser.add_argument("--no-gloo", action="store_true")
+    args = parser.parse_args()
+    rr.init()
+    comm = MPI.COMM_WORLD
+    me, n = comm.Get_rank(), comm.Get_size()
+    torch, dist = (None, None) if args.no_gloo else gloo_group(comm)
+    defaults = runtime._rt().engine.config
+
+    shapes = resnet50_gradient_shapes()
+    grads = [np.random.default_rng(me * 1000 + i).standard_normal(s).astype(np.float32) * 1e-3
+             for i, s in enumerate(shapes)]
+    total = sum(g.nbytes for g in grads)
+    tiny = [np.full(256, me + 1.0, np.float32) for _ in range(1000)]  # 1 KiB each
+    results: "list[tuple[str, str, float]]" = []
+
+    def engine_step(arrays, prefix):
+        def run():
+            handles = [rr.allreduce_async_(a, op=rr.Average, name=f"{prefix}{i}") for i, a in enumerate(arrays)]
+            for h in handles:
+                rr.synchronize(h)
+        return run
+
+    def mpi_step(arrays):
+        def run():
+            for a in arrays:
+                comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+        return run
+
+    def measure(workload, label, fn, nbytes):
+        results.append((workload, label, timed(comm, fn, nbytes, args.budget, 5)))
+
+    for workload, arrays, prefix in (("resnet50", grads, "r"), ("1000x1KiB", tiny, "t")):
+        nbytes = sum(a.nbytes for a in arrays)
+        set_engine(fusion_threshold_bytes=defaults.fusion_threshold_bytes)
+        measure(workload, f"ringreduce fused ({defaults.fusion_threshold_bytes // MiB} MiB)",
+                engine_step(arrays, prefix), nbytes)
+        set_engine(fusion_threshold_bytes=0)
+        measure(workload, "ringreduce fusion off", engine_step(arrays, prefix), nbytes)
+        set_engine(fusion_threshold_bytes=defaults.fusion_threshold_bytes)
+        measure(workload, "MPI_Allreduce per tensor", mpi_step(arrays), nbytes)
+        if torch is not None:
+            tensors = [torch.from_numpy(a) for a in arrays]
+            measure(workload, "gloo per tensor", lambda: [dist.all_reduce(t) for t in tensors], nbytes)
+            measure(workload, "gloo 25 MiB buckets", gloo_buckets(torch, dist, tensors, 25 * MiB), nbytes)
+    if args.sweep:
+        for threshold in (1, 2, 4, 8, 16, 32, 64):
+            for inplace in (256 << 10, 1 << 20, 4 << 20):
+                set_engine(fusion_threshold_bytes=threshold * MiB, inplace_min_bytes=inplace)
+                measure("resnet50", f"sweep fuse {threshold} MiB, alone >= {inplace >> 10} KiB",
+                        engine_step(grads, "r"), total)
+    set_engine(fusion_threshold_bytes=defaults.fusion_threshold_bytes)
+
+    if me == 0:
+        print(f"# gradient all-reduce per step, {n} ranks; resnet50 = {len(grads)} tensors, "
+              f"{total / MiB:.1f} MiB float32")
+        print(f"{'workload':>10}  {'variant':<44} {'ms/step':>9} {'us/tensor':>10}")
+        for workload, label, seconds in results:
+            count = len(grads) if workload == "resnet50" else len(tiny)
+            print(f"{workload:>10}  {label:<44} {seconds * 1e3:9.2f} {seconds * 1e6 / count:10.1f}")
+    if dist is not None:
+        dist.destroy_process_group()
+    rr.shutdown()
+
+
+def gloo_buckets(torch, dist, tensors, bucket_bytes):
+    """DDP-style: flatten gradients into ~bucket_bytes buckets, all-reduce each, copy back."""
+    buckets, current, size = [], [], 0
+    for t in reversed(tensors):  # DDP fills buckets in reverse parameter order
+        current.append(t)
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    flats = [torch.empty(sum(t.numel() for t in b), dtype=b[0].dtype) for b in buckets]
+
+    def run():
+        for bucket, flat in zip(buckets, flats):
+            torch.cat([t.reshape(-1) for t in bucket], out=flat)
+            dist.all_reduce(flat)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+    return run
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Launch overhead: `mtrain run` vs the raw mpirun command it wraps, at 1, 2, … hosts.
+
+Needs root: it builds the namespace test cluster of tests/cluster/netcluster.py
+(one sshd "host" per network namespace) and runs a trivial job, `python -c
+pass` with one rank per host, several times per configuration, interleaving
+the variants so machine noise hits them alike.  Prints the median wall time
+from start to exit:
+
+    mtrain      `mtrain run -H …` (CLI, parallel SSH preflight, supervision)
+    raw argv    the exact mpirun argv `mtrain run --dry-run` prints (our paramiko
+                agent and rank wrapper included), run directly
+    openssh     for reference: mpirun with OpenSSH as remote shell and no rank
+                wrapper (what a bare `mpirun` job costs)
+
+    sudo .venv/bin/python benchmarks/launch.py [--hosts 1,2,3] [--repeat 7]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tests.cluster.netcluster import SUBNET, prerequisites_missing, running_cluster  # noqa: E402
+
+PYTHON = sys.executable
+
+
+def timed(argv: list[str], env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, timeout=120)
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"benchmark run failed ({done.returncode}): {shlex.join(argv)}\n{done.stderr[-2000:]}")
+    return elapsed
+
+
+def variants(hosts: list[str], cluster) -> dict[str, list[str]]:
+    spec = ",".join(f"{name}:1" for name in hosts)
+    job = [PYTHON, "-c", "pass"]
+    common = ["-H", spec, "--network-interface", SUBNET]
+    mtrain = [PYTHON, "-m", "launcher.cli", "run", *common, *job]
+    dry = subprocess.run([PYTHON, "-m", "launcher.cli", "run", "--dry-run", *common, *job], env=cluster.env(),
+                         capture_output=True, text=True, timeout=60, check=True)
+    raw = shlex.split(dry.stdout.strip().splitlines()[-1])
+    ssh = (f"ssh -F {cluster.home}/.ssh/config -o UserKnownHostsFile={cluster.known_hosts} "
+           "-o BatchMode=yes")
+    agent_at = raw.index("plm_ssh_agent") + 1
+    openssh = raw[:agent_at] + [ssh] + raw[agent_at + 1:]
+    wrapper_at = openssh.index("launcher.rank") - 2  # drop `python -m launcher.rank --`
+    openssh = openssh[:wrapper_at] + openssh[wrapper_at + 4:]
+    return {"mtrain": mtrain, "raw argv": raw, "openssh": openssh}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", default="1,2", help="host counts to measure, e.g. 1,2,3")
+    parser.add_argument("--repeat", type=int, default=7, help="runs per variant and host count")
+    args = parser.parse_args()
+    counts = sorted({int(c) for c in args.hosts.split(",")})
+    missing = prerequisites_missing()
+    if missing:
+        print(f"benchmarks/launch.py: cannot build the test cluster: {missing}", file=sys.stderr)
+        return 2
+    rows = []
+    with running_cluster(max(counts)) as cluster:
+        env = cluster.env()
+        env["PATH"] = os.path.dirname(PYTHON) + os.pathsep + env.get("PATH", "")
+        names = [host.name for host in cluster.hosts]
+        for count in counts:
+            runs = variants(names[:count], cluster)
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            timed(runs["mtrain"], env)  # warm-up: page cache, sshd's first fork
+            for _ in range(args.repeat):
+                for name, argv in runs.items():
+                    times[name].append(timed(argv, env))
+            rows.append((count, {name: statistics.median(values) for name, values in times.items()}))
+    print(f"\nmedian wall time of `python -c pass`, one rank per host, {args.repeat} runs each "
+          f"(load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)\n")
+    print(f"{'hosts':>5}  {'mtrain':>8}  {'raw argv':>8}  {'overhead':>8}  {'openssh':>8}")
+    for count, medians in rows:
+        overhead = medians["mtrain"] - medians["raw argv"]
+        print(f"{count:>5}  {medians['mtrain']:>7.2f}s  {medians['raw argv']:>7.2f}s  "
+              f"{overhead:>+7.2f}s  {medians['openssh']:>7.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
