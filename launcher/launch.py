@@ -86,7 +86,12 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
         agent = None
         events_path = os.path.join(scratch, "events")
         if config.remote_hosts:
-            agent = _agent(config, scratch, events_path)
+            if dry_run and config.mpi.kind != "mpich":
+                # Printed for a human to rerun: no scratch config that vanishes when we exit
+                # (the agent then uses ~/.ssh/config and OpenSSH defaults).
+                agent = [sys.executable, "-m", "launcher.ssh_agent"]
+            else:
+                agent = _agent(config, scratch, events_path)
         remote_cpus: dict[str, int] = {}
         subnets: tuple[str, ...] = ()
         if dry_run:

@@ -57,7 +57,10 @@ def resolve(alias: str, options: SshOptions) -> SshTarget:
             found = paramiko.SSHConfig.from_path(config_path).lookup(alias)
         except Exception as error:  # paramiko raises several types for a bad config
             raise SshError(alias, f"cannot read {config_path}: {error}") from None
-    port = options.port or int(found.get("port", 22))
+    try:
+        port = options.port or int(found.get("port", 22))
+    except ValueError:
+        raise SshError(alias, f"{config_path}: Port {found.get('port')!r} is not a number") from None
     user = found.get("user") or _local_user()
     if options.identity_file:
         identities = (_user_path(options.identity_file),)
