@@ -30,7 +30,11 @@ def start(op: str, *args: Any, **kwargs: Any) -> Any:
     async_op = getattr(rr, op[:-1] + "_async_" if op.endswith("_") else op + "_async", None)
     if async_op is not None:
         return async_op(*args, **kwargs)
-    sync_op = getattr(rr, op)
+    sync_op = getattr(rr, op, None)
+    if sync_op is None and op.startswith("grouped_allreduce"):  # one op per array
+        single = rr.allreduce_ if op.endswith("_") else rr.allreduce
+        arrays, rest = args[0], args[1:]
+        return _Completed(lambda: [single(a, *rest, **kwargs) for a in arrays])
     return _Completed(lambda: sync_op(*args, **kwargs))
 
 

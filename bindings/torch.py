@@ -121,7 +121,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     """Start an all-reduce of ``tensor`` into a new tensor; ``synchronize`` returns it."""
     array = _numpy_view(_check_cpu(tensor))
     inner = start("allreduce", array, _resolve_op(average, op), name, prescale_factor, postscale_factor)
-    return Handle(inner, _from_numpy)
+    return Handle(inner, lambda result: _from_numpy(result).reshape(tensor.shape))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -172,7 +172,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
     """Start all-reduces of several tensors as one unit; ``synchronize`` returns new tensors."""
     arrays = [_numpy_view(_check_cpu(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inner = start("grouped_allreduce", arrays, _resolve_op(average, op), name, prescale_factor, postscale_factor)
-    return Handle(inner, lambda results: [_from_numpy(a) for a in results])
+    return Handle(inner, lambda results: [_from_numpy(r).reshape(t.shape) for r, t in zip(results, tensors)])
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -213,7 +213,8 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
-    return Handle(start("broadcast", _numpy_view(_check_cpu(tensor)), root_rank, name), _from_numpy)
+    return Handle(start("broadcast", _numpy_view(_check_cpu(tensor)), root_rank, name),
+                  lambda result: _from_numpy(result).reshape(tensor.shape))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:

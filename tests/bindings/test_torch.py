@@ -8,7 +8,11 @@ import copy
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.bindings.requires import require
+
+require("torch", "pip install '.[torch]'")
+
+import torch  # noqa: E402
 
 from tests.mpi.harness import mpi_test  # noqa: E402
 

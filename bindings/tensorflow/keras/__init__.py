@@ -1,0 +1,92 @@
+"""Keras 3 adapter: ``import bindings.tensorflow.keras as hvd`` in place of ``import horovod.tensorflow.keras as hvd``.
+
+``DistributedOptimizer`` wraps any Keras 3 optimizer so that ``model.fit`` (or a
+custom loop's ``apply``) averages gradients over all ranks before they are
+clipped and applied. Horovod stops at Keras 2; this is built for Keras 3.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import keras
+
+from .. import (  # noqa: F401  (re-exported: the Horovod API)
+    Adasum, Average, Compression, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp, Sum,
+    allgather, allgather_object, allreduce, alltoall, barrier, broadcast, broadcast_object,
+    broadcast_variables, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
+    grouped_allreduce, init, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+    mpi_threads_supported, nccl_built, rank, reducescatter, rocm_built, shutdown, size,
+)
+from .. import _reduce_gradients, check_op
+from . import callbacks  # noqa: F401
+
+
+class _DistributedOptimizer:
+    """Mixed in before the wrapped optimizer's own class (see ``DistributedOptimizer``)."""
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        # A variable without a gradient on this rank takes part with zeros: Keras would
+        # otherwise drop it here and the ranks would reduce different lists.
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        grads = [keras.ops.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
+        return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    def _clip_gradients(self, grads: Any) -> Any:
+        # Keras calls this once per update, with the final (accumulated, unscaled) gradients,
+        # before clipping: the one place where averaging over ranks belongs.
+        reduced = _reduce_gradients(grads, grads, self._mtrain_op, self._mtrain_predivide,
+                                    self._mtrain_compression, "DistributedOptimizer.gradients",
+                                    postscale=self._mtrain_postscale)
+        return super()._clip_gradients(reduced)  # type: ignore[misc]
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+                         device_dense: str = "", device_sparse: str = "",
+                         compression: type = Compression.none, sparse_as_dense: bool = False,
+                         gradient_predivide_factor: float = 1.0, op: Any = Average,
+                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                         num_groups: int = 0, groups: Any = None) -> keras.optimizers.Optimizer:
+    """Wrap a Keras 3 optimizer so that gradients are averaged over all ranks before being applied.
+
+    Returns an optimizer of the same class and configuration (``isinstance`` holds;
+    a built optimizer's variables are carried over). ``backward_passes_per_step=k``
+    accumulates k batches locally (Keras' own gradient accumulation) and reduces
+    once; as in Horovod the k gradients are summed unless
+    ``average_aggregated_gradients=True``. ``device_*``, ``sparse_as_dense``,
+    ``num_groups``, ``groups`` are accepted for Horovod compatibility.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.Optimizer), "
+                        f"got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    op = check_op(op, gradient_predivide_factor)
+    if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
+    config = optimizer.get_config()
+    if backward_passes_per_step > 1:
+        if config.get("gradient_accumulation_steps"):
+            raise ValueError("the optimizer already has gradient_accumulation_steps; set either that or "
+                             "backward_passes_per_step, not both")
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    if name is not None:
+        config["name"] = name
+    base = type(optimizer)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    wrapped = cls.from_config(config)
+    wrapped._mtrain_op = op
+    wrapped._mtrain_predivide = gradient_predivide_factor
+    wrapped._mtrain_compression = compression
+    summed = backward_passes_per_step > 1 and not average_aggregated_gradients
+    wrapped._mtrain_postscale = float(backward_passes_per_step) if summed else 1.0
+    if optimizer.built:  # keep the state of an optimizer that has already stepped
+        wrapped.build(optimizer._trainable_variables)
+        for mine, theirs in zip(wrapped.variables, optimizer.variables):
+            mine.assign(theirs)
+    return wrapped

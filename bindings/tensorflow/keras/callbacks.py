@@ -1,0 +1,120 @@
+"""Keras 3 callbacks with Horovod's names and arguments."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import keras
+import numpy as np
+
+import ringreduce as rr
+
+from .. import broadcast_variables
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Broadcast the model's and the optimizer's variables from ``root_rank`` when training starts.
+
+    Unlike Horovod (after the first batch), this runs before the first batch, so
+    the first step already starts from identical weights on every rank.
+    """
+
+    def __init__(self, root_rank: int, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if self.broadcast_done:
+            return
+        broadcast_variables(self.model.variables, self.root_rank)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            if not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
+            broadcast_variables(optimizer.variables, self.root_rank)
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """At the end of every epoch, replace each metric in ``logs`` by its average over all ranks.
+
+    Put it before callbacks that read the metrics (ModelCheckpoint, ReduceLROnPlateau, ...).
+    """
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if not logs:
+            return
+        names = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+        values = np.array([float(logs[k]) for k in names], dtype=np.float64)
+        averaged = rr.allreduce(values, op=rr.Average, name=f"MetricAverageCallback.{epoch}")
+        for key, value in zip(names, averaged.tolist()):
+            logs[key] = value
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` between ``start_epoch`` and ``end_epoch``.
+
+    ``multiplier`` is a number or a function of the (fractional, when not
+    ``staircase``) epoch. ``momentum_correction`` is accepted for Horovod
+    compatibility; Keras 3 compiles momentum as a constant, so it is not adjusted.
+    """
+
+    def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
+                 start_epoch: int = 0, end_epoch: Optional[int] = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None) -> None:
+        super().__init__()
+        self.initial_lr = initial_lr
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
+        self.start_epoch, self.end_epoch = start_epoch, end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+
+    def _active(self, epoch: int) -> bool:
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _set(self, epoch: float) -> None:
+        self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.staircase and not self.steps_per_epoch:
+            raise ValueError(f"{type(self).__name__} needs steps_per_epoch when Keras cannot tell "
+                             "the number of steps (pass steps_per_epoch=...)")
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self.current_epoch = epoch
+        if self._active(epoch) and self.staircase:
+            self._set(epoch)
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self._active(self.current_epoch) and not self.staircase:
+            self._set(self.current_epoch + batch / self.steps_per_epoch)
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``,
+    batch by batch (Goyal et al., "Accurate, Large Minibatch SGD"), as Horovod's callback."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: Optional[int] = None, verbose: int = 0) -> None:
+        if warmup_epochs <= 0:
+            raise ValueError(f"warmup_epochs must be positive, got {warmup_epochs!r}")
+        self.warmup_epochs, self.verbose = warmup_epochs, verbose
+
+        def multiplier(epoch: float) -> float:
+            n = rr.size()
+            return 1.0 / n * (epoch * (n - 1) / warmup_epochs + 1)
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if epoch == self.end_epoch - 1:
+            self.model.optimizer.learning_rate = self.initial_lr  # exactly, not the last batch's ramp value
+            if self.verbose > 0 and rr.rank() == 0:
+                print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
