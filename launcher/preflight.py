@@ -53,6 +53,8 @@ def probe_host(host: str, options: SshOptions, python: str, version: str, timeou
         client = ssh.connect(host, options, timeout=timeout)
     except ssh.SshError as error:
         return HostReport(host, str(error))
+    except Exception as error:  # a report line, never a traceback from a worker thread
+        return HostReport(host, f"host {host}: cannot connect: {type(error).__name__}: {error}")
     try:
         local_address = client.get_transport().sock.getsockname()[0]
         status, out, err = ssh.run_command(client, f"{shlex.quote(python)} -c {shlex.quote(PROBE)}", timeout)

@@ -140,3 +140,16 @@ def test_stopping_mtrain_leaves_nothing(sig):
     if sig != signal.SIGKILL:
         assert proc.returncode == 128 + sig
     assert_gone(token, within=10)
+
+
+def test_check_reports_mpi_and_frameworks():
+    done = subprocess.run([PYTHON, "-m", "launcher.cli", "check"], capture_output=True, text=True,
+                          timeout=200, env=env())
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("openmpi launcher ") or lines[0].startswith("mpich launcher ")
+    assert any(l.startswith("mpi4py uses: ") for l in lines)
+    assert any(l.startswith("CUDA-aware MPI: ") for l in lines)
+    for name in ("numpy", "cupy", "torch", "tensorflow"):
+        assert any(l.startswith(f"{name}: ") for l in lines), name
+    assert lines[-1].startswith("GPUs: ")
