@@ -148,6 +148,7 @@ class Request:
     submitted: float = 0.0
     state: str = "unreported"  # -> "reported" (coordinator knows) or "cached" (bit set)
     signature: tuple = ()  # what every rank must agree on; set once by make_request
+    bit: int = -1  # response-cache bit while state == "cached"
 
     def meta(self) -> tuple:
         """What every rank must agree on for this name."""
@@ -276,12 +277,14 @@ class Engine:
         mine = np.zeros(words + 1, dtype=np.uint64)
         control = 0
         for request in self._pending.values():
-            if request.state == "unreported" and self._cache.lookup(request.name, request.signature) >= 0:
+            if request.state == "unreported":
+                request.bit = self._cache.lookup(request.name, request.signature)
+                if request.bit < 0:
+                    control |= CONTROL_UNREPORTED
+                    continue
                 request.state = "cached"
             if request.state == "cached":
-                set_bit(mine, self._cache.lookup(request.name, request.signature))
-            elif request.state == "unreported":
-                control |= CONTROL_UNREPORTED
+                set_bit(mine, request.bit)
         if closing:
             control |= CONTROL_SHUTDOWN
         if self._stall_check_next:
