@@ -1,29 +1,65 @@
-"""Array helpers the collectives need, one backend per kind of memory.
+"""Array helpers and transfers the collectives need, one backend per kind of memory.
 
-The ring (``ring.py``) is written once against this small interface; the only
-thing that differs between host and device memory is how a buffer is created,
-reduced, scaled, copied and made ready for MPI. A CuPy backend implements the
-same methods for device buffers.
+The ring (``ring.py``) is written once against this small interface. What
+differs between host and device memory lives here:
+
+* array helpers: how a buffer is created, reduced, scaled, copied;
+* transfers: how a piece of a buffer reaches MPI (``isend``, ``irecv``,
+  ``wait_all``, ``allgather``, ``bcast``).
+
+``NumpyBackend`` hands host views straight to MPI. ``DeviceBackend`` does the
+same with device buffers for a CUDA-aware MPI, synchronizing the stream first
+(mpi4py does not). ``StagedBackend`` moves device buffers through reusable
+pinned host buffers: each device-to-host copy is queued on the stream with an
+event, and MPI touches a staging buffer only after the event of the copy that
+fills (or empties) it has completed; later copies run while earlier segments
+are on the wire. Both device backends take a ``Device`` (``cuda.CupyDevice``
+on a GPU; a NumPy stand-in in the tests), so the staging logic is the same code
+with or without a GPU.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Protocol, Sequence, Union
 
 import numpy as np
+from mpi4py import MPI
 
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
 
-_REDUCERS = {
-    Sum: np.add,
-    Average: np.add,  # averaging divides once after the sum (see ring.allreduce)
-    Min: np.minimum,
-    Max: np.maximum,
-    Product: np.multiply,
+# Reductions by ufunc name, so one table serves NumPy and CuPy.
+_REDUCER_NAMES = {
+    Sum: "add",
+    Average: "add",  # averaging divides once after the sum (see ring.allreduce)
+    Min: "minimum",
+    Max: "maximum",
+    Product: "multiply",
 }
+_REDUCERS = {op: getattr(np, name) for op, name in _REDUCER_NAMES.items()}
+
+
+def _reduce(xp: Any, dst: Any, src: Any, op: ReduceOp) -> None:
+    if dst.dtype == np.bool_ and op in (Min, Max):
+        (xp.logical_and if op == Min else xp.logical_or)(dst, src, out=dst)
+        return
+    getattr(xp, _REDUCER_NAMES[op])(dst, src, out=dst)
+
+
+def _scale(xp: Any, buf: Any, factor: float) -> None:
+    if buf.dtype.kind in "iu":
+        buf[...] = xp.floor(buf * np.float64(factor)).astype(buf.dtype)
+    else:
+        xp.multiply(buf, buf.dtype.type(factor), out=buf)
+
+
+def _divide(xp: Any, buf: Any, divisor: int) -> None:
+    if buf.dtype.kind in "iu":
+        xp.floor_divide(buf, divisor, out=buf)
+    else:
+        xp.true_divide(buf, buf.dtype.type(divisor), out=buf)
 
 
 class NumpyBackend:
-    """Host memory: NumPy arrays, reductions by NumPy ufuncs in place."""
+    """Host memory: NumPy arrays, reductions by NumPy ufuncs in place, MPI on the views."""
 
     name = "numpy"
 
@@ -67,19 +103,13 @@ class NumpyBackend:
         """buf *= factor in place; integers are scaled in float64 and floored."""
         if factor == 1.0 or buf.size == 0:
             return
-        if buf.dtype.kind in "iu":
-            buf[...] = np.floor(buf * np.float64(factor)).astype(buf.dtype)
-        else:
-            np.multiply(buf, buf.dtype.type(factor), out=buf)
+        _scale(np, buf, factor)
 
     def divide(self, buf: np.ndarray, divisor: int) -> None:
         """buf /= divisor in place (floor division for integers): the Average step."""
         if divisor == 1 or buf.size == 0:
             return
-        if buf.dtype.kind in "iu":
-            np.floor_divide(buf, divisor, out=buf)
-        else:
-            np.true_divide(buf, buf.dtype.type(divisor), out=buf)
+        _divide(np, buf, divisor)
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
@@ -91,16 +121,226 @@ class NumpyBackend:
     def ready_for_mpi(self) -> None:
         """Host memory is always ready; a device backend synchronizes its stream here."""
 
+    # -- transfers: host views go to MPI as they are, no copies -------------
+    def isend(self, comm: Any, views: "Sequence[np.ndarray]", dest: int, tag: int) -> list:
+        """Start sending each view (in order) to ``dest``; returns what ``wait_all`` takes."""
+        return [comm.Isend(view.view(np.uint8), dest, tag) for view in views]
+
+    def irecv(self, comm: Any, view: np.ndarray, source: int, tag: int, lane: int = 0) -> Any:
+        """Start receiving into ``view``. Receives in flight together use different ``lane``s."""
+        return comm.Irecv(view.view(np.uint8), source, tag)
+
+    def wait_all(self, pending: list) -> None:
+        """Complete sends and receives; received data is then in place for the next backend call."""
+        _waitall(pending)
+
+    def allgather(self, comm: Any, mine: np.ndarray, gathered: np.ndarray) -> None:
+        comm.Allgather(mine.view(np.uint8), gathered.view(np.uint8))
+
+    def bcast(self, comm: Any, buf: np.ndarray, root: int) -> None:
+        comm.Bcast(buf.view(np.uint8), root=root)
+
+
+_waitall = MPI.Request.Waitall
+
+
+# -- device memory ----------------------------------------------------------
+
+
+class Event(Protocol):
+    def synchronize(self) -> None: ...
+
+
+class Device(Protocol):
+    """What the device backends need from a device: its array module, one stream, pinned memory.
+
+    Every method that queues work puts it on the same stream, in call order.
+    """
+
+    xp: Any  # the array module of device arrays (cupy; numpy for the stand-in)
+
+    def empty(self, nbytes: int) -> Any: ...            # device bytes
+    def pinned(self, nbytes: int) -> np.ndarray: ...    # page-locked host bytes
+    def launch(self, fn: Callable, *args: Any) -> None: ...  # device work, queued
+    def to_host(self, dst: np.ndarray, src: Any) -> None: ...    # queue a byte copy
+    def to_device(self, dst: Any, src: np.ndarray) -> None: ...  # queue a byte copy
+    def record(self) -> Event: ...                      # an event after all work queued so far
+    def synchronize(self) -> None: ...                  # wait for all queued work
+
+
+class DeviceBackend:
+    """Device memory, handed to a CUDA-aware MPI directly (after a stream synchronize)."""
+
+    def __init__(self, device: Device, name: str) -> None:
+        self.device = device
+        self.xp = device.xp
+        self.name = name
+        self._scratch: dict = {}
+
+    def owns(self, array: Any) -> bool:
+        return isinstance(array, self.xp.ndarray)
+
+    def empty(self, count: int, dtype: np.dtype) -> Any:
+        return self.xp.empty(count, dtype=dtype)
+
+    def flatten(self, array: Any) -> "tuple[Any, bool]":
+        if array.flags.c_contiguous:
+            return array.reshape(-1), False
+        return self.xp.ascontiguousarray(array).reshape(-1), True
+
+    def scratch(self, slot: "int | str", count: int, dtype: np.dtype) -> Any:
+        nbytes = count * np.dtype(dtype).itemsize
+        buf = self._scratch.get(slot)
+        if buf is None or buf.nbytes < nbytes:
+            # Work still queued may read the old buffer; the device allocator
+            # (CuPy's pool is stream-ordered) keeps it alive until then.
+            buf = self.device.empty(max(nbytes, 1))
+            self._scratch[slot] = buf
+        return buf[:nbytes].view(dtype)
+
+    def reduce_into(self, dst: Any, src: Any, op: ReduceOp) -> None:
+        self.device.launch(_reduce, self.xp, dst, src, op)
+
+    def scale(self, buf: Any, factor: float) -> None:
+        if factor != 1.0 and buf.size:
+            self.device.launch(_scale, self.xp, buf, factor)
+
+    def divide(self, buf: Any, divisor: int) -> None:
+        if divisor != 1 and buf.size:
+            self.device.launch(_divide, self.xp, buf, divisor)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        self.device.launch(self.xp.copyto, dst, src)
+
+    def as_bytes(self, buf: Any) -> Any:
+        return buf.view(np.uint8)
+
+    def ready_for_mpi(self) -> None:
+        """MPI reads device memory outside the stream: everything queued must be done first."""
+        self.device.synchronize()
+
+    # -- transfers: CUDA-aware MPI on device views ---------------------------
+    def isend(self, comm: Any, views: Sequence[Any], dest: int, tag: int) -> list:
+        self.ready_for_mpi()
+        return [comm.Isend(view.view(np.uint8), dest, tag) for view in views]
+
+    def irecv(self, comm: Any, view: Any, source: int, tag: int, lane: int = 0) -> Any:
+        # A queued reduction may still read this buffer (a scratch lane reused).
+        self.ready_for_mpi()
+        return comm.Irecv(view.view(np.uint8), source, tag)
+
+    def wait_all(self, pending: list) -> None:
+        _waitall(pending)
+
+    def allgather(self, comm: Any, mine: Any, gathered: Any) -> None:
+        self.ready_for_mpi()
+        comm.Allgather(mine.view(np.uint8), gathered.view(np.uint8))
+
+    def bcast(self, comm: Any, buf: Any, root: int) -> None:
+        self.ready_for_mpi()
+        comm.Bcast(buf.view(np.uint8), root=root)
+
+
+class _StagedReceive:
+    """An MPI receive into a pinned lane whose bytes still have to reach ``target`` on the device."""
+
+    __slots__ = ("request", "lane", "staging", "target")
+
+    def __init__(self, request: Any, lane: int, staging: np.ndarray, target: Any) -> None:
+        self.request, self.lane, self.staging, self.target = request, lane, staging, target
+
+
+class StagedBackend(DeviceBackend):
+    """Device memory for an MPI that only reads host memory: staged through pinned buffers.
+
+    Sends: all segments of a step are queued device→pinned at once, one event
+    each; segment k is handed to MPI as soon as its event completes, while the
+    copies of k+1… still run. Receives land in a pinned lane; ``wait_all``
+    queues the lane's pinned→device copy and records an event that the next
+    receive into that lane waits on. Pinned buffers grow on demand and are
+    reused, so steady-state training allocates nothing.
+    """
+
+    def __init__(self, device: Device, name: str) -> None:
+        super().__init__(device, name)
+        self._pinned: "dict[Any, np.ndarray]" = {}
+        self._lane_free: "dict[int, Event]" = {}  # lane -> event after the copy that empties it
+
+    def staging(self, key: Any, nbytes: int) -> np.ndarray:
+        """A reusable pinned byte buffer for ``key``; grown (never shrunk) on demand."""
+        buf = self._pinned.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.device.pinned(max(nbytes, 1))
+            self._pinned[key] = buf
+        return buf[:nbytes]
+
+    def ready_for_mpi(self) -> None:
+        """Staged: MPI never sees device memory; each transfer waits for its own copy event."""
+
+    def isend(self, comm: Any, views: Sequence[Any], dest: int, tag: int) -> list:
+        # The previous step's sends from this buffer were waited on by the ring
+        # (wait_all) before it asked for new ones, so the buffer is free.
+        staging = self.staging("send", sum(v.nbytes for v in views))
+        queued = []
+        offset = 0
+        for view in views:
+            piece = staging[offset:offset + view.nbytes]
+            self.device.to_host(piece, view.view(np.uint8))
+            queued.append((piece, self.device.record()))
+            offset += view.nbytes
+        requests = []
+        for piece, copied in queued:
+            copied.synchronize()  # this segment is in pinned memory; later copies keep running
+            requests.append(comm.Isend(piece, dest, tag))
+        return requests
+
+    def irecv(self, comm: Any, view: Any, source: int, tag: int, lane: int = 0) -> _StagedReceive:
+        emptied = self._lane_free.pop(lane, None)
+        if emptied is not None:
+            emptied.synchronize()  # the lane's last pinned→device copy has read its bytes
+        staging = self.staging(("recv", lane), view.nbytes)
+        return _StagedReceive(comm.Irecv(staging, source, tag), lane, staging, view)
+
+    def wait_all(self, pending: list) -> None:
+        _waitall([p.request if isinstance(p, _StagedReceive) else p for p in pending])
+        for p in pending:
+            if isinstance(p, _StagedReceive):
+                self.device.to_device(p.target.view(np.uint8), p.staging)
+                self._lane_free[p.lane] = self.device.record()
+
+    def allgather(self, comm: Any, mine: Any, gathered: Any) -> None:
+        send = self.staging("send", mine.nbytes)
+        self.device.to_host(send, mine.view(np.uint8))
+        self.device.record().synchronize()
+        received = self.staging("gather", gathered.nbytes)
+        comm.Allgather(send, received)
+        self.device.to_device(gathered.view(np.uint8), received)
+        # The next use of the "gather" buffer is by MPI on this thread: be done with it.
+        self.device.record().synchronize()
+
+    def bcast(self, comm: Any, buf: Any, root: int) -> None:
+        staging = self.staging("send", buf.nbytes)
+        if comm.Get_rank() == root:
+            self.device.to_host(staging, buf.view(np.uint8))
+            self.device.record().synchronize()
+        comm.Bcast(staging, root=root)
+        if comm.Get_rank() != root:
+            self.device.to_device(buf.view(np.uint8), staging)
+            self.device.record().synchronize()
+
+
+# What the collectives accept as a backend.
+Backend = Union[NumpyBackend, DeviceBackend]
 
 _NUMPY = NumpyBackend()
 
 
-def backend_for(array: Any) -> NumpyBackend:
+def backend_for(array: Any) -> Backend:
     """The backend that owns ``array``; TypeError for anything that is not an array we know."""
     if isinstance(array, np.ndarray):
         return _NUMPY
     if type(array).__module__.startswith("cupy"):
-        raise TypeError("CuPy arrays are not supported by this build of ringreduce yet; "
-                        "copy to host with cupy.asnumpy() first")
-    raise TypeError(f"expected a numpy.ndarray, got {type(array).__name__}; "
+        from . import cuda  # lazily: CuPy is imported only when a CuPy array shows up
+        return cuda.backend()
+    raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(array).__name__}; "
                     "wrap Python data with numpy.asarray() first")

@@ -38,16 +38,25 @@ For tiny buffers latency dominates: ``allreduce`` then gathers every rank's
 whole buffer (one MPI_Allgather) and each rank reduces the N copies in rank
 order, the same operations in the same order everywhere, so results are still
 bitwise identical across ranks.
+
+Every byte moves through the backend (``isend``, ``irecv``, ``wait_all``,
+``allgather``) and every reduction is ``backend.reduce_into``, so this file
+never asks where the buffer lives: host views go straight to MPI, device
+buffers go to a CUDA-aware MPI or through pinned staging buffers
+(``backend.py``). A receive names its ``lane`` (the scratch slot) so a staging
+backend can give receives in flight together their own pinned buffers.
 """
 from __future__ import annotations
 
 import collections
+from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
-from .backend import NumpyBackend
+from .backend import Backend
 from .ops import Average, ReduceOp
+
+Buffer = Any  # a 1-D contiguous NumPy or CuPy array, owned by the backend passed with it
 
 # Tuned on a 2-core VM with Open MPI 5 shared memory (see benchmarks/allreduce.py).
 DEFAULT_SEGMENT_BYTES = 1 << 20
@@ -65,7 +74,7 @@ def segment_bounds(count: int, parts: int, index: int) -> "tuple[int, int]":
     return start, start + base + (1 if index < extra else 0)
 
 
-def allreduce(comm: MPI.Comm, buf: np.ndarray, op: ReduceOp, backend: NumpyBackend,
+def allreduce(comm: MPI.Comm, buf: Buffer, op: ReduceOp, backend: Backend,
               segment_bytes: int = DEFAULT_SEGMENT_BYTES,
               small_bytes: int = DEFAULT_SMALL_BYTES) -> None:
     """Reduce ``buf`` (1-D, contiguous) in place across ``comm``; Average divides by N."""
@@ -90,7 +99,7 @@ def even_bounds(count: int, parts: int) -> "list[tuple[int, int]]":
     return [segment_bounds(count, parts, i) for i in range(parts)]
 
 
-def reduce_scatter(comm: MPI.Comm, buf: np.ndarray, op: ReduceOp, backend: NumpyBackend,
+def reduce_scatter(comm: MPI.Comm, buf: Buffer, op: ReduceOp, backend: Backend,
                    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                    bounds: "list[tuple[int, int]] | None" = None) -> None:
     """After this, buf[bounds[rank]] holds the reduction over all ranks.
@@ -108,15 +117,13 @@ def reduce_scatter(comm: MPI.Comm, buf: np.ndarray, op: ReduceOp, backend: Numpy
     for step in range(size - 1):
         slo, shi = bounds[(rank - step - 1) % size]
         rlo, rhi = bounds[(rank - step - 2) % size]
-        backend.ready_for_mpi()
-        sends = [comm.Isend(backend.as_bytes(buf[i:min(i + seg, shi)]), right, _TAG)
-                 for i in range(slo, shi, seg)]
+        sends = backend.isend(comm, [buf[i:min(i + seg, shi)] for i in range(slo, shi, seg)], right, _TAG)
         _receive_and_reduce(comm, left, buf, rlo, rhi, seg, scratch, op, backend)
-        MPI.Request.Waitall(sends)
+        backend.wait_all(sends)
 
 
-def _receive_and_reduce(comm: MPI.Comm, left: int, buf: np.ndarray, lo: int, hi: int, seg: int,
-                        scratch: list, op: ReduceOp, backend: NumpyBackend) -> None:
+def _receive_and_reduce(comm: MPI.Comm, left: int, buf: Buffer, lo: int, hi: int, seg: int,
+                        scratch: list, op: ReduceOp, backend: Backend) -> None:
     """Receive buf[lo:hi] from ``left`` segment by segment, reducing each into place."""
     starts = list(range(lo, hi, seg))
     in_flight: collections.deque = collections.deque()
@@ -125,20 +132,20 @@ def _receive_and_reduce(comm: MPI.Comm, left: int, buf: np.ndarray, lo: int, hi:
         slot = k % len(scratch)
         n = min(seg, hi - starts[k])
         target = scratch[slot][:n]
-        in_flight.append((comm.Irecv(backend.as_bytes(target), left, _TAG), target))
+        in_flight.append((backend.irecv(comm, target, left, _TAG, lane=slot), target))
 
     for k in range(min(len(scratch), len(starts))):
         post(k)
     for k, start in enumerate(starts):
         request, target = in_flight.popleft()
-        request.Wait()
+        backend.wait_all([request])
         backend.reduce_into(buf[start:start + target.size], target, op)
         if k + len(scratch) < len(starts):
             post(k + len(scratch))
 
 
-def allgather(comm: MPI.Comm, buf: np.ndarray, bounds: "list[tuple[int, int]]",
-              backend: NumpyBackend) -> None:
+def allgather(comm: MPI.Comm, buf: Buffer, bounds: "list[tuple[int, int]]",
+              backend: Backend) -> None:
     """Ring all-gather in place: rank r starts owning buf[bounds[r]], ends owning all of buf.
 
     ``bounds`` may give ranks pieces of different (even zero) length.
@@ -147,26 +154,22 @@ def allgather(comm: MPI.Comm, buf: np.ndarray, bounds: "list[tuple[int, int]]",
     if size == 1:
         return
     right, left = (rank + 1) % size, (rank - 1) % size
-    raw = backend.as_bytes(buf)
-    item = buf.itemsize
-    backend.ready_for_mpi()
     for step in range(size - 1):
         slo, shi = bounds[(rank - step) % size]
         rlo, rhi = bounds[(rank - step - 1) % size]
-        requests = []
+        pending = []
         if rhi > rlo:
-            requests.append(comm.Irecv(raw[rlo * item:rhi * item], left, _TAG))
+            pending.append(backend.irecv(comm, buf[rlo:rhi], left, _TAG))
         if shi > slo:
-            requests.append(comm.Isend(raw[slo * item:shi * item], right, _TAG))
-        MPI.Request.Waitall(requests)
+            pending += backend.isend(comm, [buf[slo:shi]], right, _TAG)
+        backend.wait_all(pending)
 
 
-def _gather_reduce(comm: MPI.Comm, buf: np.ndarray, op: ReduceOp, backend: NumpyBackend) -> None:
+def _gather_reduce(comm: MPI.Comm, buf: Buffer, op: ReduceOp, backend: Backend) -> None:
     """Small-buffer all-reduce: one all-gather, then the same rank-ordered reduction everywhere."""
     size = comm.Get_size()
     gathered = backend.scratch(SCRATCH_DEPTH, buf.size * size, buf.dtype)
-    backend.ready_for_mpi()
-    comm.Allgather(backend.as_bytes(buf), backend.as_bytes(gathered))
+    backend.allgather(comm, buf, gathered)
     rows = gathered.reshape(size, buf.size)
     backend.copy(buf, rows[0])
     for i in range(1, size):
