@@ -62,6 +62,9 @@ def init(comm: Any = None) -> None:
     small = _env_int("MTRAIN_SMALL_ALLREDUCE_BYTES", ring.DEFAULT_SMALL_BYTES)
     config = EngineConfig.from_environment()
     comms = comm_module.create(comm)
+    # GPU binding (issue 6): rank -> GPU local_rank % count; nothing at all without CuPy and a GPU.
+    from . import cuda
+    cuda.bind_device(comms.local.Get_rank())
     engine = Engine(Executor(comms.world, segment, small), comms.world.Dup(), config)
     _runtime = _Runtime(comms, engine)
     comm_module.install_abort_on_exception()
@@ -123,6 +126,8 @@ def _array(value: Any) -> np.ndarray:
         return value
     if isinstance(value, np.generic):  # a NumPy scalar: treat as a 0-d array
         return np.asarray(value)
+    if type(value).__module__.startswith("cupy"):  # device arrays (issue 6): the engine picks their backend
+        return value
     raise TypeError(f"expected a numpy.ndarray, got {type(value).__name__}; "
                     "wrap Python data with numpy.asarray() first")
 

@@ -1,0 +1,159 @@
+"""CuPy device buffers: the GPU side of ``backend.py``, imported only when a CuPy array shows up.
+
+* ``CupyDevice``: the ``backend.Device`` of a GPU. All work (reductions,
+  device↔pinned copies) is queued on the calling thread's *current* CuPy
+  stream, so it is ordered after the work that produced the buffer (the
+  engine's fusion packing, DLPack imports) and before the work that reads
+  the result, with no extra synchronization.
+* ``cuda_aware()``: whether MPI can read device memory (Open MPI's and MPICH's
+  ``MPIX_Query_cuda_support``, which mpi4py does not wrap; MTRAIN_CUDA_AWARE=0/1
+  overrides).
+* ``backend()``: the process-wide device backend, direct for a CUDA-aware MPI,
+  staged through pinned host memory otherwise.
+* ``bind_device(local_rank)``: one rank per GPU, called by ``init()``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from .backend import DeviceBackend, StagedBackend
+
+CUDA_AWARE_ENV = "MTRAIN_CUDA_AWARE"
+
+
+class CupyDevice:
+    """The current GPU through CuPy: its current stream, events, pinned memory."""
+
+    def __init__(self) -> None:
+        import cupy
+        import cupyx
+        self.xp = cupy
+        self._cupyx = cupyx
+        self._runtime = cupy.cuda.runtime
+
+    def _stream(self) -> Any:
+        return self.xp.cuda.get_current_stream()
+
+    def empty(self, nbytes: int) -> Any:
+        return self.xp.empty(nbytes, dtype=np.uint8)
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        # Page-locked, so cudaMemcpyAsync to and from it is truly asynchronous.
+        return self._cupyx.empty_pinned(nbytes, dtype=np.uint8)
+
+    def launch(self, fn: Callable, *args: Any) -> None:
+        fn(*args)  # CuPy kernels are queued on the current stream
+
+    def to_host(self, dst: np.ndarray, src: Any) -> None:
+        if dst.nbytes:
+            self._runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
+                                      self._runtime.memcpyDeviceToHost, self._stream().ptr)
+
+    def to_device(self, dst: Any, src: np.ndarray) -> None:
+        if src.nbytes:
+            self._runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
+                                      self._runtime.memcpyHostToDevice, self._stream().ptr)
+
+    def record(self) -> Any:
+        return self._stream().record()
+
+    def synchronize(self) -> None:
+        self._stream().synchronize()
+
+
+def query_cuda_support() -> "bool | None":
+    """MPIX_Query_cuda_support() of the loaded MPI library; None where it has no such function."""
+    from mpi4py import MPI
+    try:
+        # dlsym on the extension module also searches the MPI library it links.
+        query = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support", None)
+    except OSError:
+        return None
+    if query is None:
+        return None
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+def cuda_aware() -> bool:
+    """Whether device buffers may go to MPI directly: MTRAIN_CUDA_AWARE=0/1, else ask MPI."""
+    raw = os.environ.get(CUDA_AWARE_ENV, "").strip().lower()
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("0", "false", "no"):
+        return False
+    if raw:
+        raise ValueError(f"{CUDA_AWARE_ENV}={raw!r}: use 1 (MPI reads GPU memory), 0 (stage through "
+                         "host memory), or leave it unset to ask MPI")
+    return bool(query_cuda_support())
+
+
+_backend: "DeviceBackend | None" = None
+_lock = threading.Lock()
+
+
+def backend() -> DeviceBackend:
+    """The device backend for CuPy arrays, created once (its scratch and pinned buffers persist)."""
+    global _backend
+    with _lock:
+        if _backend is None:
+            device = CupyDevice()
+            _backend = (DeviceBackend(device, "cupy") if cuda_aware()
+                        else StagedBackend(device, "cupy"))
+        return _backend
+
+
+def gpu_count() -> int:
+    """Visible GPUs, or 0 without CuPy or a working driver (never raises, imports nothing heavy if absent)."""
+    import importlib.util
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, no device, a CUDA/CuPy mismatch: all mean "no GPU here"
+        return 0
+
+
+def choose_device(local_rank: int, count: int, environ: "dict[str, str]", already_current: bool) -> "int | None":
+    """The GPU for this rank: ``local_rank % count``, or None when the user already chose one.
+
+    The user chose when CUDA_VISIBLE_DEVICES names a single device (the launcher
+    or the user gave each rank its own) or a device was made current before init().
+    """
+    if count == 0 or already_current:
+        return None
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "")
+    if visible and "," not in visible:
+        return None
+    return local_rank % count
+
+
+def bind_device(local_rank: int) -> "int | None":
+    """Make GPU ``local_rank % count`` current for this process; returns it (None: left as it was)."""
+    count = gpu_count()
+    if count == 0:
+        return None
+    import cupy
+    chosen = choose_device(local_rank, count, dict(os.environ), _has_context())
+    if chosen is not None:
+        cupy.cuda.Device(chosen).use()
+        torch = sys.modules.get("torch")  # only if the user's program uses it: never import it here
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.set_device(chosen)
+    return chosen
+
+
+def _has_context() -> bool:
+    """Whether this thread already has a current CUDA context (a device was used before init())."""
+    try:
+        from cupy_backends.cuda.api import driver
+        return int(driver.ctxGetCurrent()) != 0  # NULL until a device has been used
+    except Exception:
+        return False
