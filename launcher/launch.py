@@ -18,7 +18,7 @@ from launcher.hosts import is_local, local_names
 
 def _log(config: LaunchConfig, message: str) -> None:
     if config.verbose:
-        print(f"mtrain: [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+        print(f"mtrain: [{_stamp()}] {message}", file=sys.stderr, flush=True)
 
 
 def cpus_per_host(config: LaunchConfig, remote_cpus: dict[str, int]) -> dict[str, int]:
@@ -126,3 +126,8 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
             return 2
         return supervise.run_job(argv, dict(os.environ), config.output_dir, config.verbose,
                                  events_path if agent else None)
+
+
+def _stamp() -> str:
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"

@@ -171,4 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (paramiko's threads): mtrain waits for its agents to end.
+    os._exit(status)

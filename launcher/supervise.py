@@ -116,7 +116,7 @@ class Job:
 
     def log(self, message: str) -> None:
         if self.verbose:
-            print(f"mtrain: [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+            print(f"mtrain: [{_stamp()}] {message}", file=sys.stderr, flush=True)
 
     def _read(self, pipe: IO[bytes], stream: IO[bytes], is_stderr: bool) -> None:
         for line in iter(pipe.readline, b""):
@@ -204,12 +204,14 @@ class Job:
                 self.log("job still running; killing everything it started")
                 kill_session(process.pid, signal.SIGKILL)
                 stop_sent_at = None
+        self.log(f"{os.path.basename(self.argv[0])} exited with status {process.returncode}")
         # Agents may outlive mpirun by a moment; they end on their own when their session does.
         if not wait_session_empty(process.pid, SESSION_DRAIN):
             kill_session(process.pid, signal.SIGKILL)
             wait_session_empty(process.pid, 1.0)
         for thread in readers:
             thread.join(timeout=2.0)
+        self.log("all processes of the job have ended")
         host_problems += reader.poll() if reader else []
         return self._outcome(process.returncode, host_problems)
 
@@ -304,3 +306,8 @@ def run_job(argv: Sequence[str], env: dict[str, str], output_dir: Path | None = 
     `events_path` is the file the SSH agents report connection problems to.
     """
     return Job(argv, env, output_dir, verbose, events_path).run()
+
+
+def _stamp() -> str:
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
