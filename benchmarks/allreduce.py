@@ -78,7 +78,13 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated implementations to run (default: all)")
     parser.add_argument("--no-gloo", action="store_true")
     parser.add_argument("--plot", help="write busbw vs size to this PNG")
+    parser.add_argument("--cupy", action="store_true",
+                        help="CuPy device buffers (ringreduce staged or CUDA-aware per MTRAIN_CUDA_AWARE; "
+                             "the memcpy row is a device-to-device copy)")
     args = parser.parse_args()
+    if args.cupy:
+        main_cupy(args)
+        return
 
     rr.init()
     comm = MPI.COMM_WORLD
@@ -129,6 +135,51 @@ def main() -> None:
             write_plot(rows, args.plot, n)
     if dist is not None:
         dist.destroy_process_group()
+
+
+def main_cupy(args: argparse.Namespace) -> None:
+    """The same table for CuPy buffers: ringreduce on the device vs a device-to-device copy."""
+    import cupy
+
+    from ringreduce import cuda
+    rr.init()  # binds this rank to its GPU
+    comm = MPI.COMM_WORLD
+    n, me = comm.Get_size(), comm.Get_rank()
+    bus_factor = 2 * (n - 1) / n if n > 1 else 1.0
+    stream = cupy.cuda.get_current_stream()
+    mode = "cuda-aware" if cuda.cuda_aware() else "staged"
+    rows = []
+    size = parse_size(args.min_bytes)
+    while size <= parse_size(args.max_bytes):
+        count = size // 4
+        data = (cupy.arange(count, dtype=cupy.float32) % 1000 + 1) * (me + 1) * cupy.float32(2.0 ** -100)
+        ring_buf, copy_dst = data.copy(), cupy.empty_like(data)
+
+        def ring_once() -> None:
+            rr.allreduce_(ring_buf, op=rr.Sum)
+            stream.synchronize()  # the ring queues its last copies: time until they land
+
+        def copy_once() -> None:
+            cupy.copyto(copy_dst, data)
+            stream.synchronize()
+
+        impls = {f"rr-{mode}": ring_once, "d2d-copy": copy_once}
+        if args.only:
+            impls = {k: v for k, v in impls.items() if any(k.startswith(o) for o in args.only.split(","))}
+        for name, fn in impls.items():
+            seconds = timed(comm, fn, size, args.budget, args.min_iters)
+            algbw = size / seconds / 1e9
+            rows.append((name, size, seconds, algbw, algbw * (1.0 if name == "d2d-copy" else bus_factor)))
+        del data, ring_buf, copy_dst
+        size *= 2
+    if me == 0:
+        print(f"# all-reduce, CuPy float32 on GPU {cupy.cuda.Device().id}, {n} ranks, transfers {mode}")
+        print("# busbw = algbw * 2(n-1)/n; d2d-copy row: every rank copies its buffer on its GPU at once")
+        print(f"{'size':>10} {'impl':>16} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
+        for name, nbytes, seconds, algbw, busbw in rows:
+            label = f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"
+            print(f"{label:>10} {name:>16} {seconds * 1e6:12.1f} {algbw:12.2f} {busbw:12.2f}")
+        sys.stdout.flush()
 
 
 def write_plot(rows: list, path: str, n: int) -> None:
