@@ -153,7 +153,7 @@ def bind_device(local_rank: int) -> "int | None":
 def _has_context() -> bool:
     """Whether this thread already has a current CUDA context (a device was used before init())."""
     try:
-        from cupy_backends.cuda.api import driver
-        return int(driver.ctxGetCurrent()) != 0  # NULL until a device has been used
+        import cupy
+        return int(cupy.cuda.driver.ctxGetCurrent()) != 0  # NULL until a device has been used
     except Exception:
         return False

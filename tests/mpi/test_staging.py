@@ -295,3 +295,25 @@ def test_checker_catches_broken_staging():
         broken_lane.irecv(checked, target, left, 7, lane=0)
     comm.Barrier()
     comm.Free()
+
+
+# -- pure pieces of the GPU path (no MPI job, no GPU) -----------------------
+
+def test_gpu_choice_respects_the_users_choice():
+    from ringreduce.cuda import choose_device
+    assert [choose_device(r, 2, {}, False) for r in range(4)] == [0, 1, 0, 1]
+    assert choose_device(3, 0, {}, False) is None                                 # no GPU: nothing to bind
+    assert choose_device(1, 1, {"CUDA_VISIBLE_DEVICES": "3"}, False) is None      # launcher gave one GPU
+    assert choose_device(1, 4, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, False) == 1
+    assert choose_device(1, 4, {}, already_current=True) is None                 # user picked before init()
+
+
+def test_cuda_aware_override(monkeypatch):
+    from ringreduce import cuda
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    assert cuda.cuda_aware() is True
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "0")
+    assert cuda.cuda_aware() is False
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "maybe")
+    with pytest.raises(ValueError, match="MTRAIN_CUDA_AWARE='maybe'"):
+        cuda.cuda_aware()
