@@ -185,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         click.echo("mtrain: interrupted", err=True)
         return 130
+    except Exception as error:  # a bug in mtrain: still one line, the traceback on request
+        if os.environ.get("MTRAIN_DEBUG"):
+            raise
+        click.echo(f"mtrain: internal error: {type(error).__name__}: {error} "
+                   "(rerun with MTRAIN_DEBUG=1 for the traceback, and please report it)", err=True)
+        return 1
     return 0
 
 

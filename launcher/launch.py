@@ -44,21 +44,12 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, remote_cpus: d
         yield_when_idle=oversubscribed, as_root=os.geteuid() == 0, extra_args=config.mpi_args)
 
 
-def _subnets(reports) -> tuple[str, ...]:
-    """Subnets our SSH connections left through; MPI traffic between hosts stays on them."""
-    from launcher.netif import subnet_of
-    found = {subnet_of(r.local_address) for r in reports if r.local_address}
-    if None in found:
-        return ()  # some host reached in a way we cannot name: fall back to the exclude list
-    return tuple(sorted(found))
-
-
-def _agent(config: LaunchConfig, directory: str, events_path: str) -> list[str]:
+def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str) -> list[str]:
     """The remote-shell program handed to mpirun, with its settings written beside it."""
     config_path = os.path.join(directory, "agent.json")
     identity = os.path.abspath(config.ssh.identity_file) if config.ssh.identity_file else None
     options = dataclasses.replace(config.ssh, identity_file=identity, connect_timeout=config.start_timeout)
-    ssh_agent.write_config(config_path, options, sys.executable, events_path)
+    ssh_agent.write_config(config_path, options, sys.executable, events_path, gate)
     words = [sys.executable, "-m", "launcher.ssh_agent", "--config", config_path]
     if config.mpi.kind != "mpich":
         return words
@@ -80,52 +71,76 @@ def print_plan(config: LaunchConfig, argv: list[str]) -> None:
 
 
 def launch(config: LaunchConfig, dry_run: bool = False) -> int:
-    """Run the job described by `config`; return mtrain's exit status."""
+    """Run the job described by `config`; return mtrain's exit status.
+
+    With remote hosts, mpirun starts right away and its agents connect while
+    the preflight runs, but they execute nothing on any host until the
+    preflight has passed (the agents' gate): the handshakes overlap instead
+    of adding up.
+    """
     from launcher import supervise
     with tempfile.TemporaryDirectory(prefix="mtrain-agent-") as scratch:
         agent = None
         events_path = os.path.join(scratch, "events")
+        gate = os.path.join(scratch, "gate")
         if config.remote_hosts:
             if dry_run and config.mpi.kind != "mpich":
                 # Printed for a human to rerun: no scratch config that vanishes when we exit
                 # (the agent then uses ~/.ssh/config and OpenSSH defaults).
                 agent = [sys.executable, "-m", "launcher.ssh_agent"]
             else:
-                agent = _agent(config, scratch, events_path)
-        remote_cpus: dict[str, int] = {}
-        subnets: tuple[str, ...] = ()
-        if dry_run:
-            try:
-                argv = build_job_argv(config, agent, remote_cpus)
-            except ValueError as error:
-                print(f"mtrain run: error: {error}", file=sys.stderr)
-                return 2
-            print_plan(config, argv)
-            return 0
-        if config.remote_hosts:
-            from launcher.preflight import run_preflight, slot_warnings
-            _log(config, f"preflight of {', '.join(config.remote_hosts)}")
-            reports = run_preflight(config.remote_hosts, config.ssh, sys.executable,
-                                    launcher.__version__, config.start_timeout)
-            errors = [r.error for r in reports.values() if r.error]
-            if errors:
-                for line in errors:
-                    print(f"mtrain: {line}", file=sys.stderr)
-                print(f"mtrain: preflight failed on {len(errors)} host(s); nothing was started",
-                      file=sys.stderr)
-                return 1
-            for line in slot_warnings(reports, {h.name: h.slots for h in config.plan}):
-                print(f"mtrain: warning: {line}", file=sys.stderr)
-            remote_cpus = {host: report.cpus for host, report in reports.items()}
-            subnets = _subnets(reports.values())
-            _log(config, f"preflight passed; hosts reached through {', '.join(subnets) or 'unknown subnets'}")
+                agent = _agent(config, scratch, events_path, gate)
+        subnets = _route_subnets(config) if config.remote_hosts and not config.network_interfaces else ()
         try:
-            argv = build_job_argv(config, agent, remote_cpus, subnets)
+            argv = build_job_argv(config, agent, {}, subnets)
         except ValueError as error:
             print(f"mtrain run: error: {error}", file=sys.stderr)
             return 2
+        if dry_run:
+            print_plan(config, argv)
+            return 0
+        if subnets:
+            _log(config, f"hosts are reached through {', '.join(subnets)}")
+        preflight = (lambda: _preflight(config)) if config.remote_hosts else None
         return supervise.run_job(argv, dict(os.environ), config.output_dir, config.verbose,
-                                 events_path if agent else None)
+                                 events_path if agent else None, preflight=preflight,
+                                 gate=gate if agent else None)
+
+
+def _preflight(config: LaunchConfig) -> bool:
+    """Check every remote host; print one line per failing host.  True when all passed."""
+    from launcher.preflight import run_preflight, slot_warnings
+    _log(config, f"preflight of {', '.join(config.remote_hosts)}")
+    reports = run_preflight(config.remote_hosts, config.ssh, sys.executable,
+                            launcher.__version__, config.start_timeout)
+    errors = [r.error for r in reports.values() if r.error]
+    for line in errors:
+        print(f"mtrain: {line}", file=sys.stderr)
+    if errors:
+        print(f"mtrain: preflight failed on {len(errors)} host(s); nothing was started", file=sys.stderr)
+        return False
+    for line in slot_warnings(reports, {h.name: h.slots for h in config.plan}):
+        print(f"mtrain: warning: {line}", file=sys.stderr)
+    _log(config, "preflight passed")
+    return True
+
+
+def _route_subnets(config: LaunchConfig) -> tuple[str, ...]:
+    """Subnets of our interfaces on the routes to the remote hosts; () if any is unknown."""
+    from launcher import ssh
+    from launcher.netif import source_address, subnet_of
+    found = set()
+    for host in config.remote_hosts:
+        try:
+            target = ssh.resolve(host, config.ssh)
+        except ssh.SshError:
+            return ()  # the preflight will say what is wrong with this host
+        address = source_address(target.hostname, target.port)
+        subnet = subnet_of(address) if address else None
+        if subnet is None:
+            return ()  # some host reached in a way we cannot name: fall back to the exclude list
+        found.add(subnet)
+    return tuple(sorted(found))
 
 
 def _stamp() -> str:

@@ -48,3 +48,14 @@ def subnet_of(address: str) -> str | None:
         if wanted in network and not network.is_loopback:
             return subnet
     return None
+
+
+def source_address(host: str, port: int = 22) -> str | None:
+    """Our address on the route to `host` (a UDP connect: the kernel picks the route, nothing is sent)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.connect(address)
+            return sock.getsockname()[0]
+    except (OSError, IndexError):
+        return None

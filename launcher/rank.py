@@ -80,6 +80,17 @@ class _Relay(threading.Thread):
         os.close(self.source)
 
 
+def child_environment(env, error_file: str) -> dict[str, str]:
+    """The rank's environment: ours, plus the error-file path and, on a host with more
+    ranks than cores, Open MPI's yield setting (busy-polling ranks starve each other)."""
+    child = dict(env)
+    child[ENV_ERROR_FILE] = error_file
+    local = child.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+    if local.isdigit() and int(local) > (os.cpu_count() or 1):
+        child.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    return child
+
+
 def _set_child_deathsig() -> None:
     # Runs in the child between fork and exec: if this wrapper is SIGKILLed, so is the rank.
     die_with_parent(signal.SIGKILL)
@@ -103,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     error_file = os.path.join(scratch, "error.json")
     try:
         child = subprocess.Popen(argv, stdout=out_write, stderr=err_write,
-                                 env=dict(os.environ, **{ENV_ERROR_FILE: error_file}),
+                                 env=child_environment(os.environ, error_file),
                                  start_new_session=True, preexec_fn=_set_child_deathsig)
     except OSError as error:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -38,25 +38,48 @@ _FLAGS = {"-x", "-X", "-q", "-T", "-t", "-tt", "-n", "-a", "-A", "-4", "-6", "-C
 _WITH_VALUE = {"-o", "-l", "-p", "-i", "-F", "-E"}
 
 
-def write_config(path: str, options: SshOptions, python: str, events_path: str | None) -> None:
-    """Write the agent's settings for `--config` (done by the launcher before mpirun starts)."""
+GATE_OPEN, GATE_CLOSED = ".go", ".abort"
+
+
+def write_config(path: str, options: SshOptions, python: str, events_path: str | None,
+                 gate: str | None = None) -> None:
+    """Write the agent's settings for `--config` (done by the launcher before mpirun starts).
+
+    With `gate`, the agent connects and authenticates at once but runs nothing
+    until the file `gate + ".go"` exists (`gate + ".abort"`: give up quietly);
+    that lets mpirun and the SSH handshakes start while the preflight runs.
+    """
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"port": options.port, "identity_file": options.identity_file,
                    "accept_new_hosts": options.accept_new_hosts,
                    "connect_timeout": options.connect_timeout, "python": python,
-                   "events": events_path}, handle)
+                   "events": events_path, "gate": gate}, handle)
 
 
-def read_config(path: str | None) -> tuple[SshOptions, str, str | None]:
-    """(SSH options, remote Python, events file) from a `--config` file; defaults without one."""
+def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | None]:
+    """(SSH options, remote Python, events file, gate) from a `--config` file; defaults without one."""
     if not path:
-        return SshOptions(), sys.executable, None
+        return SshOptions(), sys.executable, None, None
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     options = SshOptions(port=data.get("port"), identity_file=data.get("identity_file"),
                          accept_new_hosts=bool(data.get("accept_new_hosts")),
                          connect_timeout=float(data.get("connect_timeout", 30)))
-    return options, data.get("python") or sys.executable, data.get("events")
+    return options, data.get("python") or sys.executable, data.get("events"), data.get("gate")
+
+
+def wait_for_gate(gate: str | None, timeout: float, stop: threading.Event) -> bool:
+    """True once the launcher opens the gate (or there is none); False if it closes or never opens."""
+    if gate is None:
+        return True
+    deadline = time.monotonic() + timeout
+    while not stop.is_set() and time.monotonic() < deadline:
+        if os.path.exists(gate + GATE_OPEN):
+            return True
+        if os.path.exists(gate + GATE_CLOSED):
+            return False
+        time.sleep(0.01)
+    return False
 
 
 def split_arguments(argv: list[str]) -> tuple[str, list[str], int | None]:
@@ -106,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         config_path, argv = argv[1], argv[2:]
     try:
         host, words, port = split_arguments(argv)
-        options, python, events_path = read_config(config_path)
+        options, python, events_path, gate = read_config(config_path)
     except (ValueError, OSError) as error:
         print(f"mtrain-agent: {error}; usage: python -m launcher.ssh_agent [--config FILE] HOST COMMAND…",
               file=sys.stderr)
@@ -122,11 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     from launcher import ssh  # paramiko is imported only once we know we need it
     if port is not None:
         options = SshOptions(port, options.identity_file, options.accept_new_hosts, options.connect_timeout)
+    # Accepting new host keys writes known_hosts: leave that to the preflight alone.
+    if options.accept_new_hosts and not wait_for_gate(gate, options.connect_timeout, stop):
+        return 255
     try:
         client = ssh.connect(host, options)
     except ssh.SshError as error:
-        events.emit(events_path, "connect-failed", host, str(error))
-        print(f"mtrain-agent: {error}", file=sys.stderr)
+        # The preflight reports this host itself; speak only if it somehow let the job go on.
+        if wait_for_gate(gate, options.connect_timeout, stop):
+            events.emit(events_path, "connect-failed", host, str(error))
+            print(f"mtrain-agent: {error}", file=sys.stderr)
+        return 255
+    if not wait_for_gate(gate, options.connect_timeout, stop):
+        client.close()
         return 255
     transport = client.get_transport()
     try:

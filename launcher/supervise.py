@@ -23,11 +23,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from launcher.events import EventReader
 from launcher.process_tools import die_with_parent, exit_code, signal_name
 from launcher.rank import EXIT_MARKER
+from launcher.ssh_agent import GATE_CLOSED, GATE_OPEN
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
 LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead daemon: shorter wait
@@ -105,9 +106,11 @@ class Job:
     """One running mpirun and what we learn about it."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], output_dir: Path | None,
-                 verbose: bool, events_path: str | None) -> None:
+                 verbose: bool, events_path: str | None, preflight: Callable[[], bool] | None = None,
+                 gate: str | None = None) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
-        self.events_path = events_path
+        self.events_path, self.preflight, self.gate = events_path, preflight, gate
+        self.quiet = False
         self.sink = _OutputSink(output_dir)
         self.records: list[RankExit] = []
         self.launcher_tail: list[str] = []
@@ -127,6 +130,8 @@ class Job:
                 if not before.strip():
                     continue
                 line = before + b"\n"
+            if self.quiet:
+                continue
             if not _PREFIX.match(line):
                 with self.lock:
                     self.launcher_tail = (self.launcher_tail + [line.decode(errors="replace").rstrip()])[-20:]
@@ -172,6 +177,8 @@ class Job:
                    threading.Thread(target=self._read, args=(process.stderr, sys.stderr.buffer, True), daemon=True)]
         for thread in readers:
             thread.start()
+        if self.preflight is not None and not self._pass_gate(process):
+            return 1
         host_problems: list[dict] = []
         stop_reason: str | None = None
         stop_sent_at: float | None = None
@@ -214,6 +221,23 @@ class Job:
         self.log("all processes of the job have ended")
         host_problems += reader.poll() if reader else []
         return self._outcome(process.returncode, host_problems)
+
+    def _pass_gate(self, process: subprocess.Popen) -> bool:
+        """Run the preflight while mpirun's agents connect; open or close their gate."""
+        passed = self.preflight()
+        if passed:
+            open(self.gate + GATE_OPEN, "w").close()
+            return True
+        # Nothing ran anywhere: the agents only connected.  Silence mpirun's complaints.
+        self.quiet = True
+        kill_session(process.pid, signal.SIGKILL)
+        open(self.gate + GATE_CLOSED, "w").close()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        wait_session_empty(process.pid, 2.0)
+        return False
 
     def _outcome(self, mpirun_status: int, host_problems: list[dict]) -> int:
         records = list(self.records)
@@ -300,12 +324,14 @@ def wait_session_empty(session: int, timeout: float) -> bool:
 
 
 def run_job(argv: Sequence[str], env: dict[str, str], output_dir: Path | None = None,
-            verbose: bool = False, events_path: str | None = None) -> int:
+            verbose: bool = False, events_path: str | None = None,
+            preflight: Callable[[], bool] | None = None, gate: str | None = None) -> int:
     """Run the launcher argv as one supervised job; return mtrain's exit status.
 
-    `events_path` is the file the SSH agents report connection problems to.
+    `events_path` is the file the SSH agents report connection problems to;
+    `preflight` runs once mpirun has started and opens the agents' `gate` when it passes.
     """
-    return Job(argv, env, output_dir, verbose, events_path).run()
+    return Job(argv, env, output_dir, verbose, events_path, preflight, gate).run()
 
 
 def _stamp() -> str:

@@ -1,10 +1,13 @@
 """Pure pieces of the agent and the supervisor."""
+import os
 import shlex
+import threading
 
 import pytest
 
 from launcher.config import SshOptions
-from launcher.ssh_agent import read_config, remote_command, split_arguments, write_config
+from launcher.rank import child_environment, read_error_file
+from launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
 from launcher.supervise import RankExit, first_failure
 
 
@@ -28,8 +31,40 @@ def test_agent_command_drops_daemonize_and_quotes_for_the_guard():
 
 def test_agent_config_round_trip(tmp_path):
     path = str(tmp_path / "agent.json")
-    write_config(path, SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events")
-    assert read_config(path) == (SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events")
+    write_config(path, SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events", "/tmp/gate")
+    assert read_config(path) == (SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events", "/tmp/gate")
+    assert read_config(None)[2:] == (None, None)
+
+
+def test_gate_opens_closes_and_times_out(tmp_path):
+    stop = threading.Event()
+    gate = str(tmp_path / "gate")
+    assert wait_for_gate(None, 0.1, stop)
+    assert not wait_for_gate(gate, 0.2, stop)  # never opened: bounded wait, then no
+    open(gate + ".abort", "w").close()
+    assert not wait_for_gate(gate, 5, stop)
+    other = str(tmp_path / "other")
+    threading.Timer(0.1, lambda: open(other + ".go", "w").close()).start()
+    assert wait_for_gate(other, 5, stop)
+
+
+def test_rank_environment_yields_only_when_oversubscribed():
+    cores = os.cpu_count() or 1
+    busy = child_environment({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cores + 1)}, "/e")
+    assert busy["OMPI_MCA_mpi_yield_when_idle"] == "1" and busy["MTRAIN_ERROR_FILE"] == "/e"
+    calm = child_environment({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cores)}, "/e")
+    assert "OMPI_MCA_mpi_yield_when_idle" not in calm
+    kept = child_environment({"OMPI_COMM_WORLD_LOCAL_SIZE": "999", "OMPI_MCA_mpi_yield_when_idle": "0"}, "/e")
+    assert kept["OMPI_MCA_mpi_yield_when_idle"] == "0"  # the user's choice wins
+
+
+def test_error_file_is_read_defensively(tmp_path):
+    path = tmp_path / "e.json"
+    assert read_error_file(str(path)) == {}
+    path.write_text("not json")
+    assert read_error_file(str(path)) == {}
+    path.write_text('{"time": 5, "cause": "peer", "message": "line one\\nline two", "x": 1}')
+    assert read_error_file(str(path)) == {"time": 5.0, "cause": "peer", "message": "line one"}
 
 
 def _exit(rank, code, stopped, time):
