@@ -258,9 +258,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
         splits = splits.tolist()
 
     def finish(result: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        array, received = result if isinstance(result, tuple) else (result, None)
-        received = None if received is None else torch.as_tensor(np.asarray(received), dtype=torch.int32)
-        return _from_numpy(array), received
+        array, received = result
+        return _from_numpy(array), torch.as_tensor(np.asarray(received), dtype=torch.int32)
     return Handle(start("alltoall", _numpy_view(_check_cpu(tensor)), splits, name), finish)
 
 

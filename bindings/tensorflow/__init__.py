@@ -19,7 +19,7 @@ from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
 )
 
 from .. import compression as _compression
-from ..handles import start, synchronize as _synchronize
+from ..handles import start
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min", "MismatchError",
@@ -124,8 +124,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
 
 
 def _synchronize_inner(inner: Any) -> Any:
-    from ..handles import Handle
-    return _synchronize(Handle(inner, lambda result: result))
+    return rr.synchronize(inner)
 
 
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",
@@ -197,18 +196,11 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
     splits_tensor = tf.cast(tf.convert_to_tensor(splits if given else [], dtype=tf.int64), tf.int32)
 
     def fn(a: np.ndarray, s: np.ndarray) -> List[np.ndarray]:
-        received, received_splits = _synchronize_inner(
-            start("alltoall", _c(a), s.tolist() if given else None, name)) \
-            if hasattr(rr, "alltoall_async") else _alltoall_sync(a, s.tolist() if given else None, name)
-        return [received, np.asarray(received_splits if received_splits is not None else [], dtype=np.int32)]
+        received, received_splits = _synchronize_inner(start("alltoall", _c(a), s.tolist() if given else None, name))
+        return [received, np.asarray(received_splits, dtype=np.int32)]
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tensor.shape
     received, received_splits = _call(fn, [tensor, splits_tensor], [tensor.dtype, tf.int32], [shape, [None]])
     return (received, received_splits) if given else received
-
-
-def _alltoall_sync(array: np.ndarray, splits: Any, name: Optional[str]) -> Any:
-    out = rr.alltoall(_c(array), splits, name)
-    return out if isinstance(out, tuple) else (out, None)
 
 
 # -- DistributedGradientTape ---------------------------------------------------

@@ -20,6 +20,16 @@ from .. import (  # noqa: F401  (re-exported: the Horovod API)
 from .. import _reduce_gradients, check_op
 from . import callbacks  # noqa: F401
 
+__all__ = [
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "MismatchError",
+    "NotInitializedError", "Product", "ReduceOp", "Sum", "allgather", "allgather_object", "allreduce",
+    "alltoall", "barrier", "broadcast", "broadcast_object", "broadcast_variables", "callbacks", "cross_rank",
+    "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank", "local_size",
+    "mpi_threads_supported", "rank", "reducescatter", "shutdown", "size",
+    "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
+    "nccl_built", "rocm_built",
+]
+
 
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's own class (see ``DistributedOptimizer``)."""

@@ -1,7 +1,7 @@
 """Keras 3 callbacks with Horovod's names and arguments."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import keras
 import numpy as np
