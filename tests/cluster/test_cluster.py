@@ -192,3 +192,14 @@ def test_cut_link_ends_the_job_naming_the_host(cluster, tmp_path, token):
     assert job.proc.returncode == 255, err
     assert "host mtr-b: lost the SSH connection" in err
     assert elapsed < 30
+
+
+def test_launcher_host_plus_remote_hosts_from_a_hostfile(cluster, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# this machine, then two namespace hosts\nlocalhost slots=1\n\nmtr-a slots=2\nmtr-b slots=2\n")
+    code = ("import socket; from mpi4py import MPI; c=MPI.COMM_WORLD; "
+            "print(c.rank, socket.gethostname() == 'mtr-a', socket.gethostname() == 'mtr-b', c.allreduce(c.rank))")
+    done = run_mtrain(cluster, "--hostfile", str(hostfile), "-np", "4", PYTHON, "-c", code, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines())
+    assert lines == ["0 False False 6", "1 True False 6", "2 True False 6", "3 False True 6"]
