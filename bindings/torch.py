@@ -7,6 +7,7 @@ refused with a clear error until the runtime's GPU path exists.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -50,7 +51,7 @@ def gloo_enabled() -> bool: return False
 def nccl_built() -> bool: return False
 def ddl_built() -> bool: return False
 def ccl_built() -> bool: return False
-def cuda_built() -> bool: return False
+def cuda_built() -> bool: return importlib.util.find_spec("cupy") is not None
 def rocm_built() -> bool: return False
 
 
@@ -64,13 +65,14 @@ def _bfloat16() -> Any:
     return ml_dtypes.bfloat16
 
 
-def _check_cpu(tensor: Any, what: str = "tensor") -> torch.Tensor:
+def _check_tensor(tensor: Any, what: str = "tensor") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor as {what}, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise NotImplementedError(
-            f"{what} is on {tensor.device}: mtrain's GPU path (DLPack to CuPy) is not there yet; "
-            "move the tensor to the CPU (tensor.cpu()) or train on CPU")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"{what} is on {tensor.device}: mtrain supports CPU and CUDA tensors")
+    if tensor.is_cuda and not cuda_built():
+        raise NotImplementedError(f"{what} is a CUDA tensor: mtrain's GPU path needs CuPy; "
+                                  "pip install 'mtrain[cuda12]' (or [cuda13] for CUDA 13)")
     if tensor.is_sparse:
         raise NotImplementedError(f"{what} is sparse: only dense tensors are supported; call .to_dense() first")
     return tensor
@@ -79,12 +81,20 @@ def _check_cpu(tensor: Any, what: str = "tensor") -> torch.Tensor:
 def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's own memory as a NumPy array (tensor must be contiguous for writes to land)."""
     tensor = tensor.detach()
+    if tensor.is_cuda:  # a CuPy view of the same device memory, no copy
+        if tensor.dtype == torch.bfloat16:
+            raise TypeError("bfloat16 CUDA tensors are not supported (CuPy has no bfloat16); "
+                            "cast to float16 or float32 first")
+        import cupy
+        return cupy.from_dlpack(tensor)
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(_bfloat16())
     return tensor.numpy()
 
 
 def _from_numpy(array: np.ndarray) -> torch.Tensor:
+    if type(array).__module__.startswith("cupy"):  # device result: back as a CUDA tensor, no copy
+        return torch.from_dlpack(array)
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
     if not array.flags.writeable:
@@ -119,7 +129,7 @@ def _inplace_buffer(tensor: torch.Tensor) -> Tuple[np.ndarray, Any]:
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start an all-reduce of ``tensor`` into a new tensor; ``synchronize`` returns it."""
-    array = _numpy_view(_check_cpu(tensor))
+    array = _numpy_view(_check_tensor(tensor))
     inner = start("allreduce", array, _resolve_op(average, op), name, prescale_factor, postscale_factor)
     return Handle(inner, lambda result: _from_numpy(result).reshape(tensor.shape))
 
@@ -127,7 +137,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start an in-place all-reduce of ``tensor``; ``synchronize`` returns ``tensor``."""
-    buffer, land = _inplace_buffer(_check_cpu(tensor))
+    buffer, land = _inplace_buffer(_check_tensor(tensor))
     inner = start("allreduce_", buffer, _resolve_op(average, op), name, prescale_factor, postscale_factor)
     return Handle(inner, land)
 
@@ -137,7 +147,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over all ranks (default Average). Differentiable."""
     op = _resolve_op(average, op)
-    compressed, ctx = compression.compress(_check_cpu(tensor))
+    compressed, ctx = compression.compress(_check_tensor(tensor))
     if tensor.requires_grad and torch.is_grad_enabled():
         reduced = _AllreduceFunction.apply(compressed, op, name, prescale_factor, postscale_factor)
     else:
@@ -170,7 +180,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0) -> Handle:
     """Start all-reduces of several tensors as one unit; ``synchronize`` returns new tensors."""
-    arrays = [_numpy_view(_check_cpu(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    arrays = [_numpy_view(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inner = start("grouped_allreduce", arrays, _resolve_op(average, op), name, prescale_factor, postscale_factor)
     return Handle(inner, lambda results: [_from_numpy(r).reshape(t.shape) for r, t in zip(results, tensors)])
 
@@ -179,7 +189,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0) -> Handle:
     """In-place grouped all-reduce; ``synchronize`` returns the same tensors."""
-    pairs = [_inplace_buffer(_check_cpu(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    pairs = [_inplace_buffer(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inner = start("grouped_allreduce_", [b for b, _ in pairs], _resolve_op(average, op), name,
                   prescale_factor, postscale_factor)
     return Handle(inner, lambda results: [land(r) for (_, land), r in zip(pairs, results)])
@@ -189,7 +199,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       name: Optional[str] = None, compression: type = Compression.none, op: Any = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """New tensors: each of ``tensors`` reduced over all ranks, as one fused unit."""
-    compressed = [compression.compress(_check_cpu(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    compressed = [compression.compress(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     reduced = synchronize(grouped_allreduce_async([t for t, _ in compressed], average, name, op,
                                                   prescale_factor, postscale_factor))
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
@@ -204,7 +214,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 # -- other collectives --------------------------------------------------------
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
-    return Handle(start("allgather", _numpy_view(_check_cpu(tensor)), name), _from_numpy)
+    return Handle(start("allgather", _numpy_view(_check_tensor(tensor)), name), _from_numpy)
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
@@ -213,12 +223,12 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
-    return Handle(start("broadcast", _numpy_view(_check_cpu(tensor)), root_rank, name),
+    return Handle(start("broadcast", _numpy_view(_check_tensor(tensor)), root_rank, name),
                   lambda result: _from_numpy(result).reshape(tensor.shape))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
-    buffer, land = _inplace_buffer(_check_cpu(tensor))
+    buffer, land = _inplace_buffer(_check_tensor(tensor))
     return Handle(start("broadcast_", buffer, root_rank, name), land)
 
 
@@ -234,7 +244,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None)
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    array = _numpy_view(_check_cpu(tensor))
+    array = _numpy_view(_check_tensor(tensor))
     if prescale_factor != 1.0:
         array = array * np.asarray(prescale_factor, dtype=array.dtype)
 
@@ -248,7 +258,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: An
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: type = Compression.none,
                   op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over ranks, keep this rank's rows (the first ``rows % size`` ranks get one extra)."""
-    compressed, ctx = compression.compress(_check_cpu(tensor))
+    compressed, ctx = compression.compress(_check_tensor(tensor))
     reduced = synchronize(reducescatter_async(compressed, name, op, prescale_factor, postscale_factor))
     return compression.decompress(reduced, ctx)
 
@@ -260,7 +270,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     def finish(result: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         array, received = result
         return _from_numpy(array), torch.as_tensor(np.asarray(received), dtype=torch.int32)
-    return Handle(start("alltoall", _numpy_view(_check_cpu(tensor)), splits, name), finish)
+    return Handle(start("alltoall", _numpy_view(_check_tensor(tensor)), splits, name), finish)
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Any:
@@ -299,7 +309,7 @@ class _TensorSpec:
 
 def _skeleton(value: Any, tensors: List[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
-        tensors.append(_check_cpu(value, "optimizer state"))
+        tensors.append(_check_tensor(value, "optimizer state"))
         return _TensorSpec(value)
     if isinstance(value, dict):
         return {k: _skeleton(v, tensors) for k, v in value.items()}

@@ -119,7 +119,7 @@ class Executor:
             raise ValueError("reducescatter needs an array with at least one dimension to split")
         agree(self.comm, Kind.REDUCESCATTER, array, int(op), name=name,
               same=(_DTYPE, _OP, _SHAPE, _NDIM))
-        work = np.array(array, copy=True, order="C").reshape(-1)
+        work = array.copy(order="C").reshape(-1)
         row = math.prod(array.shape[1:])
         # Chunks fall on row boundaries: rank r's chunk is its share of the rows.
         row_bounds = ring.even_bounds(array.shape[0], self.size)
@@ -141,10 +141,10 @@ class Executor:
         firsts = [int(n) for n in records[:, _FIRST]]
         row = math.prod(array.shape[1:])
         offsets = np.concatenate([[0], np.cumsum(firsts)]).astype(int) * row
-        out = np.empty((sum(firsts),) + array.shape[1:], dtype=array.dtype)
+        out = backend.empty(sum(firsts) * row, array.dtype).reshape((sum(firsts),) + array.shape[1:])
         flat = out.reshape(-1)
         lo, hi = int(offsets[self.rank]), int(offsets[self.rank + 1])
-        flat[lo:hi] = np.ascontiguousarray(array).reshape(-1)
+        flat[lo:hi] = array.reshape(-1)
         bounds = [(int(offsets[r]), int(offsets[r + 1])) for r in range(self.size)]
         ring.allgather(self.comm, flat, bounds, backend)
         return out
@@ -158,15 +158,14 @@ class Executor:
         agree(self.comm, Kind.BROADCAST, array, root=root_rank, name=name,
               same=(_DTYPE, _SHAPE, _NDIM, _ROOT))
         if out is None:
-            out = np.array(array, copy=True, order="C")
+            out = array.copy(order="C")
         elif out is not array:
-            np.copyto(out, array)
+            backend.copy(out, array)
         flat, copied = backend.flatten(out)
         if flat.size:
-            backend.ready_for_mpi()
-            self.comm.Bcast(backend.as_bytes(flat), root=root_rank)
+            backend.bcast(self.comm, flat, root_rank)
         if copied:
-            np.copyto(out, flat.reshape(out.shape))
+            backend.copy(out, flat.reshape(out.shape))
         return out
 
     # -- all-to-all ---------------------------------------------------------
