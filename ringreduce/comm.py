@@ -10,6 +10,8 @@ import traceback
 # MULTIPLE by default, which also lets user code call MPI from its own threads.
 from mpi4py import MPI
 
+from . import errorfile
+
 
 @dataclasses.dataclass(frozen=True)
 class Communicators:
@@ -60,6 +62,8 @@ def install_abort_on_exception() -> None:
             previous_hook(kind, value, tb)
             return
         rank = MPI.COMM_WORLD.Get_rank()
+        # Tell the launcher whether this failure began here or was caused by a rank that left.
+        errorfile.record(f"{kind.__name__}: {value}", "peer" if getattr(value, "peers", None) else "own")
         text = "".join(traceback.format_exception(kind, value, tb))
         sys.stderr.write(f"mtrain: rank {rank} raised an uncaught exception; aborting the job\n{text}")
         sys.stderr.flush()

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from . import errorfile
 from .backend import NumpyBackend, backend_for
 from .collectives import Executor, Kind, MismatchError
 from .negotiation import (CONTROL_SHUTDOWN, CONTROL_STALL_CHECK, CONTROL_UNREPORTED, Coordinator,
@@ -48,7 +49,14 @@ FUSION_SLOT = "fusion"
 
 
 class ShutdownError(RuntimeError):
-    """The runtime shut down (here or on another rank) while the op was in flight."""
+    """The runtime shut down (here or on another rank) while the op was in flight.
+
+    ``peers`` lists the other ranks whose leaving caused it (empty: this rank's own shutdown).
+    """
+
+    def __init__(self, message: str, peers: "Sequence[int]" = ()) -> None:
+        super().__init__(message)
+        self.peers = list(peers)
 
 
 class StallError(RuntimeError):
@@ -205,6 +213,7 @@ class Engine:
         self._coordinator = (Coordinator(self._size, config.stall_warning_s, config.stall_shutdown_s)
                              if self._rank == 0 else None)
         self._stall_check_next = False
+        self._shutdown_error = ShutdownError("mtrain shut down while this op was in flight")
         self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
         self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
         self._thread.start()
@@ -254,8 +263,7 @@ class Engine:
         try:
             while self._cycle():
                 pass
-            self._fail_all(ShutdownError("mtrain shut down (on this or another rank) while this op was "
-                                         "in flight; synchronize every op before shutdown()"))
+            self._fail_all(self._shutdown_error)
         except BaseException as exc:  # a bug or an MPI failure: fail loudly, never hang the user
             traceback.print_exc()
             self._fail_all(EngineError(f"mtrain's background engine failed: {exc!r}"))
@@ -273,8 +281,11 @@ class Engine:
 
     def _cycle(self) -> bool:
         closing = self._take_incoming()
+        # The vector: cache bits | control word | "rank r is leaving" | "rank r has ops pending".
         words = self._cache.words
-        mine = np.zeros(words + 1, dtype=np.uint64)
+        rank_words = (self._size + 63) // 64
+        leaving_at, busy_at = words + 1, words + 1 + rank_words
+        mine = np.zeros(words + 1 + 2 * rank_words, dtype=np.uint64)
         control = 0
         for request in self._pending.values():
             if request.state == "unreported":
@@ -291,9 +302,14 @@ class Engine:
             control |= CONTROL_STALL_CHECK
             self._stall_check_next = False
         mine[words] = np.uint64(control)
+        if closing:
+            set_bit(mine[leaving_at:busy_at], self._rank)
+        if self._pending:
+            set_bit(mine[busy_at:], self._rank)
         everywhere, anywhere = self._and_or(mine)
         agreed_control = int(anywhere[words])
         if agreed_control & CONTROL_SHUTDOWN:
+            self._note_shutdown(bits_of(anywhere[leaving_at:busy_at]), bits_of(anywhere[busy_at:]))
             return False
         ready = [self._cache.names[b] for b in bits_of(everywhere[:words])]
         partial = [self._cache.names[b] for b in bits_of(anywhere[:words] & ~everywhere[:words])]
@@ -318,6 +334,21 @@ class Engine:
         if ready:
             self._execute([self._pending.pop(name) for name in ready])
         return True
+
+    def _note_shutdown(self, leaving: "list[int]", busy: "list[int]") -> None:
+        """Say who left while whose ops were in flight: in errors, and to the launcher."""
+        stranded = [r for r in busy if r not in leaving]
+        others = [r for r in leaving if r != self._rank]
+        if self._rank in leaving:
+            message = "mtrain shut down on this rank while this op was in flight; synchronize every op first"
+            if stranded:
+                errorfile.record(f"rank {self._rank} left the job (shutdown() or process exit) while "
+                                 f"rank(s) {stranded} still had ops in flight", "own")
+            self._shutdown_error = ShutdownError(message)
+        else:
+            self._shutdown_error = ShutdownError(
+                f"rank(s) {others} left the job (shutdown() or process exit) while this op was in flight; "
+                f"every rank must submit the same ops before leaving", peers=others)
 
     def _and_or(self, mine: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
         """Bitwise AND and OR of every rank's vector, from one BAND all-reduce of (x, ~x)."""

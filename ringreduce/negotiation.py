@@ -79,9 +79,9 @@ def set_bit(words: np.ndarray, bit: int) -> None:
     words.view(np.uint8)[bit >> 3] |= np.uint8(1 << (bit & 7))
 
 
-def bits_of(words: np.ndarray) -> np.ndarray:
+def bits_of(words: np.ndarray) -> "list[int]":
     """Indices of the set bits, ascending (little-endian words, as set_bit writes them)."""
-    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")).tolist()
 
 
 class Coordinator:

@@ -153,3 +153,17 @@ def test_check_reports_mpi_and_frameworks():
     for name in ("numpy", "cupy", "torch", "tensorflow"):
         assert any(l.startswith(f"{name}: ") for l in lines), name
     assert lines[-1].startswith("GPUs: ")
+
+
+def test_rank_leaving_mid_job_is_named_not_the_ranks_it_strands():
+    # Rank 1 exits early (sys.exit) while rank 0 still waits on an all-reduce: rank 0 then
+    # fails with ShutdownError, but the report must name rank 1, where the failure began.
+    code = ("import sys, numpy as np, ringreduce as rr\n"
+            "rr.init()\n"
+            "for step in range(3):\n    rr.allreduce(np.ones(4), name=f's{step}')\n"
+            "if rr.rank() == 1:\n    sys.exit(7)\n"
+            "rr.allreduce(np.ones(4), name='stranded')\n")
+    done = mtrain("-np", "2", PYTHON, "-c", code)
+    assert done.returncode != 0
+    assert "first failure: rank 1 on" in done.stderr, done.stderr
+    assert "left the job" in done.stderr
