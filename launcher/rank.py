@@ -186,7 +186,8 @@ def _write_record(rank: int, host: str, returncode: int, stopped: bool, tail: li
     report = report or {}
     end = end or time.time()
     record = {"rank": rank, "host": host, "returncode": returncode,
-              "stopped": stopped or report.get("cause") == "peer",
+              # The runtime's own account beats our inference from who was stopped first.
+              "stopped": report["cause"] == "peer" if "cause" in report else stopped,
               "time": min(end, report.get("time", end)), "start": start, "stderr_tail": tail,
               "message": report.get("message", "")}
     sys.stderr.buffer.write(EXIT_MARKER + json.dumps(record).encode() + b"\n")
