@@ -101,38 +101,38 @@ class EngineConfig:
 
 
 class Handle:
-    """The future of one submitted op (or of a group of all-reduces)."""
+    """The future of one submitted op (or of a group of all-reduces).
 
-    def __init__(self, parts: int, grouped: bool) -> None:
-        self._event = threading.Event()
+    Deliberately light: no Event or Lock per handle (creating those costs more
+    than the rest of a submit). Only the engine thread writes a handle; waiters
+    sleep on the engine's one completion condition, notified once per batch.
+    """
+
+    __slots__ = ("_results", "_remaining", "_grouped", "_error", "_done_cv")
+
+    def __init__(self, parts: int, grouped: bool, done_cv: threading.Condition) -> None:
         self._results: "list[Any]" = [None] * parts
         self._remaining = parts
         self._grouped = grouped
         self._error: "BaseException | None" = None
-        self._lock = threading.Lock()
-        if parts == 0:
-            self._event.set()
+        self._done_cv = done_cv
 
     def _complete(self, index: int, result: Any) -> None:
-        with self._lock:
-            self._results[index] = result
-            self._remaining -= 1
-            if self._remaining == 0:
-                self._event.set()
+        self._results[index] = result
+        self._remaining -= 1
 
     def _fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = error
-            self._event.set()
+        if self._error is None:
+            self._error = error
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._remaining == 0 or self._error is not None
 
     def wait(self) -> Any:
-        # Short waits keep Ctrl-C responsive in the main thread.
-        while not self._event.wait(0.1):
-            pass
+        if not self.done():
+            with self._done_cv:
+                while not self.done():
+                    self._done_cv.wait(0.1)  # short waits keep Ctrl-C responsive
         if self._error is not None:
             raise self._error
         return self._results if self._grouped else self._results[0]
@@ -199,6 +199,7 @@ class Engine:
         self._rank, self._size = control.Get_rank(), control.Get_size()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        self.done_cv = threading.Condition()  # handles wait here; notified after each batch
         self._incoming: "list[Request]" = []
         self._in_flight: "set[str]" = set()
         self._closing = False
@@ -213,6 +214,7 @@ class Engine:
         self._coordinator = (Coordinator(self._size, config.stall_warning_s, config.stall_shutdown_s)
                              if self._rank == 0 else None)
         self._stall_check_next = False
+        self._finished_any = False
         self._shutdown_error = ShutdownError("mtrain shut down while this op was in flight")
         self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
         self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
@@ -238,8 +240,11 @@ class Engine:
             for request in requests:
                 request.submitted = now
             self._in_flight.update(names)
+            # Wake the engine only for the first op of a burst: a notify per op
+            # would hand the GIL back and forth on every submit.
+            if not self._incoming:
+                self._wake.notify()
             self._incoming.extend(requests)
-            self._wake.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine: in-flight ops fail with ShutdownError on every rank."""
@@ -333,6 +338,7 @@ class Engine:
             self._stall_check_next = self._coordinator.stall_check_due(now)
         if ready:
             self._execute([self._pending.pop(name) for name in ready])
+        self._wake_waiters()
         return True
 
     def _note_shutdown(self, leaving: "list[int]", busy: "list[int]") -> None:
@@ -499,6 +505,13 @@ class Engine:
             request.handle._fail(error)
         else:
             request.handle._complete(request.index, result)
+        self._finished_any = True
+
+    def _wake_waiters(self) -> None:
+        if self._finished_any:
+            self._finished_any = False
+            with self.done_cv:
+                self.done_cv.notify_all()
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -510,6 +523,8 @@ class Engine:
         self._pending.clear()
         for request in leftovers:
             request.handle._fail(error)
+        with self.done_cv:
+            self.done_cv.notify_all()
 
 
 def make_request(engine: Engine, kind: Kind, array: "np.ndarray | None", name: "str | None", handle: Handle,

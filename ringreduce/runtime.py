@@ -135,7 +135,7 @@ def _array(value: Any) -> np.ndarray:
 def _submit(kind: Kind, arrays: "Sequence[np.ndarray | None]", name: "str | None", grouped: bool = False,
             **fields: Any) -> Handle:
     engine = _rt().engine
-    handle = Handle(len(arrays), grouped)
+    handle = Handle(len(arrays), grouped, engine.done_cv)
     if grouped:
         base = name or engine.auto_name()
         names: "list[str | None]" = [f"{base}.{i}" for i in range(len(arrays))]

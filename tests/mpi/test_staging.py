@@ -224,7 +224,7 @@ def test_pinned_buffers_are_reused_in_steady_state():
 
 
 def _engine_allreduce(engine: Engine, arrays: "list[np.ndarray]", backend) -> list:
-    handle = Handle(len(arrays), grouped=True)
+    handle = Handle(len(arrays), grouped=True, done_cv=engine.done_cv)
     requests = []
     for i, array in enumerate(arrays):
         request = make_request(engine, Kind.ALLREDUCE, array, f"staged.{i}", handle, i, op=Sum)
