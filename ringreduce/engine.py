@@ -46,6 +46,8 @@ DEFAULT_FUSION_THRESHOLD_BYTES = 8 << 20
 # costs more than the per-ring overhead that fusing saves.
 DEFAULT_INPLACE_MIN_BYTES = 1 << 20
 FUSION_SLOT = "fusion"
+# How long the negotiation spins on its all-reduce before it starts to sleep.
+SPIN_SECONDS = 300e-6
 
 
 class ShutdownError(RuntimeError):
@@ -361,13 +363,16 @@ class Engine:
         send = np.concatenate([mine, ~mine])
         recv = np.empty_like(send)
         request = self._control.Iallreduce(send, recv, op=MPI.BAND)
-        # Poll with a growing sleep rather than blocking: a blocked Open MPI rank
-        # busy-spins a core, which here belongs to the user's training thread.
-        spins = 0
+        # Spin briefly (peers usually arrive within microseconds, and a sleep here
+        # lasts 60 us or more), then poll with a growing sleep rather than blocking:
+        # a blocked Open MPI rank busy-spins a core that belongs to the user's
+        # training thread while the other ranks are still computing.
+        spin_until = time.perf_counter() + SPIN_SECONDS
+        naps = 0
         while not request.Test():
-            spins += 1
-            if spins > 20:
-                time.sleep(min(1e-3, 2e-5 * (spins - 20)))
+            if time.perf_counter() > spin_until:
+                naps += 1
+                time.sleep(min(1e-3, 2e-5 * naps))
         half = mine.size
         return recv[:half], ~recv[half:]
 
