@@ -197,6 +197,7 @@ def write_plot(rows: list, path: str, n: int) -> None:
         points = [(r[1], r[4]) for r in rows if r[0] == name]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # memcpy in cache is 10x the rest at small sizes
     ax.set_xlabel("buffer size (bytes, float32)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(f"all-reduce busbw, {n} ranks")
