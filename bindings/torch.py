@@ -20,6 +20,8 @@ from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
 )
 
+from .build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
+    ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from . import compression as _compression
 from .handles import Handle, poll, start, synchronize  # noqa: F401
 
@@ -43,16 +45,9 @@ class Compression:
         dtype_of=lambda t: t.dtype, float16=torch.float16)
 
 
-# Horovod build queries: scripts branch on these.
-def mpi_built() -> bool: return True
-def mpi_enabled() -> bool: return True
-def gloo_built() -> bool: return False
-def gloo_enabled() -> bool: return False
-def nccl_built() -> bool: return False
-def ddl_built() -> bool: return False
-def ccl_built() -> bool: return False
-def cuda_built() -> bool: return importlib.util.find_spec("cupy") is not None
-def rocm_built() -> bool: return False
+def cuda_built() -> bool:
+    """CUDA tensors work when CuPy is installed (the GPU path goes through it)."""
+    return importlib.util.find_spec("cupy") is not None
 
 
 # -- tensors <-> NumPy ---------------------------------------------------------

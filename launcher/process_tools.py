@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+from typing import Iterator
 
 _PR_SET_PDEATHSIG = 1
 
@@ -52,8 +53,9 @@ def become_subreaper() -> None:
         pass
 
 
-def _parents() -> dict[int, int]:
-    parents = {}
+def live_processes() -> "Iterator[tuple[int, list[bytes]]]":
+    """(pid, stat fields after the command name: state ppid pgrp session …) of every
+    live, non-zombie process, read from /proc."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -61,11 +63,14 @@ def _parents() -> dict[int, int]:
             with open(f"/proc/{entry}/stat", "rb") as handle:
                 stat = handle.read()
         except OSError:
-            continue
+            continue  # it ended while we looked
         fields = stat[stat.rfind(b")") + 2:].split()
-        if fields and fields[0] != b"Z":
-            parents[int(entry)] = int(fields[1])
-    return parents
+        if len(fields) > 3 and fields[0] != b"Z":
+            yield int(entry), fields
+
+
+def _parents() -> dict[int, int]:
+    return {pid: int(fields[1]) for pid, fields in live_processes()}
 
 
 def descendants(root: int) -> list[int]:

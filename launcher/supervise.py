@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Callable, Sequence
 
 from launcher.events import EventReader
-from launcher.process_tools import die_with_parent, exit_code, signal_name
+from launcher.process_tools import die_with_parent, exit_code, live_processes, signal_name
 from launcher.rank import EXIT_MARKER
 from launcher.ssh_agent import GATE_CLOSED, GATE_OPEN
 
@@ -293,20 +293,7 @@ def _signal_process(pid: int, sig: int) -> None:
 
 def session_members(session: int) -> list[int]:
     """Live processes whose session id is `session` (mpirun's, which we created)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp session …
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 3 and int(fields[3]) == session and fields[0] != b"Z":
-            members.append(int(entry))
-    return members
+    return [pid for pid, fields in live_processes() if int(fields[3]) == session]
 
 
 def kill_session(session: int, sig: int) -> None:

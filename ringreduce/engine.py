@@ -80,26 +80,28 @@ class EngineConfig:
 
     @staticmethod
     def from_environment() -> "EngineConfig":
-        def number(name: str, default: float) -> float:
-            raw = os.environ.get(name, "")
-            if raw == "":
-                return default
-            try:
-                value = float(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a number; unset it or give a number") from None
-            if value < 0:
-                raise ValueError(f"{name}={raw!r} must not be negative")
-            return value
-
         return EngineConfig(
-            cycle_time_s=number("MTRAIN_CYCLE_TIME_MS", DEFAULT_CYCLE_TIME_MS) / 1000,
-            fusion_threshold_bytes=int(number("MTRAIN_FUSION_THRESHOLD_BYTES", DEFAULT_FUSION_THRESHOLD_BYTES)),
-            inplace_min_bytes=int(number("MTRAIN_FUSION_INPLACE_MIN_BYTES", DEFAULT_INPLACE_MIN_BYTES)),
-            stall_warning_s=number("MTRAIN_STALL_WARNING_SECONDS", 60.0),
-            stall_shutdown_s=number("MTRAIN_STALL_SHUTDOWN_SECONDS", 0.0),
+            cycle_time_s=env_number("MTRAIN_CYCLE_TIME_MS", DEFAULT_CYCLE_TIME_MS) / 1000,
+            fusion_threshold_bytes=int(env_number("MTRAIN_FUSION_THRESHOLD_BYTES", DEFAULT_FUSION_THRESHOLD_BYTES)),
+            inplace_min_bytes=int(env_number("MTRAIN_FUSION_INPLACE_MIN_BYTES", DEFAULT_INPLACE_MIN_BYTES)),
+            stall_warning_s=env_number("MTRAIN_STALL_WARNING_SECONDS", 60.0),
+            stall_shutdown_s=env_number("MTRAIN_STALL_SHUTDOWN_SECONDS", 0.0),
             timeline_path=os.environ.get("MTRAIN_TIMELINE") or None,
         )
+
+
+def env_number(name: str, default: float) -> float:
+    """A non-negative number from the environment, or ``default`` when unset or empty."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; unset it or give a number") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must not be negative")
+    return value
 
 
 class Handle:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import atexit
-import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -10,7 +9,7 @@ import numpy as np
 from . import comm as comm_module
 from . import ring
 from .collectives import Executor, Kind
-from .engine import Engine, EngineConfig, Handle, make_request
+from .engine import Engine, EngineConfig, Handle, env_number, make_request
 from .ops import Average, ReduceOp, check_op, check_reducible
 
 
@@ -31,19 +30,6 @@ class _Runtime:
 _runtime: "_Runtime | None" = None
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; unset it or give a byte count") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must not be negative")
-    return value
-
-
 def init(comm: Any = None) -> None:
     """Start the runtime on ``comm`` (an mpi4py communicator; default COMM_WORLD).
 
@@ -58,8 +44,8 @@ def init(comm: Any = None) -> None:
     if not comm_module.threading_level_ok():
         raise RuntimeError("MPI was initialized without thread support; mtrain's background engine needs "
                            "MPI_THREAD_SERIALIZED or higher: leave mpi4py.rc.thread_level at its default")
-    segment = _env_int("MTRAIN_RING_SEGMENT_BYTES", ring.DEFAULT_SEGMENT_BYTES) or ring.DEFAULT_SEGMENT_BYTES
-    small = _env_int("MTRAIN_SMALL_ALLREDUCE_BYTES", ring.DEFAULT_SMALL_BYTES)
+    segment = int(env_number("MTRAIN_RING_SEGMENT_BYTES", ring.DEFAULT_SEGMENT_BYTES)) or ring.DEFAULT_SEGMENT_BYTES
+    small = int(env_number("MTRAIN_SMALL_ALLREDUCE_BYTES", ring.DEFAULT_SMALL_BYTES))
     config = EngineConfig.from_environment()
     comms = comm_module.create(comm)
     # GPU binding (issue 6): rank -> GPU local_rank % count; nothing at all without CuPy and a GPU.

@@ -18,6 +18,8 @@ from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     rank, shutdown, size,
 )
 
+from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
+    ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from .. import compression as _compression
 from ..handles import start
 
@@ -38,15 +40,6 @@ class Compression:
         dtype_of=lambda t: t.dtype, float16=tf.float16)
 
 
-def mpi_built() -> bool: return True
-def mpi_enabled() -> bool: return True
-def gloo_built() -> bool: return False
-def gloo_enabled() -> bool: return False
-def nccl_built() -> bool: return False
-def ddl_built() -> bool: return False
-def ccl_built() -> bool: return False
-def cuda_built() -> bool: return False
-def rocm_built() -> bool: return False
 
 
 def barrier() -> None:
