@@ -101,12 +101,15 @@ class Executor:
         self.small_bytes = small_bytes
 
     # -- all-reduce ---------------------------------------------------------
-    def allreduce_flat(self, flat: np.ndarray, op: ReduceOp, backend: NumpyBackend,
+    def allreduce_flat(self, flats: "list[np.ndarray]", op: ReduceOp, backend: NumpyBackend,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> None:
-        """The ring on an already-agreed contiguous buffer, with optional scaling."""
-        backend.scale(flat, prescale_factor)
-        ring.allreduce(self.comm, flat, op, backend, self.segment_bytes, self.small_bytes)
-        backend.scale(flat, postscale_factor)
+        """One ring over already-agreed contiguous buffers (as one logical buffer), with scaling."""
+        for flat in flats:
+            backend.scale(flat, prescale_factor)
+        ring.allreduce(self.comm, flats[0] if len(flats) == 1 else ring.Layout(flats), op, backend,
+                       self.segment_bytes, self.small_bytes)
+        for flat in flats:
+            backend.scale(flat, postscale_factor)
 
     # -- reduce-scatter -----------------------------------------------------
     def reducescatter(self, array: np.ndarray, op: ReduceOp, name: "str | None" = None) -> np.ndarray:

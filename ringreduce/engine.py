@@ -436,36 +436,52 @@ class Engine:
         self._finish(request, result)
 
     def _allreduce_group(self, group: "list[Request]") -> None:
+        """Small tensors are packed into the fusion buffer; large ones (at least
+        MTRAIN_FUSION_INPLACE_MIN_BYTES) are reduced together by one ring over
+        their own memory (``ring.Layout``), with no copies. Fusion off: one ring each."""
         threshold = self.config.fusion_threshold_bytes
+        if threshold == 0:
+            for request in group:
+                self._allreduce_in_place([request])
+            return
+        large = [r for r in group if r.nbytes >= min(threshold, self.config.inplace_min_bytes)]
         batch: "list[Request]" = []
         batch_bytes = 0
         for request in group:
-            if threshold == 0 or request.nbytes >= min(threshold, self.config.inplace_min_bytes):
-                self._allreduce_alone(request)
+            if request.nbytes >= min(threshold, self.config.inplace_min_bytes):
                 continue
             if batch and batch_bytes + request.nbytes > threshold:
                 self._allreduce_fused(batch, batch_bytes)
                 batch, batch_bytes = [], 0
             batch.append(request)
             batch_bytes += request.nbytes
-        if batch:
-            if len(batch) == 1:
-                self._allreduce_alone(batch[0])
-            else:
-                self._allreduce_fused(batch, batch_bytes)
+        if len(batch) == 1:
+            large.append(batch[0])  # nothing to fuse it with: no point copying it
+        elif batch:
+            self._allreduce_fused(batch, batch_bytes)
+        if large:
+            self._allreduce_in_place(large)
 
-    def _allreduce_alone(self, request: Request) -> None:
-        """One tensor, reduced in place in its own memory (or in a fresh copy)."""
-        backend = request.backend
-        out = request.array if request.in_place else request.array.copy(order="C")
-        flat, copied = backend.flatten(out)
+    def _allreduce_in_place(self, requests: "list[Request]") -> None:
+        """Tensors reduced in their own memory (or in fresh copies) by one ring over all of them."""
+        backend, first = requests[0].backend, requests[0]
+        outs, flats, copied = [], [], []
+        for request in requests:
+            out = request.array if request.in_place else request.array.copy(order="C")
+            flat, was_copied = backend.flatten(out)
+            outs.append(out)
+            flats.append(flat)
+            copied.append(was_copied)
         begin = time.monotonic()
-        self.executor.allreduce_flat(flat, request.op, backend, request.prescale, request.postscale)
-        if copied:
-            backend.copy(out, flat.reshape(out.shape))
-        if self._timeline is not None:
-            self._timeline.span(request.name, "ALLREDUCE", begin, time.monotonic(), bytes=request.nbytes)
-        self._finish(request, out)
+        self.executor.allreduce_flat(flats, first.op, backend, first.prescale, first.postscale)
+        end = time.monotonic()
+        for request, out, flat, was_copied in zip(requests, outs, flats, copied):
+            if was_copied:
+                backend.copy(out, flat.reshape(out.shape))
+            if self._timeline is not None:
+                self._timeline.span(request.name, "ALLREDUCE", begin, end, bytes=request.nbytes,
+                                    ring_ops=len(requests))
+            self._finish(request, out)
 
     def _allreduce_fused(self, batch: "list[Request]", nbytes: int) -> None:
         """Pack, reduce with one ring, unpack."""
@@ -483,7 +499,7 @@ class Engine:
             fused[offset:offset + size].reshape(request.array.shape)[...] = request.array
             offset += size
         t1 = time.monotonic()
-        self.executor.allreduce_flat(fused, first.op, first.backend, first.prescale, first.postscale)
+        self.executor.allreduce_flat([fused], first.op, first.backend, first.prescale, first.postscale)
         t2 = time.monotonic()
         offset = 0
         outputs = []

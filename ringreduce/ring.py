@@ -48,8 +48,9 @@ backend can give receives in flight together their own pinned buffers.
 """
 from __future__ import annotations
 
+import bisect
 import collections
-from typing import Any
+from typing import Any, Sequence
 
 from mpi4py import MPI
 
@@ -74,94 +75,134 @@ def segment_bounds(count: int, parts: int, index: int) -> "tuple[int, int]":
     return start, start + base + (1 if index < extra else 0)
 
 
-def allreduce(comm: MPI.Comm, buf: Buffer, op: ReduceOp, backend: Backend,
+class Layout:
+    """Several 1-D contiguous buffers of one dtype seen as one logical buffer: their
+    concatenation, without copying anything.
+
+    The ring works on logical element ranges; ``pieces`` cuts a range into views
+    that never cross a buffer boundary, so large tensors are reduced in their own
+    memory as one long ring, with no fusion-buffer copies. Every rank builds the
+    same layout (the same shapes in the same order), so sender and receiver cut
+    every range identically and their messages match one to one.
+    """
+
+    def __init__(self, bufs: "Sequence[Buffer]") -> None:
+        self.bufs = [b for b in bufs if b.size]
+        self.starts = [0]
+        for b in self.bufs:
+            self.starts.append(self.starts[-1] + b.size)
+        self.size = self.starts[-1]
+        first = bufs[0]
+        self.dtype, self.itemsize = first.dtype, first.itemsize
+
+    def pieces(self, lo: int, hi: int, seg: int) -> "list[Buffer]":
+        """Views covering logical [lo, hi), each at most ``seg`` elements, each in one buffer."""
+        views = []
+        index = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        while lo < hi and index < len(self.bufs):
+            base = self.starts[index]
+            end = min(hi, self.starts[index + 1])
+            buf = self.bufs[index]
+            for start in range(lo, end, seg):
+                views.append(buf[start - base:min(start + seg, end) - base])
+            lo = end
+            index += 1
+        return views
+
+
+def as_layout(buf: "Buffer | Layout") -> Layout:
+    return buf if isinstance(buf, Layout) else Layout([buf])
+
+
+def allreduce(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Backend,
               segment_bytes: int = DEFAULT_SEGMENT_BYTES,
               small_bytes: int = DEFAULT_SMALL_BYTES) -> None:
-    """Reduce ``buf`` (1-D, contiguous) in place across ``comm``; Average divides by N."""
+    """Reduce ``buf`` (1-D and contiguous, or a Layout of such) in place across ``comm``;
+    Average divides by N."""
     size = comm.Get_size()
-    if size == 1 or buf.size == 0:
+    layout = as_layout(buf)
+    if size == 1 or layout.size == 0:
         return
-    if buf.nbytes * size <= small_bytes:
-        _gather_reduce(comm, buf, op, backend)
-    else:
-        bounds = even_bounds(buf.size, size)
-        reduce_scatter(comm, buf, op, backend, segment_bytes, bounds)
-        lo, hi = bounds[comm.Get_rank()]
+    if len(layout.bufs) == 1 and layout.size * layout.itemsize * size <= small_bytes:
+        _gather_reduce(comm, layout.bufs[0], op, backend)
         if op == Average:
-            backend.divide(buf[lo:hi], size)
-        allgather(comm, buf, bounds, backend)
+            backend.divide(layout.bufs[0], size)
         return
+    bounds = even_bounds(layout.size, size)
+    reduce_scatter(comm, layout, op, backend, segment_bytes, bounds)
     if op == Average:
-        backend.divide(buf, size)
+        lo, hi = bounds[comm.Get_rank()]
+        for piece in layout.pieces(lo, hi, layout.size):
+            backend.divide(piece, size)
+    allgather(comm, layout, bounds, backend)
 
 
 def even_bounds(count: int, parts: int) -> "list[tuple[int, int]]":
     return [segment_bounds(count, parts, i) for i in range(parts)]
 
 
-def reduce_scatter(comm: MPI.Comm, buf: Buffer, op: ReduceOp, backend: Backend,
+def reduce_scatter(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Backend,
                    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                    bounds: "list[tuple[int, int]] | None" = None) -> None:
-    """After this, buf[bounds[rank]] holds the reduction over all ranks.
+    """After this, logical range bounds[rank] of ``buf`` holds the reduction over all ranks.
 
     ``bounds`` (default: ``even_bounds``) gives each rank's chunk; other chunks
     end with partial results. No division for Average: the caller divides.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1 or buf.size == 0:
+    layout = as_layout(buf)
+    if size == 1 or layout.size == 0:
         return
-    bounds = bounds or even_bounds(buf.size, size)
+    bounds = bounds or even_bounds(layout.size, size)
     right, left = (rank + 1) % size, (rank - 1) % size
-    seg = max(1, segment_bytes // buf.itemsize)
-    scratch = [backend.scratch(slot, seg, buf.dtype) for slot in range(SCRATCH_DEPTH)]
+    seg = max(1, segment_bytes // layout.itemsize)
+    scratch = [backend.scratch(slot, seg, layout.dtype) for slot in range(SCRATCH_DEPTH)]
     for step in range(size - 1):
         slo, shi = bounds[(rank - step - 1) % size]
         rlo, rhi = bounds[(rank - step - 2) % size]
-        sends = backend.isend(comm, [buf[i:min(i + seg, shi)] for i in range(slo, shi, seg)], right, _TAG)
-        _receive_and_reduce(comm, left, buf, rlo, rhi, seg, scratch, op, backend)
+        sends = backend.isend(comm, layout.pieces(slo, shi, seg), right, _TAG)
+        _receive_and_reduce(comm, left, layout.pieces(rlo, rhi, seg), scratch, op, backend)
         backend.wait_all(sends)
 
 
-def _receive_and_reduce(comm: MPI.Comm, left: int, buf: Buffer, lo: int, hi: int, seg: int,
-                        scratch: list, op: ReduceOp, backend: Backend) -> None:
-    """Receive buf[lo:hi] from ``left`` segment by segment, reducing each into place."""
-    starts = list(range(lo, hi, seg))
+def _receive_and_reduce(comm: MPI.Comm, left: int, targets: "list[Buffer]", scratch: list,
+                        op: ReduceOp, backend: Backend) -> None:
+    """Receive each target view from ``left`` into a scratch lane, then reduce it into place."""
     in_flight: collections.deque = collections.deque()
 
     def post(k: int) -> None:
         slot = k % len(scratch)
-        n = min(seg, hi - starts[k])
-        target = scratch[slot][:n]
-        in_flight.append((backend.irecv(comm, target, left, _TAG, lane=slot), target))
+        landing = scratch[slot][:targets[k].size]
+        in_flight.append((backend.irecv(comm, landing, left, _TAG, lane=slot), landing))
 
-    for k in range(min(len(scratch), len(starts))):
+    for k in range(min(len(scratch), len(targets))):
         post(k)
-    for k, start in enumerate(starts):
-        request, target = in_flight.popleft()
+    for k, target in enumerate(targets):
+        request, landing = in_flight.popleft()
         backend.wait_all([request])
-        backend.reduce_into(buf[start:start + target.size], target, op)
-        if k + len(scratch) < len(starts):
+        backend.reduce_into(target, landing, op)
+        if k + len(scratch) < len(targets):
             post(k + len(scratch))
 
 
-def allgather(comm: MPI.Comm, buf: Buffer, bounds: "list[tuple[int, int]]",
+def allgather(comm: MPI.Comm, buf: "Buffer | Layout", bounds: "list[tuple[int, int]]",
               backend: Backend) -> None:
-    """Ring all-gather in place: rank r starts owning buf[bounds[r]], ends owning all of buf.
-
-    ``bounds`` may give ranks pieces of different (even zero) length.
+    """Ring all-gather in place: rank r starts owning logical range bounds[r] of ``buf``,
+    ends owning all of it. ``bounds`` may give ranks pieces of different (even zero) length.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         return
+    layout = as_layout(buf)
     right, left = (rank + 1) % size, (rank - 1) % size
+    whole = max(layout.size, 1)
     for step in range(size - 1):
         slo, shi = bounds[(rank - step) % size]
         rlo, rhi = bounds[(rank - step - 1) % size]
-        pending = []
-        if rhi > rlo:
-            pending.append(backend.irecv(comm, buf[rlo:rhi], left, _TAG))
-        if shi > slo:
-            pending += backend.isend(comm, [buf[slo:shi]], right, _TAG)
+        # Straight into place: one receive per buffer the chunk touches, each in its own lane.
+        pending = [backend.irecv(comm, view, left, _TAG, lane=lane)
+                   for lane, view in enumerate(layout.pieces(rlo, rhi, whole))]
+        pending += backend.isend(comm, layout.pieces(slo, shi, whole), right, _TAG)
         backend.wait_all(pending)
 
 

@@ -78,3 +78,25 @@ def test_allreduce_in_place_noncontiguous_and_scaling():
     flags = [np.array([True, r % 2 == 0, False, r == 0]) for r in range(n)]
     assert rr.allreduce(flags[me], op=rr.Min).tolist() == np.logical_and.reduce(flags).tolist()
     assert rr.allreduce(flags[me], op=rr.Max).tolist() == np.logical_or.reduce(flags).tolist()
+
+
+@mpi_test(nps=(1, 2, 3))
+def test_ring_over_a_layout_of_many_buffers_equals_one_contiguous_buffer():
+    from ringreduce import ring
+    from ringreduce.backend import NumpyBackend
+    n, me = rr.size(), rr.rank()
+    comm = MPI.COMM_WORLD.Dup()
+    backend = NumpyBackend()
+    sizes = [0, 1, 7, 0, 1000, 3, 4099, 2, n]  # boundaries fall inside chunks and segments
+    for op in (rr.Sum, rr.Average, rr.Max):
+        for segment_bytes in (24, 4096, 1 << 20):
+            parts = [values(me, (k,), np.float64, op) + i for i, k in enumerate(sizes)]
+            whole = np.concatenate(parts)
+            ring.allreduce(comm, ring.Layout(parts), op, backend, segment_bytes, small_bytes=0)
+            ring.allreduce(comm, whole, op, backend, segment_bytes, small_bytes=0)
+            got = np.concatenate(parts)
+            assert got.tobytes() == whole.tobytes(), f"{op.name} seg {segment_bytes}: layout != contiguous"
+            want = reference([np.concatenate([values(r, (k,), np.float64, op) + i for i, k in enumerate(sizes)])
+                              for r in range(n)], op)
+            assert_matches(got, want, f"layout allreduce {op.name} seg {segment_bytes}")
+    comm.Free()
