@@ -23,6 +23,7 @@ from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
 from .build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from . import compression as _compression
+from .gradient_op import check_gradient_op
 from .handles import Handle, poll, start, synchronize  # noqa: F401
 
 __all__ = [
@@ -511,15 +512,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    op = rr.ReduceOp(op) if op in list(ReduceOp) else op
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, got {op!r}"
-                         + (" (Adasum is not implemented in mtrain)" if op == Adasum else ""))
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor needs op=Average (it splits the averaging "
-                         "into a division before and a multiplication after the sum)")
-    if not gradient_predivide_factor > 0:
-        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
+    op = check_gradient_op(op, gradient_predivide_factor)
     _check_passes(backward_passes_per_step)
     base = type(optimizer)
     cls = _CLASSES.get(base)

@@ -21,6 +21,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
+def signal_process(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid``; a process that already ended is not an error."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def kill_group(pid: int, sig: int) -> None:
     """Signal the process group led by `pid`, ignoring one that is already gone."""
     try:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from launcher.process_tools import become_subreaper, descendants, exit_code
+from launcher.process_tools import become_subreaper, descendants, exit_code, signal_process
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -55,19 +55,12 @@ def end_tree(grace: float = TERM_GRACE) -> None:
     """SIGTERM every descendant, then SIGKILL whatever is left after `grace` seconds."""
     me = os.getpid()
     for pid in descendants(me):
-        _signal(pid, signal.SIGTERM)
+        signal_process(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while descendants(me) and time.monotonic() < deadline:
         time.sleep(0.05)
     for pid in descendants(me):
-        _signal(pid, signal.SIGKILL)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+        signal_process(pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:

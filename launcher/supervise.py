@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Callable, Sequence
 
 from launcher.events import EventReader
-from launcher.process_tools import die_with_parent, exit_code, live_processes, signal_name
+from launcher.process_tools import die_with_parent, exit_code, live_processes, signal_name, signal_process
 from launcher.rank import EXIT_MARKER
 from launcher.ssh_agent import GATE_CLOSED, GATE_OPEN
 
@@ -204,7 +204,7 @@ class Job:
                     stop_reason = "a rank failed and mpirun did not stop the job"
                 if stop_reason is not None:
                     self.log(f"stopping the job: {stop_reason}")
-                    _signal_process(process.pid, signal.SIGTERM)
+                    signal_process(process.pid, signal.SIGTERM)
                     stop_sent_at = now
             elif stop_sent_at is not None and now - stop_sent_at > (
                     LOST_HOST_GRACE if stop_reason == "a host was lost" else STOP_GRACE):
@@ -284,13 +284,6 @@ def _mpirun_dies_with_us() -> None:
     die_with_parent(signal.SIGTERM)
 
 
-def _signal_process(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def session_members(session: int) -> list[int]:
     """Live processes whose session id is `session` (mpirun's, which we created)."""
     return [pid for pid, fields in live_processes() if int(fields[3]) == session]
@@ -298,7 +291,7 @@ def session_members(session: int) -> list[int]:
 
 def kill_session(session: int, sig: int) -> None:
     for pid in session_members(session):
-        _signal_process(pid, sig)
+        signal_process(pid, sig)
 
 
 def wait_session_empty(session: int, timeout: float) -> bool:

@@ -18,6 +18,7 @@ from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     rank, shutdown, size,
 )
 
+from ..gradient_op import check_gradient_op
 from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from .. import compression as _compression
@@ -209,18 +210,7 @@ def _reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], op: Any, g
                              postscale_factor=post, name=name)
 
 
-def check_op(op: Any, gradient_predivide_factor: float) -> ReduceOp:
-    """The reduction for gradients: Average or Sum; errors say what to use instead."""
-    op = ReduceOp(op) if op in list(ReduceOp) else op
-    if op not in (Average, Sum):
-        raise ValueError(f"gradients are reduced with op=Average or op=Sum, got {op!r}"
-                         + (" (Adasum is not implemented in mtrain)" if op == Adasum else ""))
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor needs op=Average (it splits the averaging "
-                         "into a division before and a multiplication after the sum)")
-    if not gradient_predivide_factor > 0:
-        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
-    return op
+check_op = check_gradient_op  # the Keras wrapper imports it from here
 
 
 class _DistributedGradientTape(tf.GradientTape):

@@ -1,0 +1,20 @@
+"""The reduction both DistributedOptimizers accept for gradients, checked in one place."""
+from __future__ import annotations
+
+from typing import Any
+
+from ringreduce import Adasum, Average, ReduceOp, Sum
+
+
+def check_gradient_op(op: Any, gradient_predivide_factor: float) -> ReduceOp:
+    """Average or Sum (as a ReduceOp); errors say what to use instead."""
+    op = ReduceOp(op) if op in list(ReduceOp) else op
+    if op not in (Average, Sum):
+        raise ValueError(f"gradients are reduced with op=Average or op=Sum, got {op!r}"
+                         + (" (Adasum is not implemented in mtrain)" if op == Adasum else ""))
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor needs op=Average (it splits the averaging "
+                         "into a division before and a multiplication after the sum)")
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
+    return op
