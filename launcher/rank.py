@@ -10,6 +10,14 @@ It runs the user's command as a child and
 * stops the child (its whole process group) when MPI stops us, and dies with
   its parent, so a killed mpirun/prted never leaves a rank running.
 
+Ranks that fail only because another one died are the usual noise around a
+root cause: with Open MPI, a peer's death closes sockets and the survivors
+abort inside MPI within milliseconds, racing the dead rank's own record.  So
+the child gets Open MPI's `mpi_abort_delay` of one second: a rank aborting in
+MPI first waits, the launcher meanwhile stops it as a consequence of the real
+failure, and the wrapper hides Open MPI's "Delaying for…" line and marks the
+record `mpi_abort` (evidence the supervisor weighs; see supervise.first_failure).
+
 Runtimes can sharpen the root-cause report through $MTRAIN_ERROR_FILE (the
 idea of torchelastic's error file): a JSON object written there before the
 rank exits, with optional keys `time` (when the failure began, epoch
@@ -21,6 +29,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import tempfile
 import signal
@@ -38,6 +47,9 @@ TERM_GRACE = 3.0
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 ENV_ERROR_FILE = "MTRAIN_ERROR_FILE"
 _ERROR_FILE_LIMIT = 65536
+ABORT_DELAY_SECONDS = "1"
+# Open MPI's line when a process enters MPI_Abort (or a fatal MPI error) with mpi_abort_delay set.
+_ABORT_DELAY_LINE = re.compile(rb"^\[[^\]\s]+:\d+\] Delaying for \d+ seconds? before aborting\s*$")
 
 
 def rank_from_env(env: dict[str, str] | os._Environ) -> int:
@@ -54,8 +66,12 @@ class _Relay(threading.Thread):
                  tail: collections.deque | None) -> None:
         super().__init__(daemon=True)
         self.source, self.target, self.prefix, self.lock, self.tail = source, target, prefix, lock, tail
+        self.saw_mpi_abort = False
 
     def _emit(self, line: bytes) -> None:
+        if self.tail is not None and _ABORT_DELAY_LINE.match(line):
+            self.saw_mpi_abort = True  # evidence for the record, not news for the user
+            return
         with self.lock:
             self.target.write(self.prefix + line)
             self.target.flush()
@@ -81,10 +97,12 @@ class _Relay(threading.Thread):
 
 
 def child_environment(env, error_file: str) -> dict[str, str]:
-    """The rank's environment: ours, plus the error-file path and, on a host with more
-    ranks than cores, Open MPI's yield setting (busy-polling ranks starve each other)."""
+    """The rank's environment: ours, plus the error-file path, Open MPI's abort delay
+    (see the module docstring) and, on a host with more ranks than cores, Open MPI's
+    yield setting (busy-polling ranks starve each other).  Settings the user made win."""
     child = dict(env)
     child[ENV_ERROR_FILE] = error_file
+    child.setdefault("OMPI_MCA_mpi_abort_delay", ABORT_DELAY_SECONDS)
     local = child.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
     if local.isdigit() and int(local) > (os.cpu_count() or 1):
         child.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
@@ -157,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     report = read_error_file(error_file)
     shutil.rmtree(scratch, ignore_errors=True)
     with lock:
-        _write_record(rank, host, returncode, stopped, list(tail), end, start, report)
+        _write_record(rank, host, returncode, stopped, list(tail), end, start, report,
+                      mpi_abort=relays[1].saw_mpi_abort)
     return exit_code(returncode)
 
 
@@ -182,14 +201,14 @@ def read_error_file(path: str) -> dict:
 
 def _write_record(rank: int, host: str, returncode: int, stopped: bool, tail: list[str],
                   end: float | None = None, start: float | None = None,
-                  report: dict | None = None) -> None:
+                  report: dict | None = None, mpi_abort: bool = False) -> None:
     report = report or {}
     end = end or time.time()
     record = {"rank": rank, "host": host, "returncode": returncode,
               # The runtime's own account beats our inference from who was stopped first.
               "stopped": report["cause"] == "peer" if "cause" in report else stopped,
               "time": min(end, report.get("time", end)), "start": start, "stderr_tail": tail,
-              "message": report.get("message", "")}
+              "message": report.get("message", ""), "mpi_abort": mpi_abort}
     sys.stderr.buffer.write(EXIT_MARKER + json.dumps(record).encode() + b"\n")
     sys.stderr.flush()
 

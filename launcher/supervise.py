@@ -34,6 +34,7 @@ STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
 LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead daemon: shorter wait
 FAILURE_GRACE = 2.0        # mpirun normally stops the job itself after a rank fails
 SESSION_DRAIN = 3.0        # time for agents to finish after mpirun has exited
+CAUSE_WINDOW = 1.0         # failures closer than this are ordered by evidence, not by clock
 _PREFIX = re.compile(rb"^\[(\d+)\]<(stdout|stderr)>:")
 
 
@@ -48,6 +49,7 @@ class RankExit:
     time: float
     stderr_tail: tuple[str, ...]
     message: str = ""
+    mpi_abort: bool = False  # it ended inside MPI_Abort (a fatal MPI error or an explicit abort)
 
     @property
     def failed(self) -> bool:
@@ -62,12 +64,29 @@ class RankExit:
         return f"rank {self.rank} on {self.host}: {how}{detail}"
 
 
+def _evidence(record: RankExit) -> int:
+    """How surely this failure began in this rank: 0 sure, 1 plain exit status, 2 doubtful."""
+    if record.message or record.returncode < 0:
+        return 0   # the runtime's own account, or a signal nobody in the job sent (kill -9, OOM, SEGV)
+    if record.mpi_abort:
+        return 2   # MPI aborted it; a peer's death or a lost link is the usual reason
+    return 1
+
+
 def first_failure(records: Sequence[RankExit]) -> RankExit | None:
-    """The root cause: the earliest rank that failed on its own, else the earliest failure."""
+    """The root cause: of the ranks that failed on their own, the first, else the earliest failure.
+
+    Clocks cannot order failures that happen within a few milliseconds of each other
+    (a rank's death and its neighbours' MPI errors): inside CAUSE_WINDOW the stronger
+    evidence wins, then the earlier time.
+    """
     failed = [r for r in records if r.failed]
     own = [r for r in failed if not r.stopped]
-    pool = own or failed
-    return min(pool, key=lambda r: (r.time, r.rank)) if pool else None
+    if own:
+        start = min(r.time for r in own)
+        close = [r for r in own if r.time <= start + CAUSE_WINDOW]
+        return min(close, key=lambda r: (_evidence(r), r.time, r.rank))
+    return min(failed, key=lambda r: (r.time, r.rank)) if failed else None
 
 
 class _OutputSink:
@@ -142,7 +161,7 @@ class Job:
             data = json.loads(payload)
             record = RankExit(int(data["rank"]), str(data["host"]), int(data["returncode"]),
                               bool(data["stopped"]), float(data["time"]), tuple(data["stderr_tail"]),
-                              str(data.get("message", "")))
+                              str(data.get("message", "")), bool(data.get("mpi_abort", False)))
         except (ValueError, KeyError, TypeError):
             return
         with self.lock:

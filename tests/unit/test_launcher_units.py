@@ -1,12 +1,15 @@
 """Pure pieces of the agent and the supervisor."""
+import json
 import os
 import shlex
+import subprocess
+import sys
 import threading
 
 import pytest
 
 from launcher.config import SshOptions
-from launcher.rank import child_environment, read_error_file
+from launcher.rank import EXIT_MARKER, child_environment, read_error_file
 from launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
 from launcher.supervise import RankExit, first_failure
 
@@ -56,6 +59,29 @@ def test_rank_environment_yields_only_when_oversubscribed():
     assert "OMPI_MCA_mpi_yield_when_idle" not in calm
     kept = child_environment({"OMPI_COMM_WORLD_LOCAL_SIZE": "999", "OMPI_MCA_mpi_yield_when_idle": "0"}, "/e")
     assert kept["OMPI_MCA_mpi_yield_when_idle"] == "0"  # the user's choice wins
+    assert calm["OMPI_MCA_mpi_abort_delay"] == "1"
+    assert child_environment({"OMPI_MCA_mpi_abort_delay": "0"}, "/e")["OMPI_MCA_mpi_abort_delay"] == "0"
+
+
+def _wrapped(code: str) -> tuple[str, dict]:
+    done = subprocess.run([sys.executable, "-m", "launcher.rank", "--", sys.executable, "-c", code],
+                          capture_output=True, timeout=60, env={**os.environ, "OMPI_COMM_WORLD_RANK": "5"})
+    lines = done.stderr.splitlines(keepends=True)
+    records = [json.loads(l[len(EXIT_MARKER):]) for l in lines if l.startswith(EXIT_MARKER)]
+    assert len(records) == 1, done.stderr
+    return b"".join(l for l in lines if not l.startswith(EXIT_MARKER)).decode(), records[0]
+
+
+def test_wrapper_hides_open_mpi_abort_delay_line_and_records_it():
+    shown, record = _wrapped("import sys, os\n"
+                             "print('before', file=sys.stderr)\n"
+                             "print(f'[node-1:{os.getpid()}] Delaying for 1 seconds before aborting', file=sys.stderr)\n"
+                             "sys.exit(14)")
+    assert shown == "[5]<stderr>:before\n"
+    assert (record["rank"], record["returncode"], record["mpi_abort"]) == (5, 14, True)
+    assert record["stderr_tail"] == ["before"]
+    shown, record = _wrapped("import sys; print('Delaying for 1 seconds before aborting', file=sys.stderr); sys.exit(3)")
+    assert shown == "[5]<stderr>:Delaying for 1 seconds before aborting\n" and record["mpi_abort"] is False
 
 
 def test_error_file_is_read_defensively(tmp_path):
@@ -67,8 +93,8 @@ def test_error_file_is_read_defensively(tmp_path):
     assert read_error_file(str(path)) == {"time": 5.0, "cause": "peer", "message": "line one"}
 
 
-def _exit(rank, code, stopped, time):
-    return RankExit(rank, "h", code, stopped, time, ())
+def _exit(rank, code, stopped, time, message="", mpi_abort=False):
+    return RankExit(rank, "h", code, stopped, time, (), message, mpi_abort)
 
 
 def test_first_failure_prefers_own_failures_over_stopped_ranks():
@@ -79,6 +105,19 @@ def test_first_failure_prefers_own_failures_over_stopped_ranks():
 def test_first_failure_falls_back_to_stopped_and_none_when_all_ok():
     assert first_failure([_exit(1, -15, True, 2.0), _exit(0, -9, True, 1.0)]).rank == 0
     assert first_failure([_exit(0, 0, False, 1.0)]) is None
+
+
+def test_first_failure_weighs_evidence_when_failures_are_too_close_for_clocks():
+    # A rank killed by SIGKILL vs. a neighbour whose MPI error exit got stamped a moment earlier.
+    assert first_failure([_exit(0, 14, False, 10.0), _exit(3, -9, False, 10.004)]).rank == 3
+    # A plain exit status beats a rank that ended inside MPI_Abort.
+    assert first_failure([_exit(0, 14, False, 10.0, mpi_abort=True), _exit(2, 7, False, 10.3)]).rank == 2
+    # The runtime's own account (an exception) beats a plain exit status.
+    assert first_failure([_exit(1, 7, False, 10.0), _exit(2, 1, False, 10.2, "RuntimeError: x")]).rank == 2
+    # Far apart in time, the clock decides whatever the evidence.
+    assert first_failure([_exit(0, 14, False, 10.0, mpi_abort=True), _exit(3, -9, False, 12.0)]).rank == 0
+    # Equal evidence: earlier first, then lower rank.
+    assert first_failure([_exit(2, 7, False, 10.1), _exit(1, 7, False, 10.1), _exit(0, 5, False, 10.2)]).rank == 1
 
 
 def test_describe_names_signal():
