@@ -52,6 +52,33 @@ def timed(comm: MPI.Comm, fn: Callable[[], None], nbytes: int, budget_s: float, 
     return float(statistics.median(slowest))
 
 
+def timed_side_by_side(comm: MPI.Comm, fns: "dict[str, Callable[[], None]]", nbytes: int,
+                       budget_s: float, min_iters: int) -> "dict[str, float]":
+    """``timed`` for several variants at once, interleaved: round i runs every variant
+    once, so a machine whose speed drifts (a shared VM) biases none of them."""
+    round_s = 0.0
+    for fn in fns.values():
+        fn()  # warm-up, then one timed call to size the rounds to the budget
+        start = time.perf_counter()
+        fn()
+        round_s += time.perf_counter() - start
+    iters = max(min_iters, min(200, int(budget_s / max(round_s, 1e-6))))
+    iters = comm.bcast(iters, root=0)
+    samples = {label: np.empty(iters) for label in fns}
+    for i in range(iters):
+        for label, fn in fns.items():
+            comm.Barrier()
+            start = time.perf_counter()
+            fn()
+            samples[label][i] = time.perf_counter() - start
+    medians = {}
+    for label, mine in samples.items():
+        slowest = np.empty_like(mine)
+        comm.Allreduce(mine, slowest, op=MPI.MAX)
+        medians[label] = float(statistics.median(slowest))
+    return medians
+
+
 def gloo_group(comm: MPI.Comm):
     try:
         import torch

@@ -3,9 +3,11 @@
 Run as ``mpirun -np 2 python benchmarks/fusion.py`` (or ``mtrain run -np 2 …``).
 Workload 1: the 161 gradient tensors of ResNet-50 (25.6 M float32 parameters),
 shapes built from the architecture. Workload 2: 1,000 tensors of 1 KiB (the
-per-op overhead). Every variant moves the same bytes in the same run:
+per-op overhead). Every variant moves the same bytes in the same run, and the
+variants take turns (one step each per round), so a drifting machine favours none:
 
-* ringreduce, engine with fusion (defaults) and with fusion off,
+* ringreduce, engine with fusion (defaults; Average as training uses, and Sum
+  to match the peers, which only sum) and with fusion off,
 * mpi4py ``Allreduce`` per tensor,
 * torch.distributed gloo ``all_reduce`` per tensor, and in DDP-style 25 MiB buckets.
 
@@ -25,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringreduce as rr  # noqa: E402
 from ringreduce import runtime  # noqa: E402
-from allreduce import gloo_group, timed  # noqa: E402
+from allreduce import gloo_group, timed_side_by_side  # noqa: E402
 
 MiB = 1 << 20
 
@@ -70,10 +72,18 @@ def main() -> None:
     total = sum(g.nbytes for g in grads)
     tiny = [np.full(256, me + 1.0, np.float32) for _ in range(1000)]  # 1 KiB each
     results: "list[tuple[str, str, float]]" = []
+    # The summing variants get zeros of the same shapes: repeated sums of real values would
+    # double them every step up to inf (and NumPy's overflow warnings cost time); the
+    # time of an add does not depend on the values otherwise (zeros are not denormal).
+    zeros = {"r": [np.zeros_like(g) for g in grads], "t": [np.zeros_like(t) for t in tiny]}
 
-    def engine_step(arrays, prefix):
+    def engine_step(arrays, prefix, op=rr.Average, **config):
+        settings = {"fusion_threshold_bytes": defaults.fusion_threshold_bytes,
+                    "inplace_min_bytes": defaults.inplace_min_bytes, **config}
+
         def run():
-            handles = [rr.allreduce_async_(a, op=rr.Average, name=f"{prefix}{i}") for i, a in enumerate(arrays)]
+            set_engine(**settings)
+            handles = [rr.allreduce_async_(a, op=op, name=f"{prefix}{i}") for i, a in enumerate(arrays)]
             for h in handles:
                 rr.synchronize(h)
         return run
@@ -84,37 +94,41 @@ def main() -> None:
                 comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
         return run
 
-    def measure(workload, label, fn, nbytes):
-        results.append((workload, label, timed(comm, fn, nbytes, args.budget, 5)))
+    def measure(workload, variants, nbytes):
+        medians = timed_side_by_side(comm, variants, nbytes, args.budget * len(variants), 5)
+        results.extend((workload, label, seconds) for label, seconds in medians.items())
 
+    fused_label = f"ringreduce fused ({defaults.fusion_threshold_bytes // MiB} MiB)"
     for workload, arrays, prefix in (("resnet50", grads, "r"), ("1000x1KiB", tiny, "t")):
-        nbytes = sum(a.nbytes for a in arrays)
-        set_engine(fusion_threshold_bytes=defaults.fusion_threshold_bytes)
-        measure(workload, f"ringreduce fused ({defaults.fusion_threshold_bytes // MiB} MiB)",
-                engine_step(arrays, prefix), nbytes)
-        set_engine(fusion_threshold_bytes=0)
-        measure(workload, "ringreduce fusion off", engine_step(arrays, prefix), nbytes)
-        set_engine(fusion_threshold_bytes=defaults.fusion_threshold_bytes)
-        measure(workload, "MPI_Allreduce per tensor", mpi_step(arrays), nbytes)
+        summed = zeros[prefix]
+        variants = {
+            # Each variant names its tensors apart: one name with another op would
+            # (rightly) invalidate the response cache entry of the other variant.
+            f"{fused_label}, Average": engine_step(arrays, prefix + "a"),
+            f"{fused_label}, Sum": engine_step(summed, prefix + "s", rr.Sum),
+            "ringreduce fusion off, Average": engine_step(arrays, prefix + "o", fusion_threshold_bytes=0),
+            "MPI_Allreduce per tensor (Sum)": mpi_step(summed),
+        }
         if torch is not None:
-            tensors = [torch.from_numpy(a) for a in arrays]
-            measure(workload, "gloo per tensor", lambda: [dist.all_reduce(t) for t in tensors], nbytes)
-            measure(workload, "gloo 25 MiB buckets", gloo_buckets(torch, dist, tensors, 25 * MiB), nbytes)
+            tensors = [torch.from_numpy(a) for a in summed]
+            variants["gloo per tensor (Sum)"] = lambda tensors=tensors: [dist.all_reduce(t) for t in tensors]
+            variants["gloo 25 MiB buckets (Sum)"] = gloo_buckets(torch, dist, tensors, 25 * MiB)
+        measure(workload, variants, sum(a.nbytes for a in arrays))
     if args.sweep:
-        for threshold in (1, 2, 4, 8, 16, 32, 64):
-            for inplace in (256 << 10, 1 << 20, 4 << 20):
-                set_engine(fusion_threshold_bytes=threshold * MiB, inplace_min_bytes=inplace)
-                measure("resnet50", f"sweep fuse {threshold} MiB, alone >= {inplace >> 10} KiB",
-                        engine_step(grads, "r"), total)
-    set_engine(fusion_threshold_bytes=defaults.fusion_threshold_bytes)
+        sweep = {f"sweep fuse {threshold} MiB, alone >= {inplace >> 10} KiB":
+                 engine_step(grads, f"w{threshold}.{inplace}.", fusion_threshold_bytes=threshold * MiB,
+                             inplace_min_bytes=inplace)
+                 for threshold in (1, 2, 4, 8, 16, 32, 64) for inplace in (256 << 10, 1 << 20, 4 << 20)}
+        measure("resnet50", sweep, total)
+    set_engine(fusion_threshold_bytes=defaults.fusion_threshold_bytes, inplace_min_bytes=defaults.inplace_min_bytes)
 
     if me == 0:
         print(f"# gradient all-reduce per step, {n} ranks; resnet50 = {len(grads)} tensors, "
               f"{total / MiB:.1f} MiB float32")
-        print(f"{'workload':>10}  {'variant':<44} {'ms/step':>9} {'us/tensor':>10}")
+        print(f"{'workload':>10}  {'variant':<46} {'ms/step':>9} {'us/tensor':>10}")
         for workload, label, seconds in results:
             count = len(grads) if workload == "resnet50" else len(tiny)
-            print(f"{workload:>10}  {label:<44} {seconds * 1e3:9.2f} {seconds * 1e6 / count:10.1f}")
+            print(f"{workload:>10}  {label:<46} {seconds * 1e3:9.2f} {seconds * 1e6 / count:10.1f}")
     if dist is not None:
         dist.destroy_process_group()
     rr.shutdown()

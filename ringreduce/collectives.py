@@ -107,9 +107,7 @@ class Executor:
         for flat in flats:
             backend.scale(flat, prescale_factor)
         ring.allreduce(self.comm, flats[0] if len(flats) == 1 else ring.Layout(flats), op, backend,
-                       self.segment_bytes, self.small_bytes)
-        for flat in flats:
-            backend.scale(flat, postscale_factor)
+                       self.segment_bytes, self.small_bytes, postscale_factor)
 
     # -- reduce-scatter -----------------------------------------------------
     def reducescatter(self, array: np.ndarray, op: ReduceOp, name: "str | None" = None) -> np.ndarray:

@@ -437,89 +437,89 @@ class Engine:
 
     def _allreduce_group(self, group: "list[Request]") -> None:
         """Small tensors are packed into the fusion buffer; large ones (at least
-        MTRAIN_FUSION_INPLACE_MIN_BYTES) are reduced together by one ring over
-        their own memory (``ring.Layout``), with no copies. Fusion off: one ring each."""
+        MTRAIN_FUSION_INPLACE_MIN_BYTES) are reduced in their own memory, with no
+        copies, by the same ring as the last fusion buffer (``ring.Layout``: one
+        logical buffer, one ring). Fusion off: one ring each."""
         threshold = self.config.fusion_threshold_bytes
         if threshold == 0:
             for request in group:
-                self._allreduce_in_place([request])
+                self._allreduce_together([], 0, [request])
             return
-        large = [r for r in group if r.nbytes >= min(threshold, self.config.inplace_min_bytes)]
-        batch: "list[Request]" = []
+        alone = min(threshold, self.config.inplace_min_bytes)
+        large = [r for r in group if r.nbytes >= alone]
+        batches: "list[list[Request]]" = [[]]
         batch_bytes = 0
         for request in group:
-            if request.nbytes >= min(threshold, self.config.inplace_min_bytes):
+            if request.nbytes >= alone:
                 continue
-            if batch and batch_bytes + request.nbytes > threshold:
-                self._allreduce_fused(batch, batch_bytes)
-                batch, batch_bytes = [], 0
-            batch.append(request)
+            if batches[-1] and batch_bytes + request.nbytes > threshold:
+                batches.append([])
+                batch_bytes = 0
+            batches[-1].append(request)
             batch_bytes += request.nbytes
-        if len(batch) == 1:
-            large.append(batch[0])  # nothing to fuse it with: no point copying it
-        elif batch:
-            self._allreduce_fused(batch, batch_bytes)
-        if large:
-            self._allreduce_in_place(large)
+        if len(batches[-1]) == 1:
+            large.append(batches.pop()[0])  # nothing to fuse it with: no point copying it
+        batches = [b for b in batches if b]
+        for batch in batches[:-1]:
+            self._allreduce_together(batch, sum(r.nbytes for r in batch), [])
+        last = batches[-1] if batches else []
+        if last or large:
+            self._allreduce_together(last, sum(r.nbytes for r in last), large)
 
-    def _allreduce_in_place(self, requests: "list[Request]") -> None:
-        """Tensors reduced in their own memory (or in fresh copies) by one ring over all of them."""
-        backend, first = requests[0].backend, requests[0]
-        outs, flats, copied = [], [], []
-        for request in requests:
+    def _allreduce_together(self, batch: "list[Request]", nbytes: int, alone: "list[Request]") -> None:
+        """One ring over the fusion buffer (``batch`` packed into it, if any) followed by
+        the ``alone`` tensors in their own memory (or fresh copies for out-of-place ops)."""
+        first = (batch or alone)[0]
+        backend, dtype = first.backend, first.array.dtype
+        flats, outs, copied = [], [], []
+        t0 = t1 = time.monotonic()
+        if batch:
+            # The backend's reusable fusion buffer: host memory for host arrays, device
+            # memory for device arrays (never fused together: the group key includes the
+            # backend). Grown to the threshold once, then reused every step.
+            backend.scratch(FUSION_SLOT, self.config.fusion_threshold_bytes, np.dtype(np.uint8))
+            fused = backend.scratch(FUSION_SLOT, nbytes // dtype.itemsize, dtype)
+            offset = 0
+            for request in batch:
+                size = request.array.size
+                backend.copy(fused[offset:offset + size].reshape(request.array.shape), request.array)
+                offset += size
+            flats.append(fused)
+            t1 = time.monotonic()
+        for request in alone:
             out = request.array if request.in_place else request.array.copy(order="C")
             flat, was_copied = backend.flatten(out)
             outs.append(out)
             flats.append(flat)
             copied.append(was_copied)
-        begin = time.monotonic()
         self.executor.allreduce_flat(flats, first.op, backend, first.prescale, first.postscale)
-        end = time.monotonic()
-        for request, out, flat, was_copied in zip(requests, outs, flats, copied):
-            if was_copied:
-                backend.copy(out, flat.reshape(out.shape))
-            if self._timeline is not None:
-                self._timeline.span(request.name, "ALLREDUCE", begin, end, bytes=request.nbytes,
-                                    ring_ops=len(requests))
-            self._finish(request, out)
-
-    def _allreduce_fused(self, batch: "list[Request]", nbytes: int) -> None:
-        """Pack, reduce with one ring, unpack."""
-        first = batch[0]
-        dtype = first.array.dtype
-        # The backend's reusable fusion buffer: host memory for host arrays, device
-        # memory for device arrays (the two are never fused together: the group key
-        # includes the backend). Grown to the threshold once, then reused every step.
-        first.backend.scratch(FUSION_SLOT, self.config.fusion_threshold_bytes, np.dtype(np.uint8))
-        fused = first.backend.scratch(FUSION_SLOT, nbytes // dtype.itemsize, dtype)
-        t0 = time.monotonic()
-        offset = 0
-        for request in batch:
-            size = request.array.size
-            fused[offset:offset + size].reshape(request.array.shape)[...] = request.array
-            offset += size
-        t1 = time.monotonic()
-        self.executor.allreduce_flat([fused], first.op, first.backend, first.prescale, first.postscale)
         t2 = time.monotonic()
+        results = []
         offset = 0
-        outputs = []
         for request in batch:
             size = request.array.size
-            piece = fused[offset:offset + size].reshape(request.array.shape)
+            piece = flats[0][offset:offset + size].reshape(request.array.shape)
             if request.in_place:
-                request.array[...] = piece
-                outputs.append(request.array)
+                backend.copy(request.array, piece)
+                results.append(request.array)
             else:
-                outputs.append(piece.copy())
+                results.append(piece.copy())
             offset += size
         t3 = time.monotonic()
+        for out, flat, was_copied in zip(outs, flats[1 if batch else 0:], copied):
+            if was_copied:
+                backend.copy(out, flat.reshape(out.shape))
+            results.append(out)
         if self._timeline is not None:
+            ring_ops = len(batch) + len(alone)
             for request in batch:
                 self._timeline.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
-                self._timeline.span(request.name, "ALLREDUCE", t1, t2, fused_bytes=nbytes, fused_ops=len(batch))
+                self._timeline.span(request.name, "ALLREDUCE", t1, t2, fused_bytes=nbytes, ring_ops=ring_ops)
                 self._timeline.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
-        for request, out in zip(batch, outputs):
-            self._finish(request, out)
+            for request in alone:
+                self._timeline.span(request.name, "ALLREDUCE", t1, t2, bytes=request.nbytes, ring_ops=ring_ops)
+        for request, result in zip(batch + alone, results):
+            self._finish(request, result)
 
     def _finish(self, request: Request, result: Any = None, error: "BaseException | None" = None) -> None:
         with self._lock:

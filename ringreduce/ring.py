@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
@@ -60,7 +60,7 @@ from .ops import Average, ReduceOp
 Buffer = Any  # a 1-D contiguous NumPy or CuPy array, owned by the backend passed with it
 
 # Tuned on a 2-core VM with Open MPI 5 shared memory (see benchmarks/allreduce.py).
-DEFAULT_SEGMENT_BYTES = 1 << 20
+DEFAULT_SEGMENT_BYTES = 512 << 10
 SCRATCH_DEPTH = 3
 # Below N·nbytes of this, gather-and-reduce beats the 2(N-1)-step ring.
 DEFAULT_SMALL_BYTES = 16 << 10
@@ -116,24 +116,34 @@ def as_layout(buf: "Buffer | Layout") -> Layout:
 
 def allreduce(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Backend,
               segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-              small_bytes: int = DEFAULT_SMALL_BYTES) -> None:
+              small_bytes: int = DEFAULT_SMALL_BYTES, postscale: float = 1.0) -> None:
     """Reduce ``buf`` (1-D and contiguous, or a Layout of such) in place across ``comm``;
-    Average divides by N."""
+    Average divides by N, then ``postscale`` multiplies.
+
+    Both finishing steps run on each segment of the rank's own chunk right after its
+    last reduction, while it is still in cache, instead of as extra passes over the
+    whole buffer; the all-gather then hands the finished bits to everyone.
+    """
     size = comm.Get_size()
     layout = as_layout(buf)
-    if size == 1 or layout.size == 0:
+    if layout.size == 0:
+        return
+
+    def finish(piece: Buffer) -> None:
+        if op == Average:
+            backend.divide(piece, size)
+        backend.scale(piece, postscale)
+
+    if size == 1:
+        for whole in layout.bufs:
+            finish(whole)
         return
     if len(layout.bufs) == 1 and layout.size * layout.itemsize * size <= small_bytes:
         _gather_reduce(comm, layout.bufs[0], op, backend)
-        if op == Average:
-            backend.divide(layout.bufs[0], size)
+        finish(layout.bufs[0])
         return
     bounds = even_bounds(layout.size, size)
-    reduce_scatter(comm, layout, op, backend, segment_bytes, bounds)
-    if op == Average:
-        lo, hi = bounds[comm.Get_rank()]
-        for piece in layout.pieces(lo, hi, layout.size):
-            backend.divide(piece, size)
+    reduce_scatter(comm, layout, op, backend, segment_bytes, bounds, finish)
     allgather(comm, layout, bounds, backend)
 
 
@@ -143,11 +153,14 @@ def even_bounds(count: int, parts: int) -> "list[tuple[int, int]]":
 
 def reduce_scatter(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Backend,
                    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                   bounds: "list[tuple[int, int]] | None" = None) -> None:
+                   bounds: "list[tuple[int, int]] | None" = None,
+                   finish: "Callable[[Buffer], None] | None" = None) -> None:
     """After this, logical range bounds[rank] of ``buf`` holds the reduction over all ranks.
 
     ``bounds`` (default: ``even_bounds``) gives each rank's chunk; other chunks
-    end with partial results. No division for Average: the caller divides.
+    end with partial results. No division for Average: the caller divides, or
+    passes ``finish``, which is applied to each segment of the rank's own chunk
+    just after its last reduction.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     layout = as_layout(buf)
@@ -161,12 +174,15 @@ def reduce_scatter(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend
         slo, shi = bounds[(rank - step - 1) % size]
         rlo, rhi = bounds[(rank - step - 2) % size]
         sends = backend.isend(comm, layout.pieces(slo, shi, seg), right, _TAG)
-        _receive_and_reduce(comm, left, layout.pieces(rlo, rhi, seg), scratch, op, backend)
+        last = step == size - 2  # then the chunk received is this rank's own: done after this
+        _receive_and_reduce(comm, left, layout.pieces(rlo, rhi, seg), scratch, op, backend,
+                            finish if last else None)
         backend.wait_all(sends)
 
 
 def _receive_and_reduce(comm: MPI.Comm, left: int, targets: "list[Buffer]", scratch: list,
-                        op: ReduceOp, backend: Backend) -> None:
+                        op: ReduceOp, backend: Backend,
+                        finish: "Callable[[Buffer], None] | None" = None) -> None:
     """Receive each target view from ``left`` into a scratch lane, then reduce it into place."""
     in_flight: collections.deque = collections.deque()
 
@@ -181,6 +197,8 @@ def _receive_and_reduce(comm: MPI.Comm, left: int, targets: "list[Buffer]", scra
         request, landing = in_flight.popleft()
         backend.wait_all([request])
         backend.reduce_into(target, landing, op)
+        if finish is not None:
+            finish(target)
         if k + len(scratch) < len(targets):
             post(k + len(scratch))
 

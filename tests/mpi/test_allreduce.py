@@ -51,6 +51,12 @@ def test_allreduce_large_buffers():
             result = rr.allreduce(inputs[me].copy(), op=op)
             assert_matches(result, reference(inputs, op), what)
             _check_identical_everywhere(result, what)
+    # Scaling on the ring path (Average's division and the postscale are applied to each
+    # rank's own chunk, segment by segment, before the all-gather).
+    inputs = [values(r, (655_357,), np.float64) for r in range(n)]
+    got = rr.allreduce(inputs[me], op=rr.Average, prescale_factor=0.25, postscale_factor=3.0)
+    assert_matches(got, reference(inputs, rr.Average) * 0.75, f"scaled Average np={n}")
+    _check_identical_everywhere(got, "scaled Average")
 
 
 @mpi_test(nps=(1, 2, 3))
