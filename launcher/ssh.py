@@ -9,11 +9,33 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import importlib
 import os
 import socket
+import sys
+import types
 from typing import Any
 
-import paramiko
+
+class _DeferredInvoke(types.ModuleType):
+    """Stands in for `invoke`, which paramiko imports at start-up (a third of its import
+    time, paid again by every SSH agent) but uses only to run ssh_config `Match exec`
+    lines: the real module is imported the first time paramiko touches it."""
+
+    def __getattr__(self, name: str) -> Any:
+        if sys.modules.get("invoke") is self:
+            del sys.modules["invoke"]
+        try:
+            real = importlib.import_module("invoke")
+        except ImportError:
+            raise AttributeError(name) from None
+        self.__dict__.update(real.__dict__)
+        return getattr(real, name)
+
+
+if "invoke" not in sys.modules:
+    sys.modules["invoke"] = _DeferredInvoke("invoke")
+import paramiko  # noqa: E402
 
 from launcher.config import SshOptions
 

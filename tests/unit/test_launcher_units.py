@@ -123,3 +123,12 @@ def test_first_failure_weighs_evidence_when_failures_are_too_close_for_clocks():
 def test_describe_names_signal():
     assert _exit(4, -9, False, 0).describe() == "rank 4 on h: killed by SIGKILL"
     assert _exit(4, 2, False, 0).describe() == "rank 4 on h: exit code 2"
+
+
+def test_paramiko_starts_without_importing_invoke_until_ssh_config_needs_it():
+    code = ("import sys, launcher.ssh, paramiko.config as c\n"
+            "assert 'invoke.context' not in sys.modules, 'invoke imported at start-up'\n"
+            "assert c.invoke.Context.__module__ == 'invoke.context'\n"
+            "assert sys.modules['invoke'].Context is c.invoke.Context\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
