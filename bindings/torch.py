@@ -1,8 +1,12 @@
 """PyTorch adapter: ``import bindings.torch as hvd`` in place of ``import horovod.torch as hvd``.
 
 CPU tensors cross to the runtime as NumPy views of their own memory (no copy);
-in-place ops write the result straight back into the tensor. CUDA tensors are
-refused with a clear error until the runtime's GPU path exists.
+in-place ops write the result straight back into the tensor. CUDA tensors cross
+as CuPy views through DLPack (no copy). The runtime queues its device work on
+the legacy default stream (``ringreduce.cuda``): a CUDA tensor is handed over
+after the legacy stream has been made to wait for torch's current stream, and a
+result is handed back after torch's current stream has been made to wait for
+the legacy stream, so torch side streams are ordered too.
 """
 from __future__ import annotations
 
@@ -74,6 +78,12 @@ def _check_tensor(tensor: Any, what: str = "tensor") -> torch.Tensor:
     return tensor
 
 
+def _wait_for(waiter: Any, producer: Any) -> None:
+    """Later work on stream ``waiter`` runs after the work queued on ``producer`` so far."""
+    if waiter != producer:
+        waiter.wait_stream(producer)
+
+
 def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's own memory as a NumPy array (tensor must be contiguous for writes to land)."""
     tensor = tensor.detach()
@@ -82,15 +92,33 @@ def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
             raise TypeError("bfloat16 CUDA tensors are not supported (CuPy has no bfloat16); "
                             "cast to float16 or float32 first")
         import cupy
-        return cupy.from_dlpack(tensor)
+        device = tensor.device
+        legacy = torch.cuda.default_stream(device)  # the stream the runtime's device work goes on
+        _wait_for(legacy, torch.cuda.current_stream(device))
+        tensor.record_stream(legacy)  # the caching allocator must not reuse it before that work is done
+        with torch.cuda.device(device):  # __dlpack__ refuses a tensor off the current device
+            # stream=-1: ordered above. CuPy's own hand-shake would pass its current stream,
+            # which is the per-thread default stream (refused by torch) under
+            # CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1.
+            capsule = tensor.__dlpack__(stream=-1)
+        return cupy.from_dlpack(capsule)
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(_bfloat16())
     return tensor.numpy()
 
 
+def _after_device_work(tensor: torch.Tensor) -> torch.Tensor:
+    """Order torch's current stream after the runtime's device work (in-place results)."""
+    if tensor.is_cuda:
+        _wait_for(torch.cuda.current_stream(tensor.device), torch.cuda.default_stream(tensor.device))
+    return tensor
+
+
 def _from_numpy(array: np.ndarray) -> torch.Tensor:
     if type(array).__module__.startswith("cupy"):  # device result: back as a CUDA tensor, no copy
-        return torch.from_dlpack(array)
+        device = torch.device("cuda", array.device.id)
+        _wait_for(torch.cuda.current_stream(device), torch.cuda.default_stream(device))
+        return torch.from_dlpack(array.__dlpack__(stream=-1))  # stream=-1: ordered just above
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
     if not array.flags.writeable:
@@ -110,10 +138,11 @@ def _resolve_op(average: Optional[bool], op: Any) -> ReduceOp:
 def _inplace_buffer(tensor: torch.Tensor) -> Tuple[np.ndarray, Any]:
     """A NumPy buffer the runtime may write, and how to land it back into ``tensor``."""
     if tensor.is_contiguous():
-        return _numpy_view(tensor), lambda _: tensor
+        return _numpy_view(tensor), lambda _: _after_device_work(tensor)
     temp = tensor.detach().contiguous()
 
     def copy_back(_: Any) -> torch.Tensor:
+        _after_device_work(temp)
         with torch.no_grad():
             tensor.copy_(temp)
         return tensor
@@ -240,7 +269,16 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None)
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    array = _numpy_view(_check_tensor(tensor))
+    tensor = _check_tensor(tensor)
+    if tensor.is_cuda:
+        # Scaled by torch on its current stream (CuPy takes no NumPy 0-d array operand), the
+        # factor cast to the tensor's dtype first, as for CPU tensors below.
+        def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
+            return t * torch.tensor(factor, dtype=t.dtype) if factor != 1.0 else t
+        array = _numpy_view(scaled(tensor.detach(), prescale_factor))
+        return Handle(start("reducescatter", array, op, name),
+                      lambda result: scaled(_from_numpy(result), postscale_factor))
+    array = _numpy_view(tensor)
     if prescale_factor != 1.0:
         array = array * np.asarray(prescale_factor, dtype=array.dtype)
 
@@ -263,10 +301,17 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
 
+    tensor = _check_tensor(tensor)
+    device = tensor.device if tensor.is_cuda else None
+    if device is not None:  # the runtime's all-to-all moves host memory only: stage through it
+        tensor = tensor.detach().cpu()
+
     def finish(result: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         array, received = result
-        return _from_numpy(array), torch.as_tensor(np.asarray(received), dtype=torch.int32)
-    return Handle(start("alltoall", _numpy_view(_check_tensor(tensor)), splits, name), finish)
+        out = _from_numpy(array)
+        return (out if device is None else out.to(device)), \
+            torch.as_tensor(np.asarray(received), dtype=torch.int32)
+    return Handle(start("alltoall", _numpy_view(tensor), splits, name), finish)
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Any:
@@ -301,6 +346,8 @@ class _TensorSpec:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+        # Received into the same kind of memory as root's: ranks must agree on each op's backend.
+        self.cuda = tensor.is_cuda
 
 
 def _skeleton(value: Any, tensors: List[torch.Tensor]) -> Any:
@@ -316,7 +363,8 @@ def _skeleton(value: Any, tensors: List[torch.Tensor]) -> Any:
 
 def _fill(value: Any, tensors: List[torch.Tensor]) -> Any:
     if isinstance(value, _TensorSpec):
-        tensors.append(torch.empty(value.shape, dtype=value.dtype))
+        device = torch.device("cuda", torch.cuda.current_device()) if value.cuda else None
+        tensors.append(torch.empty(value.shape, dtype=value.dtype, device=device))
         return tensors[-1]
     if isinstance(value, dict):
         return {k: _fill(v, tensors) for k, v in value.items()}

@@ -51,6 +51,16 @@ def _scale(xp: Any, buf: Any, factor: float) -> None:
         xp.multiply(buf, buf.dtype.type(factor), out=buf)
 
 
+def _scale_device(xp: Any, buf: Any, factor: float) -> None:
+    """``_scale`` for CuPy: integers are widened to float64 explicitly. CuPy 13 promotes
+    NumPy scalars by value (NumPy 1 rules), so ``int8_array * np.float64(f)`` is computed
+    in float16 there, and the device result would differ from the host's (float64)."""
+    if buf.dtype.kind in "iu":
+        buf[...] = xp.floor(buf.astype(np.float64) * np.float64(factor)).astype(buf.dtype)
+    else:
+        xp.multiply(buf, buf.dtype.type(factor), out=buf)
+
+
 def _divide(xp: Any, buf: Any, divisor: int) -> None:
     if buf.dtype.kind in "iu":
         xp.floor_divide(buf, divisor, out=buf)
@@ -155,10 +165,13 @@ class Device(Protocol):
     """What the device backends need from a device: its array module, one stream, pinned memory.
 
     Every method that queues work puts it on the same stream, in call order.
+    ``activate`` makes the device (and that stream) current for the calling
+    thread: the backends call it before they use ``xp`` directly.
     """
 
     xp: Any  # the array module of device arrays (cupy; numpy for the stand-in)
 
+    def activate(self) -> None: ...                     # this device current for this thread
     def empty(self, nbytes: int) -> Any: ...            # device bytes
     def pinned(self, nbytes: int) -> np.ndarray: ...    # page-locked host bytes
     def launch(self, fn: Callable, *args: Any) -> None: ...  # device work, queued
@@ -181,11 +194,13 @@ class DeviceBackend:
         return isinstance(array, self.xp.ndarray)
 
     def empty(self, count: int, dtype: np.dtype) -> Any:
+        self.device.activate()  # CuPy allocates on the calling thread's current device
         return self.xp.empty(count, dtype=dtype)
 
     def flatten(self, array: Any) -> "tuple[Any, bool]":
         if array.flags.c_contiguous:
             return array.reshape(-1), False
+        self.device.activate()
         return self.xp.ascontiguousarray(array).reshape(-1), True
 
     def scratch(self, slot: "int | str", count: int, dtype: np.dtype) -> Any:
@@ -203,7 +218,7 @@ class DeviceBackend:
 
     def scale(self, buf: Any, factor: float) -> None:
         if factor != 1.0 and buf.size:
-            self.device.launch(_scale, self.xp, buf, factor)
+            self.device.launch(_scale_device, self.xp, buf, factor)
 
     def divide(self, buf: Any, divisor: int) -> None:
         if divisor != 1 and buf.size:
@@ -341,6 +356,6 @@ def backend_for(array: Any) -> Backend:
         return _NUMPY
     if type(array).__module__.startswith("cupy"):
         from . import cuda  # lazily: CuPy is imported only when a CuPy array shows up
-        return cuda.backend()
+        return cuda.backend(array)
     raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(array).__name__}; "
                     "wrap Python data with numpy.asarray() first")

@@ -1,10 +1,18 @@
 """CuPy device buffers: the GPU side of ``backend.py``, imported only when a CuPy array shows up.
 
-* ``CupyDevice``: the ``backend.Device`` of a GPU. All work (reductions,
-  device↔pinned copies) is queued on the calling thread's *current* CuPy
-  stream, so it is ordered after the work that produced the buffer (the
-  engine's fusion packing, DLPack imports) and before the work that reads
-  the result, with no extra synchronization.
+* ``CupyDevice``: the ``backend.Device`` of one GPU. Its methods run on the
+  engine thread, which they bind to that GPU (CUDA's current device is per
+  thread, and a new thread starts on device 0) with CuPy's legacy default
+  stream current. All work (reductions, device↔pinned copies, the engine's own
+  copies) is queued on that one stream. The legacy stream waits for earlier
+  work on every blocking stream (CuPy's default stream, ``cupy.cuda.Stream()``,
+  the per-thread default stream) and blocking streams wait for it, so buffers
+  produced on such a stream in the user's thread need no extra synchronization,
+  and results can be read there once the op's handle is done. Work on a
+  non-blocking stream (``Stream(non_blocking=True)``, torch's side streams) is
+  not ordered implicitly: ``bindings.torch`` orders torch's current stream
+  against the legacy stream explicitly; CuPy users synchronize such a stream
+  before submitting.
 * ``cuda_aware()``: whether MPI can read device memory (Open MPI's and MPICH's
   ``MPIX_Query_cuda_support``, which mpi4py does not wrap; MTRAIN_CUDA_AWARE=0/1
   overrides).
@@ -28,43 +36,60 @@ CUDA_AWARE_ENV = "MTRAIN_CUDA_AWARE"
 
 
 class CupyDevice:
-    """The current GPU through CuPy: its current stream, events, pinned memory."""
+    """One GPU through CuPy: its legacy default stream, events, pinned memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_id: int) -> None:
         import cupy
         import cupyx
         self.xp = cupy
+        self.id = device_id
         self._cupyx = cupyx
         self._runtime = cupy.cuda.runtime
+        self._stream = cupy.cuda.Stream.null  # the legacy default stream (handle 0)
 
-    def _stream(self) -> Any:
-        return self.xp.cuda.get_current_stream()
+    def activate(self) -> None:
+        """Make this GPU, and the legacy stream on it, current for the calling thread (it stays so).
+
+        The engine thread is the only caller; binding it also puts the engine's own
+        CuPy calls (result copies, ``out[...] = ...``) on this GPU and this stream.
+        """
+        if self._runtime.getDevice() != self.id:
+            self._runtime.setDevice(self.id)
+        if self.xp.cuda.get_current_stream().ptr != self._stream.ptr:
+            self._stream.use()
 
     def empty(self, nbytes: int) -> Any:
+        self.activate()
         return self.xp.empty(nbytes, dtype=np.uint8)
 
     def pinned(self, nbytes: int) -> np.ndarray:
         # Page-locked, so cudaMemcpyAsync to and from it is truly asynchronous.
+        self.activate()
         return self._cupyx.empty_pinned(nbytes, dtype=np.uint8)
 
     def launch(self, fn: Callable, *args: Any) -> None:
-        fn(*args)  # CuPy kernels are queued on the current stream
+        self.activate()
+        fn(*args)  # CuPy kernels are queued on the current stream: ours, after activate()
 
     def to_host(self, dst: np.ndarray, src: Any) -> None:
         if dst.nbytes:
+            self.activate()
             self._runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
-                                      self._runtime.memcpyDeviceToHost, self._stream().ptr)
+                                      self._runtime.memcpyDeviceToHost, self._stream.ptr)
 
     def to_device(self, dst: Any, src: np.ndarray) -> None:
         if src.nbytes:
+            self.activate()
             self._runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
-                                      self._runtime.memcpyHostToDevice, self._stream().ptr)
+                                      self._runtime.memcpyHostToDevice, self._stream.ptr)
 
     def record(self) -> Any:
-        return self._stream().record()
+        self.activate()
+        return self._stream.record(self.xp.cuda.Event(disable_timing=True))
 
     def synchronize(self) -> None:
-        self._stream().synchronize()
+        self.activate()
+        self._stream.synchronize()
 
 
 def query_cuda_support() -> "bool | None":
@@ -94,19 +119,46 @@ def cuda_aware() -> bool:
     return bool(query_cuda_support())
 
 
-_backend: "DeviceBackend | None" = None
+_backends: "dict[int, DeviceBackend]" = {}
 _lock = threading.Lock()
 
 
-def backend() -> DeviceBackend:
-    """The device backend for CuPy arrays, created once (its scratch and pinned buffers persist)."""
-    global _backend
+def backend(array: Any = None) -> DeviceBackend:
+    """The device backend for CuPy arrays on ``array``'s GPU (default: the current one).
+
+    Created once per GPU (its scratch and pinned buffers persist); all of them
+    are named "cupy", so ranks on different GPUs still agree on every op.
+    """
+    if array is not None:
+        device_id = int(array.device.id)
+    else:
+        import cupy
+        device_id = int(cupy.cuda.runtime.getDevice())
     with _lock:
-        if _backend is None:
-            device = CupyDevice()
-            _backend = (DeviceBackend(device, "cupy") if cuda_aware()
-                        else StagedBackend(device, "cupy"))
-        return _backend
+        found = _backends.get(device_id)
+        if found is None:
+            device = CupyDevice(device_id)
+            found = (DeviceBackend(device, "cupy") if cuda_aware()
+                     else StagedBackend(device, "cupy"))
+            _backends[device_id] = found
+        return found
+
+
+def current_device() -> "int | None":
+    """The calling thread's current GPU when CuPy is already in use (never imports it), else None."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return None
+    try:
+        return int(cupy.cuda.runtime.getDevice())
+    except Exception:  # CuPy without a usable GPU
+        return None
+
+
+def use_device(device_id: int) -> None:
+    """Make ``device_id`` the calling thread's current GPU (CUDA's current device is per thread)."""
+    import cupy
+    cupy.cuda.runtime.setDevice(device_id)
 
 
 def gpu_count() -> int:

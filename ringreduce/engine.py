@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import errorfile
+from . import cuda, errorfile
 from .backend import NumpyBackend, backend_for
 from .collectives import Executor, Kind, MismatchError
 from .negotiation import (CONTROL_SHUTDOWN, CONTROL_STALL_CHECK, CONTROL_UNREPORTED, Coordinator,
@@ -221,6 +221,9 @@ class Engine:
         self._finished_any = False
         self._shutdown_error = ShutdownError("mtrain shut down while this op was in flight")
         self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
+        # The GPU init() bound in this thread; a new thread starts on GPU 0, so the engine
+        # thread adopts it before its first device op (None: no CuPy in use).
+        self._gpu = cuda.current_device()
         self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
         self._thread.start()
 
@@ -270,6 +273,8 @@ class Engine:
     # -- engine thread --------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._gpu is not None:
+                cuda.use_device(self._gpu)
             while self._cycle():
                 pass
             self._fail_all(self._shutdown_error)

@@ -130,3 +130,72 @@ def test_distributed_optimizer_on_cuda_model_equals_cpu():
     # Same gradients, same ring order; only cuBLAS vs CPU BLAS rounding may differ.
     assert torch.allclose(trained["cuda"], trained["cpu"], rtol=1e-10, atol=1e-10), \
         f"max diff {(trained['cuda'] - trained['cpu']).abs().max()}"
+
+
+@mpi_test(nps=(2,), env=STAGED, timeout=300)
+def test_cupy_scaled_allreduce_equals_host():
+    # Integer pre/postscale is computed in float64 on the device as on the host (CuPy 13
+    # promotes int8 * np.float64 to float16). Factors below 1 keep every product in range.
+    import cupy
+
+    import ringreduce as rr
+    from ringreduce.ops import Average, Sum
+    from tests.mpi.data import values
+    rank = rr.rank()
+    for dtype in (np.int8, np.uint8, np.int16, np.int32, np.float16, np.float32):
+        for op in (Sum, Average):
+            for pre, post in ((0.9, 0.6), (0.3, 0.7)):
+                what = f"scaled cupy {np.dtype(dtype).name} op={op.name} pre={pre} post={post}"
+                mine = values(rank, (4099,), dtype, op)
+                on_device = cupy.asnumpy(rr.allreduce(cupy.asarray(mine), op, name=f"d.{what}",
+                                                      prescale_factor=pre, postscale_factor=post))
+                on_host = rr.allreduce(mine, op, name=f"h.{what}", prescale_factor=pre, postscale_factor=post)
+                assert on_device.tobytes() == on_host.tobytes(), f"{what}: device result differs from host"
+
+
+@needs_torch
+@mpi_test(nps=(2,), env=STAGED, timeout=300)
+def test_torch_cuda_side_stream_and_other_collectives():
+    import torch
+
+    import bindings.torch as hvd
+    from tests.mpi.data import values
+    rank, size = hvd.rank(), hvd.size()
+    sleep = getattr(torch.cuda, "_sleep", None)  # widens the window a missing stream wait would leave
+
+    # Produced and read on a torch side stream (non-blocking: no implicit order with the runtime's).
+    count = (1 << 22) + 5
+    want = sum(torch.arange(count, dtype=torch.float64) * (r + 1) for r in range(size))
+    side = torch.cuda.Stream()
+    for i in range(3):
+        with torch.cuda.stream(side):
+            x = torch.arange(count, dtype=torch.float64, device="cuda")
+            if sleep is not None:
+                sleep(50_000_000)
+            x.mul_(rank + 1)
+            y = hvd.allreduce(x, op=hvd.Sum, name=f"side.out.{i}")
+            hvd.allreduce_(x, op=hvd.Sum, name=f"side.in.{i}")
+            got_out, got_in = y.cpu(), x.cpu()
+        assert torch.equal(got_out, want), f"side-stream all-reduce, round {i}"
+        assert torch.equal(got_in, want), f"side-stream in-place all-reduce, round {i}"
+
+    # Reduce-scatter with scaling (done by torch for CUDA tensors), all-to-all (staged through host).
+    t = torch.from_numpy(values(rank, (6, 5), np.float32))
+    for pre, post in ((1.0, 1.0), (0.5, 4.0)):
+        d = hvd.reducescatter(t.cuda(), op=hvd.Sum, prescale_factor=pre, postscale_factor=post, name=f"rs.d.{pre}")
+        h = hvd.reducescatter(t, op=hvd.Sum, prescale_factor=pre, postscale_factor=post, name=f"rs.h.{pre}")
+        assert d.is_cuda and torch.equal(d.cpu(), h), f"reducescatter pre={pre} post={post}"
+    t = torch.arange(size * 3 * 2, dtype=torch.int32).reshape(size * 3, 2) + 1000 * rank
+    d, h = hvd.alltoall(t.cuda(), name="a2a.d"), hvd.alltoall(t, name="a2a.h")
+    assert d.is_cuda and torch.equal(d.cpu(), h), "alltoall of a CUDA tensor"
+
+    # Optimizer state on the GPU on root: every rank receives it into GPU memory (same backend).
+    torch.manual_seed(rank)
+    net = torch.nn.Linear(4, 3).cuda()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    net(torch.randn(2, 4, device="cuda")).sum().backward()
+    opt.step()  # exp_avg, exp_avg_sq on the GPU, different on every rank
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    mine = [opt.state[p][k].cpu() for p in net.parameters() for k in ("exp_avg", "exp_avg_sq")]
+    root = hvd.broadcast_object(mine, root_rank=0, name="root_state")
+    assert all(torch.equal(a, b) for a, b in zip(mine, root)), "optimizer state differs from root's"

@@ -246,3 +246,26 @@ def test_a_killed_rank_ends_the_job_naming_it():
     result = launch(3, [sys.executable, "-c", DYING_RANK_SCRIPT], timeout=60)
     assert result.returncode != 0
     assert "rank 1" in result.stderr, result.stderr
+
+
+@mpi_test(nps=(1,))
+def test_engine_thread_adopts_the_gpu_bound_in_the_creating_thread():
+    # CUDA's current device is per thread and a new thread starts on GPU 0: the engine
+    # thread must switch to the GPU init() bound before any device work. A stand-in
+    # for CuPy's runtime records which thread asked for which device.
+    import threading
+    import types
+    from ringreduce.collectives import Executor
+    from ringreduce.engine import Engine, EngineConfig
+
+    calls = []
+    runtime = types.SimpleNamespace(getDevice=lambda: 3,
+                                    setDevice=lambda i: calls.append((threading.current_thread().name, i)))
+    sys.modules["cupy"] = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    try:
+        engine = Engine(Executor(MPI.COMM_WORLD.Dup(), 1 << 20, 0), MPI.COMM_WORLD.Dup(),
+                        EngineConfig.from_environment())
+        engine.shutdown()
+    finally:
+        del sys.modules["cupy"]
+    assert calls == [("mtrain-engine", 3)]

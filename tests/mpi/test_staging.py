@@ -90,6 +90,9 @@ class StandInDevice:
     def __init__(self) -> None:
         self.ledger = Ledger()
 
+    def activate(self) -> None:
+        """One "device", current everywhere: nothing to bind."""
+
     def empty(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
 
@@ -306,6 +309,22 @@ def test_gpu_choice_respects_the_users_choice():
     assert choose_device(1, 1, {"CUDA_VISIBLE_DEVICES": "3"}, False) is None      # launcher gave one GPU
     assert choose_device(1, 4, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, False) == 1
     assert choose_device(1, 4, {}, already_current=True) is None                 # user picked before init()
+
+
+def test_device_scaling_matches_host_bit_for_bit():
+    # The device backend widens integers to float64 itself (CuPy 13 would compute
+    # int8 * np.float64 in float16); on NumPy both must give the host's exact bits.
+    from ringreduce.backend import _scale_device
+    host = NumpyBackend()
+    for dtype in (np.int8, np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64):
+        for factor in (0.9, 0.3, 1.0 / 3.0, 2.5):
+            mine = values(1, (4099,), dtype).reshape(-1)
+            if np.dtype(dtype).kind in "iu":
+                mine = mine // 4  # products stay inside the dtype's range
+            want, got = mine.copy(), mine.copy()
+            host.scale(want, factor)
+            _scale_device(np, got, factor)
+            _same_bits(got, want, f"scale {np.dtype(dtype).name} by {factor}")
 
 
 def test_cuda_aware_override(monkeypatch):
