@@ -138,9 +138,19 @@ def allreduce(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Bac
         for whole in layout.bufs:
             finish(whole)
         return
-    if len(layout.bufs) == 1 and layout.size * layout.itemsize * size <= small_bytes:
-        _gather_reduce(comm, layout.bufs[0], op, backend)
-        finish(layout.bufs[0])
+    if layout.size * layout.itemsize * size <= small_bytes:
+        # Small: one gather, then a reduction in rank order. Several buffers are packed
+        # first, so an element's result never depends on what it was grouped with.
+        packed = layout.bufs[0]
+        if len(layout.bufs) > 1:
+            packed = backend.scratch(SCRATCH_DEPTH + 1, layout.size, layout.dtype)
+            for buf, start in zip(layout.bufs, layout.starts):
+                backend.copy(packed[start:start + buf.size], buf)
+        _gather_reduce(comm, packed, op, backend)
+        finish(packed)
+        if len(layout.bufs) > 1:
+            for buf, start in zip(layout.bufs, layout.starts):
+                backend.copy(buf, packed[start:start + buf.size])
         return
     bounds = even_bounds(layout.size, size)
     reduce_scatter(comm, layout, op, backend, segment_bytes, bounds, finish)

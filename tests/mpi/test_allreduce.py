@@ -105,4 +105,13 @@ def test_ring_over_a_layout_of_many_buffers_equals_one_contiguous_buffer():
             want = reference([np.concatenate([values(r, (k,), np.float64, op) + i for i, k in enumerate(sizes)])
                               for r in range(n)], op)
             assert_matches(got, want, f"layout allreduce {op.name} seg {segment_bytes}")
+        # Small enough for the gather path: a layout is packed and reduced in rank order,
+        # so every element gets the same bits as when its buffer is reduced on its own.
+        rng = np.random.default_rng(me)  # inexact sums: association would show in the bits
+        small = [rng.standard_normal(k) * 10.0 ** rng.integers(-3, 4, k) for k in (3, 0, 5, 1, 2, 9)]
+        alone = [p.copy() for p in small]
+        ring.allreduce(comm, ring.Layout(small), op, backend, postscale=0.5)
+        for i, p in enumerate(alone):
+            ring.allreduce(comm, p, op, backend, postscale=0.5)
+            assert p.tobytes() == small[i].tobytes(), f"{op.name}: small part {i} depends on its group"
     comm.Free()
