@@ -1,7 +1,8 @@
-"""The reduction both DistributedOptimizers accept for gradients, checked in one place."""
+"""How both bindings read their op arguments, in one place: collectives' ``op``/``average``
+and the reduction the DistributedOptimizers accept for gradients."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from ringreduce import Adasum, Average, ReduceOp, Sum
 
@@ -18,3 +19,12 @@ def check_gradient_op(op: Any, gradient_predivide_factor: float) -> ReduceOp:
     if not gradient_predivide_factor > 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
     return op
+
+
+def resolve_op(average: Optional[bool], op: Any) -> ReduceOp:
+    """Horovod's deprecated ``average=`` flag, or ``op`` (default Average)."""
+    if average is not None:
+        if op is not None:
+            raise ValueError("pass either op= or the deprecated average=, not both")
+        return Average if average else Sum
+    return Average if op is None else op

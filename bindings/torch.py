@@ -17,7 +17,6 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-import ringreduce as rr
 from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp, Sum,
     allgather_object, barrier, broadcast_object, cross_rank, cross_size, init, is_initialized,
@@ -27,7 +26,7 @@ from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
 from .build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from . import compression as _compression
-from .gradient_op import check_gradient_op
+from .gradient_op import check_gradient_op, resolve_op
 from .handles import Handle, poll, start, synchronize  # noqa: F401
 
 __all__ = [
@@ -126,15 +125,6 @@ def _from_numpy(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _resolve_op(average: Optional[bool], op: Any) -> ReduceOp:
-    """Horovod's deprecated ``average=`` flag, or ``op`` (default Average)."""
-    if average is not None:
-        if op is not None:
-            raise ValueError("pass either op= or the deprecated average=, not both")
-        return Average if average else Sum
-    return Average if op is None else op
-
-
 def _inplace_buffer(tensor: torch.Tensor) -> Tuple[np.ndarray, Any]:
     """A NumPy buffer the runtime may write, and how to land it back into ``tensor``."""
     if tensor.is_contiguous():
@@ -155,7 +145,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start an all-reduce of ``tensor`` into a new tensor; ``synchronize`` returns it."""
     array = _numpy_view(_check_tensor(tensor))
-    inner = start("allreduce", array, _resolve_op(average, op), name, prescale_factor, postscale_factor)
+    inner = start("allreduce", array, resolve_op(average, op), name, prescale_factor, postscale_factor)
     return Handle(inner, lambda result: _from_numpy(result).reshape(tensor.shape))
 
 
@@ -163,7 +153,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start an in-place all-reduce of ``tensor``; ``synchronize`` returns ``tensor``."""
     buffer, land = _inplace_buffer(_check_tensor(tensor))
-    inner = start("allreduce_", buffer, _resolve_op(average, op), name, prescale_factor, postscale_factor)
+    inner = start("allreduce_", buffer, resolve_op(average, op), name, prescale_factor, postscale_factor)
     return Handle(inner, land)
 
 
@@ -171,7 +161,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               compression: type = Compression.none, op: Any = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over all ranks (default Average). Differentiable."""
-    op = _resolve_op(average, op)
+    op = resolve_op(average, op)
     compressed, ctx = compression.compress(_check_tensor(tensor))
     if tensor.requires_grad and torch.is_grad_enabled():
         reduced = _AllreduceFunction.apply(compressed, op, name, prescale_factor, postscale_factor)
@@ -206,7 +196,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             postscale_factor: float = 1.0) -> Handle:
     """Start all-reduces of several tensors as one unit; ``synchronize`` returns new tensors."""
     arrays = [_numpy_view(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    inner = start("grouped_allreduce", arrays, _resolve_op(average, op), name, prescale_factor, postscale_factor)
+    inner = start("grouped_allreduce", arrays, resolve_op(average, op), name, prescale_factor, postscale_factor)
     return Handle(inner, lambda results: [_from_numpy(r).reshape(t.shape) for r, t in zip(results, tensors)])
 
 
@@ -215,7 +205,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              postscale_factor: float = 1.0) -> Handle:
     """In-place grouped all-reduce; ``synchronize`` returns the same tensors."""
     pairs = [_inplace_buffer(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    inner = start("grouped_allreduce_", [b for b, _ in pairs], _resolve_op(average, op), name,
+    inner = start("grouped_allreduce_", [b for b, _ in pairs], resolve_op(average, op), name,
                   prescale_factor, postscale_factor)
     return Handle(inner, lambda results: [land(r) for (_, land), r in zip(pairs, results)])
 

@@ -18,7 +18,7 @@ from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     rank, shutdown, size,
 )
 
-from ..gradient_op import check_gradient_op
+from ..gradient_op import check_gradient_op, resolve_op
 from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from .. import compression as _compression
@@ -39,8 +39,6 @@ class Compression:
     fp16 = _compression.fp16_compressor(
         cast=lambda t, dtype: tf.cast(t, dtype), is_floating=lambda t: t.dtype.is_floating,
         dtype_of=lambda t: t.dtype, float16=tf.float16)
-
-
 
 
 def barrier() -> None:
@@ -88,14 +86,6 @@ def _c(array: Any) -> np.ndarray:
     return np.asarray(array, order="C")
 
 
-def _resolve_op(average: Optional[bool], op: Any) -> ReduceOp:
-    if average is not None:
-        if op is not None:
-            raise ValueError("pass either op= or the deprecated average=, not both")
-        return Average if average else Sum
-    return Average if op is None else op
-
-
 # -- collectives -----------------------------------------------------------------
 
 def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
@@ -103,7 +93,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: Optional[str] = None) -> List[tf.Tensor]:
     """Each tensor reduced over all ranks (default Average), as one fused unit."""
-    op = _resolve_op(average, op)
+    op = resolve_op(average, op)
     pairs = [compression.compress(_dense(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inputs = [t for t, _ in pairs]
     if not inputs:
