@@ -147,19 +147,12 @@ def main() -> None:
         if args.only:
             impls = {k: v for k, v in impls.items() if k in args.only.split(",")}
         for name, fn in impls.items():
-            seconds = timed(comm, fn, nbytes, args.budget, args.min_iters)
-            algbw = nbytes / seconds / 1e9
-            busbw = algbw * (1.0 if name == "memcpy" else bus_factor)
-            rows.append((name, nbytes, seconds, algbw, busbw))
+            rows.append(measured_row(comm, name, fn, nbytes, args, bus_factor, copy=name == "memcpy"))
 
     if me == 0:
-        print(f"# all-reduce, float32, {n} ranks, Open MPI via mpi4py {MPI.Get_library_version().splitlines()[0]}")
-        print("# busbw = algbw * 2(n-1)/n; memcpy row: every rank copies its buffer at once (busbw = its rate)")
-        print(f"{'size':>10} {'impl':>14} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
-        for name, nbytes, seconds, algbw, busbw in rows:
-            label = f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"
-            print(f"{label:>10} {name:>14} {seconds * 1e6:12.1f} {algbw:12.2f} {busbw:12.2f}")
-        sys.stdout.flush()
+        print_table([f"all-reduce, float32, {n} ranks, Open MPI via mpi4py {MPI.Get_library_version().splitlines()[0]}",
+                     "busbw = algbw * 2(n-1)/n; memcpy row: every rank copies its buffer at once (busbw = its rate)"],
+                    rows)
         if args.plot:
             write_plot(rows, args.plot, n)
     if dist is not None:
@@ -175,7 +168,7 @@ def main_cupy(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     n, me = comm.Get_size(), comm.Get_rank()
     bus_factor = 2 * (n - 1) / n if n > 1 else 1.0
-    stream = cupy.cuda.get_current_stream()
+    stream = cupy.cuda.Stream.null  # the stream the runtime queues its device work on (ringreduce.cuda)
     mode = "cuda-aware" if cuda.cuda_aware() else "staged"
     rows = []
     size = parse_size(args.min_bytes)
@@ -196,19 +189,31 @@ def main_cupy(args: argparse.Namespace) -> None:
         if args.only:
             impls = {k: v for k, v in impls.items() if any(k.startswith(o) for o in args.only.split(","))}
         for name, fn in impls.items():
-            seconds = timed(comm, fn, size, args.budget, args.min_iters)
-            algbw = size / seconds / 1e9
-            rows.append((name, size, seconds, algbw, algbw * (1.0 if name == "d2d-copy" else bus_factor)))
+            rows.append(measured_row(comm, name, fn, size, args, bus_factor, copy=name == "d2d-copy"))
         del data, ring_buf, copy_dst
         size *= 2
     if me == 0:
-        print(f"# all-reduce, CuPy float32 on GPU {cupy.cuda.Device().id}, {n} ranks, transfers {mode}")
-        print("# busbw = algbw * 2(n-1)/n; d2d-copy row: every rank copies its buffer on its GPU at once")
-        print(f"{'size':>10} {'impl':>16} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
-        for name, nbytes, seconds, algbw, busbw in rows:
-            label = f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"
-            print(f"{label:>10} {name:>16} {seconds * 1e6:12.1f} {algbw:12.2f} {busbw:12.2f}")
-        sys.stdout.flush()
+        print_table([f"all-reduce, CuPy float32 on GPU {cupy.cuda.Device().id}, {n} ranks, transfers {mode}",
+                     "busbw = algbw * 2(n-1)/n; d2d-copy row: every rank copies its buffer on its GPU at once"],
+                    rows)
+
+
+def measured_row(comm: MPI.Comm, name: str, fn: Callable[[], None], nbytes: int,
+                 args: argparse.Namespace, bus_factor: float, copy: bool) -> tuple:
+    """(name, bytes, seconds, algbw, busbw); a copy row's busbw is its plain rate."""
+    seconds = timed(comm, fn, nbytes, args.budget, args.min_iters)
+    algbw = nbytes / seconds / 1e9
+    return name, nbytes, seconds, algbw, algbw * (1.0 if copy else bus_factor)
+
+
+def print_table(notes: "list[str]", rows: list) -> None:
+    for note in notes:
+        print(f"# {note}")
+    print(f"{'size':>10} {'impl':>16} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
+    for name, nbytes, seconds, algbw, busbw in rows:
+        label = f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"
+        print(f"{label:>10} {name:>16} {seconds * 1e6:12.1f} {algbw:12.2f} {busbw:12.2f}")
+    sys.stdout.flush()
 
 
 def write_plot(rows: list, path: str, n: int) -> None:
