@@ -47,13 +47,6 @@ def resnet50_gradient_shapes() -> "list[tuple[int, ...]]":
     return shapes + [(1000, 2048), (1000,)]
 
 
-def set_engine(**changes: int) -> None:
-    # Benchmark-only: switch the engine's fusion settings between variants of the
-    # same run (every rank makes the same change before the next step).
-    engine = runtime._rt().engine
-    engine.config = dataclasses.replace(engine.config, **changes)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per variant (approx.)")
@@ -64,7 +57,8 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     me, n = comm.Get_rank(), comm.Get_size()
     torch, dist = (None, None) if args.no_gloo else gloo_group(comm)
-    defaults = runtime._rt().engine.config
+    engine = runtime._rt().engine
+    defaults = engine.config
 
     shapes = resnet50_gradient_shapes()
     grads = [np.random.default_rng(me * 1000 + i).standard_normal(s).astype(np.float32) * 1e-3
@@ -77,12 +71,13 @@ def main() -> None:
     # time of an add does not depend on the values otherwise (zeros are not denormal).
     zeros = {"r": [np.zeros_like(g) for g in grads], "t": [np.zeros_like(t) for t in tiny]}
 
-    def engine_step(arrays, prefix, op=rr.Average, **config):
-        settings = {"fusion_threshold_bytes": defaults.fusion_threshold_bytes,
-                    "inplace_min_bytes": defaults.inplace_min_bytes, **config}
+    def engine_step(arrays, prefix, op=rr.Average, **changes):
+        # Benchmark-only: each variant runs with its own fusion settings (every rank
+        # switches to the same config before each of its steps).
+        config = dataclasses.replace(defaults, **changes)
 
         def run():
-            set_engine(**settings)
+            engine.config = config
             handles = [rr.allreduce_async_(a, op=op, name=f"{prefix}{i}") for i, a in enumerate(arrays)]
             for h in handles:
                 rr.synchronize(h)
@@ -123,7 +118,7 @@ def main() -> None:
                              inplace_min_bytes=inplace)
                  for threshold in (1, 2, 4, 8, 16, 32, 64) for inplace in (256 << 10, 1 << 20, 4 << 20)}
         measure("resnet50", sweep, total)
-    set_engine(fusion_threshold_bytes=defaults.fusion_threshold_bytes, inplace_min_bytes=defaults.inplace_min_bytes)
+    engine.config = defaults
 
     if me == 0:
         print(f"# gradient all-reduce per step, {n} ranks; resnet50 = {len(grads)} tensors, "
