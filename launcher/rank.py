@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
     lock = threading.Lock()
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-    relays = [_Relay(out_read, sys.stdout.buffer, f"[{rank}]<stdout>:".encode(), lock, None),
-              _Relay(err_read, sys.stderr.buffer, f"[{rank}]<stderr>:".encode(), lock, tail)]
+    err_relay = _Relay(err_read, sys.stderr.buffer, f"[{rank}]<stderr>:".encode(), lock, tail)
+    relays = [_Relay(out_read, sys.stdout.buffer, f"[{rank}]<stdout>:".encode(), lock, None), err_relay]
     for relay in relays:
         relay.start()
     returncode = child.wait()
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(scratch, ignore_errors=True)
     with lock:
         _write_record(rank, host, returncode, stopped, list(tail), end, start, report,
-                      mpi_abort=relays[1].saw_mpi_abort)
+                      mpi_abort=err_relay.saw_mpi_abort)
     return exit_code(returncode)
 
 
