@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ringreduce as rr  # noqa: E402
+import mtrain.ringreduce as rr  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -163,12 +163,12 @@ def main_cupy(args: argparse.Namespace) -> None:
     """The same table for CuPy buffers: ringreduce on the device vs a device-to-device copy."""
     import cupy
 
-    from ringreduce import cuda
+    from mtrain.ringreduce import cuda
     rr.init()  # binds this rank to its GPU
     comm = MPI.COMM_WORLD
     n, me = comm.Get_size(), comm.Get_rank()
     bus_factor = 2 * (n - 1) / n if n > 1 else 1.0
-    stream = cupy.cuda.Stream.null  # the stream the runtime queues its device work on (ringreduce.cuda)
+    stream = cupy.cuda.Stream.null  # the stream the runtime queues its device work on (mtrain.ringreduce.cuda)
     mode = "cuda-aware" if cuda.cuda_aware() else "staged"
     rows = []
     size = parse_size(args.min_bytes)

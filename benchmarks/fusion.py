@@ -25,8 +25,8 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ringreduce as rr  # noqa: E402
-from ringreduce import runtime  # noqa: E402
+import mtrain.ringreduce as rr  # noqa: E402
+from mtrain.ringreduce import runtime  # noqa: E402
 from allreduce import gloo_group, timed_side_by_side  # noqa: E402
 
 MiB = 1 << 20

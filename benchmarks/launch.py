@@ -45,15 +45,15 @@ def variants(hosts: list[str], cluster) -> dict[str, list[str]]:
     spec = ",".join(f"{name}:1" for name in hosts)
     job = [PYTHON, "-c", "pass"]
     common = ["-H", spec, "--network-interface", SUBNET]
-    mtrain = [PYTHON, "-m", "launcher.cli", "run", *common, *job]
-    dry = subprocess.run([PYTHON, "-m", "launcher.cli", "run", "--dry-run", *common, *job], env=cluster.env(),
+    mtrain = [PYTHON, "-m", "mtrain.launcher.cli", "run", *common, *job]
+    dry = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "--dry-run", *common, *job], env=cluster.env(),
                          capture_output=True, text=True, timeout=60, check=True)
     raw = shlex.split(dry.stdout.strip().splitlines()[-1])
     ssh = (f"ssh -F {cluster.home}/.ssh/config -o UserKnownHostsFile={cluster.known_hosts} "
            "-o BatchMode=yes")
     agent_at = raw.index("plm_ssh_agent") + 1
     openssh = raw[:agent_at] + [ssh] + raw[agent_at + 1:]
-    wrapper_at = openssh.index("launcher.rank") - 2  # drop `python -m launcher.rank --`
+    wrapper_at = openssh.index("mtrain.launcher.rank") - 2  # drop `python -m mtrain.launcher.rank --`
     openssh = openssh[:wrapper_at] + openssh[wrapper_at + 4:]
     return {"mtrain": mtrain, "raw argv": raw, "openssh": openssh}
 

@@ -38,7 +38,7 @@ def train(mode: str, args: argparse.Namespace) -> "dict | None":
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rank, size = 0, 1
     if mode == "mtrain":
-        import bindings.torch as hvd
+        import mtrain.torch as hvd
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())

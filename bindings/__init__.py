@@ -1,5 +1,13 @@
-"""Framework adapters: ``bindings.torch`` and ``bindings.tensorflow`` (with ``bindings.keras``).
+"""mtrain: Horovod-style data-parallel training in pure Python.
 
-Each is a drop-in for the matching Horovod module: change the import line,
-launch with ``mtrain run`` instead of ``horovodrun``.
+``import mtrain.torch as hvd``, ``import mtrain.tensorflow as hvd``,
+``import mtrain.tensorflow.keras as hvd`` or ``import mtrain.keras as hvd`` in
+place of the matching ``horovod.*`` module; launch with ``mtrain run`` instead
+of ``horovodrun``. The runtime is ``mtrain.ringreduce``, the launcher
+``mtrain.launcher``.
+
+This module stays free of imports: every rank, SSH agent and remote probe
+imports it first.
 """
+
+__version__ = "0.1.0"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ringreduce import Adasum, Average, ReduceOp, Sum
+from mtrain.ringreduce import Adasum, Average, ReduceOp, Sum
 
 
 def check_gradient_op(op: Any, gradient_predivide_factor: float) -> ReduceOp:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import ringreduce as rr
+import mtrain.ringreduce as rr
 
 
 def start(op: str, *args: Any, **kwargs: Any) -> Any:

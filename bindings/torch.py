@@ -1,9 +1,9 @@
-"""PyTorch adapter: ``import bindings.torch as hvd`` in place of ``import horovod.torch as hvd``.
+"""PyTorch adapter: ``import mtrain.torch as hvd`` in place of ``import horovod.torch as hvd``.
 
 CPU tensors cross to the runtime as NumPy views of their own memory (no copy);
 in-place ops write the result straight back into the tensor. CUDA tensors cross
 as CuPy views through DLPack (no copy). The runtime queues its device work on
-the legacy default stream (``ringreduce.cuda``): a CUDA tensor is handed over
+the legacy default stream (``mtrain.ringreduce.cuda``): a CUDA tensor is handed over
 after the legacy stream has been made to wait for torch's current stream, and a
 result is handed back after torch's current stream has been made to wait for
 the legacy stream, so torch side streams are ordered too.
@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
+from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp, Sum,
     allgather_object, barrier, broadcast_object, cross_rank, cross_size, init, is_initialized,
     local_rank, local_size, mpi_threads_supported, rank, shutdown, size,

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
-import bindings.tensorflow.keras as hvd  # noqa: E402  (was: import horovod.tensorflow.keras as hvd)
+import mtrain.tensorflow.keras as hvd  # noqa: E402  (was: import horovod.tensorflow.keras as hvd)
 
 
 def parse_args() -> argparse.Namespace:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
-import bindings.torch as hvd  # was: import horovod.torch as hvd
+import mtrain.torch as hvd  # was: import horovod.torch as hvd
 
 
 def parse_args() -> argparse.Namespace:

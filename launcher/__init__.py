@@ -5,4 +5,4 @@ imports it (the rank wrapper, the remote guard, the preflight probe), so it
 must not pull in paramiko, click or any deep-learning framework.
 """
 
-__version__ = "0.1.0"
+from mtrain import __version__  # noqa: F401  (one version, kept in mtrain/__init__.py)

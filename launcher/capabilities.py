@@ -20,7 +20,7 @@ def _run(argv: list[str], timeout: float = 60.0) -> tuple[int, str]:
 
 def mpi_description() -> tuple[str, str]:
     """(launcher line, library line) for the MPI mtrain would use."""
-    from launcher.mpirun import MpiNotFound, find_mpirun
+    from mtrain.launcher.mpirun import MpiNotFound, find_mpirun
     try:
         mpi = find_mpirun()
         status, text = _run([mpi.path, "--version"], 20)

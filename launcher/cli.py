@@ -14,9 +14,9 @@ from typing import Any
 
 import click
 
-import launcher
-from launcher import hosts as hostlib
-from launcher.config import LaunchConfig, SshOptions, check_env_item
+import mtrain
+from mtrain.launcher import hosts as hostlib
+from mtrain.launcher.config import LaunchConfig, SshOptions, check_env_item
 
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
 
@@ -64,7 +64,7 @@ class InterfaceListType(click.ParamType):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(launcher.__version__, prog_name="mtrain")
+@click.version_option(mtrain.__version__, prog_name="mtrain")
 def main_group() -> None:
     """mtrain: data-parallel training across hosts (Horovod-style launcher)."""
 
@@ -99,14 +99,14 @@ def main_group() -> None:
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(**options: Any) -> None:
     """Run COMMAND as NUM_PROC ranks across the hosts."""
-    from launcher.launch import launch  # deferred: keeps `mtrain --help` fast
+    from mtrain.launcher.launch import launch  # deferred: keeps `mtrain --help` fast
     config, dry_run = build_config(options)
     sys.exit(launch(config, dry_run=dry_run))
 
 
 def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
     """Validate the options of `mtrain run` into a LaunchConfig (usage errors raise click errors)."""
-    from launcher import mpirun as mpilib
+    from mtrain.launcher import mpirun as mpilib
     command = tuple(options["command"])
     if not command:
         raise click.UsageError("no command given (write e.g. `mtrain run -np 2 python train.py`)")
@@ -158,7 +158,7 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
 @main_group.command()
 def check() -> None:
     """Print what this install can do: MPI, CUDA-awareness, frameworks, GPUs."""
-    from launcher.capabilities import report
+    from mtrain.launcher.capabilities import report
     sys.exit(report())
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from launcher.hosts import HostSlots
+from mtrain.launcher.hosts import HostSlots
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

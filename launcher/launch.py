@@ -9,12 +9,12 @@ import sys
 import tempfile
 import time
 
-import launcher
-from launcher import mpirun as mpilib
-from launcher import ssh_agent
-from launcher.config import LaunchConfig
-from launcher.environment import rank_environment
-from launcher.hosts import is_local, local_names
+import mtrain
+from mtrain.launcher import mpirun as mpilib
+from mtrain.launcher import ssh_agent
+from mtrain.launcher.config import LaunchConfig
+from mtrain.launcher.environment import rank_environment
+from mtrain.launcher.hosts import is_local, local_names
 
 def _log(config: LaunchConfig, message: str) -> None:
     if config.verbose:
@@ -50,7 +50,7 @@ def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str) ->
     identity = os.path.abspath(config.ssh.identity_file) if config.ssh.identity_file else None
     options = dataclasses.replace(config.ssh, identity_file=identity, connect_timeout=config.start_timeout)
     ssh_agent.write_config(config_path, options, sys.executable, events_path, gate)
-    words = [sys.executable, "-m", "launcher.ssh_agent", "--config", config_path]
+    words = [sys.executable, "-m", "mtrain.launcher.ssh_agent", "--config", config_path]
     if config.mpi.kind != "mpich":
         return words
     # hydra's -launcher-exec takes one program path, so wrap the words in a script.
@@ -78,7 +78,7 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
     preflight has passed (the agents' gate): the handshakes overlap instead
     of adding up.
     """
-    from launcher import supervise
+    from mtrain.launcher import supervise
     with tempfile.TemporaryDirectory(prefix="mtrain-agent-") as scratch:
         agent = None
         events_path = os.path.join(scratch, "events")
@@ -87,7 +87,7 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
             if dry_run and config.mpi.kind != "mpich":
                 # Printed for a human to rerun: no scratch config that vanishes when we exit
                 # (the agent then uses ~/.ssh/config and OpenSSH defaults).
-                agent = [sys.executable, "-m", "launcher.ssh_agent"]
+                agent = [sys.executable, "-m", "mtrain.launcher.ssh_agent"]
             else:
                 agent = _agent(config, scratch, events_path, gate)
         subnets = _route_subnets(config) if config.remote_hosts and not config.network_interfaces else ()
@@ -109,10 +109,10 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
 
 def _preflight(config: LaunchConfig) -> bool:
     """Check every remote host; print one line per failing host.  True when all passed."""
-    from launcher.preflight import run_preflight, slot_warnings
+    from mtrain.launcher.preflight import run_preflight, slot_warnings
     _log(config, f"preflight of {', '.join(config.remote_hosts)}")
     reports = run_preflight(config.remote_hosts, config.ssh, sys.executable,
-                            launcher.__version__, config.start_timeout)
+                            mtrain.__version__, config.start_timeout)
     errors = [r.error for r in reports.values() if r.error]
     for line in errors:
         print(f"mtrain: {line}", file=sys.stderr)
@@ -127,8 +127,8 @@ def _preflight(config: LaunchConfig) -> bool:
 
 def _route_subnets(config: LaunchConfig) -> tuple[str, ...]:
     """Subnets of our interfaces on the routes to the remote hosts; () if any is unknown."""
-    from launcher import ssh
-    from launcher.netif import source_address, subnet_of
+    from mtrain.launcher import ssh
+    from mtrain.launcher.netif import source_address, subnet_of
     found = set()
     for host in config.remote_hosts:
         try:

@@ -10,7 +10,7 @@ Two families are understood:
 * MPICH's hydra (`mpiexec.hydra`): `-launcher ssh -launcher-exec <program>`,
   where the program must be a single executable path.
 
-Each rank runs `python -m launcher.rank -- <user command>`: the wrapper that
+Each rank runs `python -m mtrain.launcher.rank -- <user command>`: the wrapper that
 prefixes its output and reports how it ended (see launcher/rank.py).
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
-from launcher.config import MpiLauncher
-from launcher.hosts import HostSlots
+from mtrain.launcher.config import MpiLauncher
+from mtrain.launcher.hosts import HostSlots
 
 ENV_MPIRUN = "MTRAIN_MPIRUN"
 # Interfaces that never connect hosts to each other.
@@ -110,7 +110,7 @@ def build_argv(
         raise ValueError("empty host plan")
     env_values = dict(env_values or {})
     num_proc = sum(host.slots for host in plan)
-    rank_command = [rank_python, "-m", "launcher.rank", "--", *command]
+    rank_command = [rank_python, "-m", "mtrain.launcher.rank", "--", *command]
     if mpi.kind == "openmpi":
         argv = _openmpi(mpi.path, plan, num_proc, agent, env_names, env_values,
                         network_interfaces, yield_when_idle, as_root)

@@ -13,14 +13,14 @@ import threading
 import time
 from typing import Mapping, Sequence
 
-from launcher.config import SshOptions
+from mtrain.launcher.config import SshOptions
 
 # Runs on the remote host; must work with nothing but mtrain installed.
 PROBE = r"""
 import json, os, shutil, subprocess, sys
 try:
-    import launcher
-    version = launcher.__version__
+    import mtrain
+    version = mtrain.__version__
 except Exception:
     version = None
 gpus = 0
@@ -48,7 +48,7 @@ class HostReport:
 
 def probe_host(host: str, options: SshOptions, python: str, version: str, timeout: float) -> HostReport:
     """Connect to `host` and run the probe; never raises."""
-    from launcher import ssh  # keeps paramiko out of local-only jobs
+    from mtrain.launcher import ssh  # keeps paramiko out of local-only jobs
     try:
         client = ssh.connect(host, options, timeout=timeout)
     except ssh.SshError as error:

@@ -1,4 +1,4 @@
-"""`python -m launcher.rank -- COMMAND…`: the wrapper MPI starts as each rank.
+"""`python -m mtrain.launcher.rank -- COMMAND…`: the wrapper MPI starts as each rank.
 
 It runs the user's command as a child and
 * prefixes every output line with the rank, `[3]<stdout>:` / `[3]<stderr>:`,
@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 
-from launcher.process_tools import die_with_parent, exit_code, kill_group
+from mtrain.launcher.process_tools import die_with_parent, exit_code, kill_group
 
 EXIT_MARKER = b"@@mtrain-rank-exit@@ "
 TAIL_LINES = 15
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m launcher.rank -- COMMAND…", file=sys.stderr)
+        print("usage: python -m mtrain.launcher.rank -- COMMAND…", file=sys.stderr)
         return 2
     die_with_parent(signal.SIGTERM)
     rank = rank_from_env(os.environ)

@@ -1,4 +1,4 @@
-"""`python -m launcher.remote_guard 'SHELL COMMAND'`: runs on a remote host, inside the SSH session.
+"""`python -m mtrain.launcher.remote_guard 'SHELL COMMAND'`: runs on a remote host, inside the SSH session.
 
 It runs MPI's daemon command in the login shell and ends the whole process
 tree under it (daemons and ranks) when the session ends or goes silent: the
@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from launcher.process_tools import become_subreaper, descendants, exit_code, signal_process
+from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, signal_process
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -66,7 +66,7 @@ def end_tree(grace: float = TERM_GRACE) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m launcher.remote_guard 'COMMAND'", file=sys.stderr)
+        print("usage: python -m mtrain.launcher.remote_guard 'COMMAND'", file=sys.stderr)
         return 2
     become_subreaper()
     child = subprocess.Popen([_login_shell(), "-c", argv[0]], stdin=subprocess.DEVNULL)

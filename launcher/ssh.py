@@ -37,7 +37,7 @@ if "invoke" not in sys.modules:
     sys.modules["invoke"] = _DeferredInvoke("invoke")
 import paramiko  # noqa: E402
 
-from launcher.config import SshOptions
+from mtrain.launcher.config import SshOptions
 
 SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 # A dead link must end the job in bounded time: unacknowledged data (our

@@ -1,4 +1,4 @@
-"""`python -m launcher.ssh_agent [ssh options] HOST WORD…`: mtrain's stand-in for `ssh`.
+"""`python -m mtrain.launcher.ssh_agent [ssh options] HOST WORD…`: mtrain's stand-in for `ssh`.
 
 MPI's launcher calls this exactly as it would call ssh.  Like OpenSSH, the
 command words are joined with spaces into one string for the remote shell
@@ -9,7 +9,7 @@ command words are joined with spaces into one string for the remote shell
   (written by `mtrain run`; a file rather than environment variables, because
   local ranks inherit mpirun's whole environment);
 * PRRTE's `--daemonize` is dropped, so the remote daemon stays inside this SSH
-  session, and the session runs under `launcher.remote_guard`: when this agent
+  session, and the session runs under `mtrain.launcher.remote_guard`: when this agent
   dies or the link goes silent, the guard kills the daemon and its ranks;
 * a heartbeat goes to the guard every second; with TCP_USER_TIMEOUT on the
   socket a cut link is noticed here within seconds, reported to the supervisor
@@ -28,9 +28,9 @@ import sys
 import threading
 import time
 
-from launcher import events
-from launcher.config import SshOptions
-from launcher.process_tools import die_with_parent
+from mtrain.launcher import events
+from mtrain.launcher.config import SshOptions
+from mtrain.launcher.process_tools import die_with_parent
 
 HEARTBEAT_SECONDS = 1.0
 # ssh options MPI launchers may put before the host (hydra passes -x); ignored.
@@ -104,7 +104,7 @@ def remote_command(words: list[str], python: str) -> str:
     """The string the remote shell runs: the guard around MPI's daemon command."""
     words = [word for word in words if word != "--daemonize"]
     inner = " ".join(words)  # what OpenSSH would send: MPI quoted the words for a shell
-    return f"exec {shlex.quote(python)} -m launcher.remote_guard {shlex.quote(inner)}"
+    return f"exec {shlex.quote(python)} -m mtrain.launcher.remote_guard {shlex.quote(inner)}"
 
 
 def _pump(read, fd: int) -> None:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         host, words, port = split_arguments(argv)
         options, python, events_path, gate = read_config(config_path)
     except (ValueError, OSError) as error:
-        print(f"mtrain-agent: {error}; usage: python -m launcher.ssh_agent [--config FILE] HOST COMMAND…",
+        print(f"mtrain-agent: {error}; usage: python -m mtrain.launcher.ssh_agent [--config FILE] HOST COMMAND…",
               file=sys.stderr)
         return 255
     stop = threading.Event()
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
 
-    from launcher import ssh  # paramiko is imported only once we know we need it
+    from mtrain.launcher import ssh  # paramiko is imported only once we know we need it
     if port is not None:
         options = SshOptions(port, options.identity_file, options.accept_new_hosts, options.connect_timeout)
     # Accepting new host keys writes known_hosts: leave that to the preflight alone.

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from launcher.events import EventReader
-from launcher.process_tools import die_with_parent, exit_code, live_processes, signal_name, signal_process
-from launcher.rank import EXIT_MARKER
-from launcher.ssh_agent import GATE_CLOSED, GATE_OPEN
+from mtrain.launcher.events import EventReader
+from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_name, signal_process
+from mtrain.launcher.rank import EXIT_MARKER
+from mtrain.launcher.ssh_agent import GATE_CLOSED, GATE_OPEN
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
 LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead daemon: shorter wait

@@ -10,7 +10,7 @@
   produced on such a stream in the user's thread need no extra synchronization,
   and results can be read there once the op's handle is done. Work on a
   non-blocking stream (``Stream(non_blocking=True)``, torch's side streams) is
-  not ordered implicitly: ``bindings.torch`` orders torch's current stream
+  not ordered implicitly: ``mtrain.torch`` orders torch's current stream
   against the legacy stream explicitly; CuPy users synchronize such a stream
   before submitting.
 * ``cuda_aware()``: whether MPI can read device memory (Open MPI's and MPICH's

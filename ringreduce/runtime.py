@@ -74,7 +74,7 @@ def is_initialized() -> bool:
 def _rt() -> _Runtime:
     if _runtime is None:
         raise NotInitializedError("ringreduce is not initialized: call init() first "
-                                  "(for example `import ringreduce as rr; rr.init()`)")
+                                  "(for example `import mtrain.ringreduce as rr; rr.init()`)")
     return _runtime
 
 

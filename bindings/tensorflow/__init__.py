@@ -1,8 +1,8 @@
-"""TensorFlow adapter: ``import bindings.tensorflow as hvd`` in place of ``import horovod.tensorflow as hvd``.
+"""TensorFlow adapter: ``import mtrain.tensorflow as hvd`` in place of ``import horovod.tensorflow as hvd``.
 
 Ops take ``tf.Tensor``/``tf.Variable`` values, eagerly or inside ``tf.function``
 (there they run as ``tf.numpy_function`` calls into the runtime). Keras lives
-in ``bindings.tensorflow.keras``.
+in ``mtrain.tensorflow.keras``.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-import ringreduce as rr
-from ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
+import mtrain.ringreduce as rr
+from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp, Sum,
     cross_rank, cross_size, init, is_initialized, local_rank, local_size, mpi_threads_supported,
     rank, shutdown, size,

@@ -1,4 +1,4 @@
-"""bindings.tensorflow and bindings.tensorflow.keras (Keras 3): equal to large-batch training, callbacks, errors.
+"""mtrain.tensorflow and mtrain.tensorflow.keras (Keras 3): equal to large-batch training, callbacks, errors.
 
 TensorFlow takes seconds to import, so each rank body checks many things.
 Every body trains its single-process reference itself, on the concatenated batch.
@@ -46,8 +46,8 @@ def _assert_identical_across_ranks(hvd, array: np.ndarray, what: str) -> None:
 @mpi_test(nps=(2, 3), timeout=240)
 def test_keras_fit_and_gradient_tape_equal_one_process_on_the_concatenated_batch():
     tf, keras = _setup()
-    import bindings.tensorflow as tfhvd
-    import bindings.tensorflow.keras as hvd
+    import mtrain.tensorflow as tfhvd
+    import mtrain.tensorflow.keras as hvd
     n, me, b, steps = hvd.size(), hvd.rank(), 4, 3
     xs, ys = _data(steps, n * b)
     mine_x = np.concatenate([x[me * b:(me + 1) * b] for x in xs])
@@ -107,8 +107,8 @@ def test_keras_fit_and_gradient_tape_equal_one_process_on_the_concatenated_batch
 @mpi_test(nps=(2,), timeout=240)
 def test_callbacks_collectives_and_errors():
     tf, keras = _setup()
-    import bindings.tensorflow as tfhvd
-    import bindings.tensorflow.keras as hvd
+    import mtrain.tensorflow as tfhvd
+    import mtrain.tensorflow.keras as hvd
     n, me, b = hvd.size(), hvd.rank(), 4
 
     # BroadcastGlobalVariablesCallback: ranks start different (weights and a stepped optimizer);

@@ -1,4 +1,4 @@
-"""bindings.torch: collectives on tensors, DistributedOptimizer equal to large-batch training, broadcasts, errors.
+"""mtrain.torch: collectives on tensors, DistributedOptimizer equal to large-batch training, broadcasts, errors.
 
 Every rank body also trains the single-process reference itself (on the
 concatenated batch), so one job checks both sides.
@@ -40,7 +40,7 @@ def _assert_identical_across_ranks(hvd, array: np.ndarray, what: str) -> None:
 
 @mpi_test(nps=(2, 3))
 def test_distributed_optimizer_equals_one_process_on_the_concatenated_batch():
-    import bindings.torch as hvd
+    import mtrain.torch as hvd
     n, me, b, steps = hvd.size(), hvd.rank(), 4, 3
     optimizers = {
         "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01),
@@ -76,7 +76,7 @@ def test_distributed_optimizer_equals_one_process_on_the_concatenated_batch():
 
 @mpi_test(nps=(3,))  # every root of a 3-rank job
 def test_broadcast_makes_differently_initialised_ranks_identical():
-    import bindings.torch as hvd
+    import mtrain.torch as hvd
     n, me = hvd.size(), hvd.rank()
     for root in range(n):
         for root_stepped in (True, False):
@@ -110,7 +110,7 @@ def test_broadcast_makes_differently_initialised_ranks_identical():
 
 @mpi_test(nps=(2, 3))
 def test_collectives_on_tensors_and_partial_gradients():
-    import bindings.torch as hvd
+    import mtrain.torch as hvd
     n, me = hvd.size(), hvd.rank()
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     mine = base * (me + 1) - me
@@ -191,7 +191,7 @@ def test_collectives_on_tensors_and_partial_gradients():
 
 @mpi_test(nps=(2,))
 def test_errors_name_the_problem():
-    import bindings.torch as hvd
+    import mtrain.torch as hvd
     me = hvd.rank()
     model = _model(0)
     params = list(model.named_parameters())

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-import ringreduce as rr
+import mtrain.ringreduce as rr
 
 mode = sys.argv[1]
 rr.init()

@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-import ringreduce as rr
+import mtrain.ringreduce as rr
 
 rr.init()
 rank, size = rr.rank(), rr.size()

@@ -10,7 +10,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from ringreduce import cuda
+from mtrain.ringreduce import cuda
 from tests.mpi.harness import mpi_test
 
 if cuda.gpu_count() == 0:
@@ -29,8 +29,8 @@ needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reas
 def _cupy_equals_host() -> None:
     import cupy
 
-    import ringreduce as rr
-    from ringreduce.ops import Average, Max, Min, Sum
+    import mtrain.ringreduce as rr
+    from mtrain.ringreduce.ops import Average, Max, Min, Sum
     from tests.mpi.data import DTYPES, assert_matches, reference, values
     rank, size = rr.rank(), rr.size()
     for dtype in [d for d in DTYPES if d.name != "bfloat16"]:  # CuPy has no bfloat16
@@ -71,7 +71,7 @@ def test_cupy_allreduce_cuda_aware_equals_host():
 def test_ranks_bound_to_gpus():
     import cupy
 
-    import ringreduce as rr
+    import mtrain.ringreduce as rr
     want = rr.local_rank() % cupy.cuda.runtime.getDeviceCount()
     assert cupy.cuda.Device().id == want, f"rank {rr.rank()} on GPU {cupy.cuda.Device().id}, expected {want}"
 
@@ -81,7 +81,7 @@ def test_ranks_bound_to_gpus():
 def test_torch_cuda_tensors_equal_host():
     import torch
 
-    import bindings.torch as hvd
+    import mtrain.torch as hvd
     from tests.mpi.data import values
     rank = hvd.rank()
     for dtype in (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8):
@@ -103,7 +103,7 @@ def test_torch_cuda_tensors_equal_host():
 def test_distributed_optimizer_on_cuda_model_equals_cpu():
     import torch
 
-    import bindings.torch as hvd
+    import mtrain.torch as hvd
     n, me, b = hvd.size(), hvd.rank(), 8
 
     def model() -> torch.nn.Module:
@@ -138,8 +138,8 @@ def test_cupy_scaled_allreduce_equals_host():
     # promotes int8 * np.float64 to float16). Factors below 1 keep every product in range.
     import cupy
 
-    import ringreduce as rr
-    from ringreduce.ops import Average, Sum
+    import mtrain.ringreduce as rr
+    from mtrain.ringreduce.ops import Average, Sum
     from tests.mpi.data import values
     rank = rr.rank()
     for dtype in (np.int8, np.uint8, np.int16, np.int32, np.float16, np.float32):
@@ -158,7 +158,7 @@ def test_cupy_scaled_allreduce_equals_host():
 def test_torch_cuda_side_stream_and_other_collectives():
     import torch
 
-    import bindings.torch as hvd
+    import mtrain.torch as hvd
     from tests.mpi.data import values
     rank, size = hvd.rank(), hvd.size()
     sleep = getattr(torch.cuda, "_sleep", None)  # widens the window a missing stream wait would leave

@@ -22,7 +22,7 @@ def env() -> dict[str, str]:
 
 
 def mtrain(*args: str, timeout: float = 60, extra_env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "launcher.cli", "run", *args], capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", *args], capture_output=True, text=True,
                           timeout=timeout, env=dict(env(), **(extra_env or {})), cwd=cwd)
 
 
@@ -121,7 +121,7 @@ def test_more_ranks_than_cores_with_mpi(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_stopping_mtrain_leaves_nothing(sig):
     token = f"mtrtok{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([PYTHON, "-m", "launcher.cli", "run", "-np", "2", PYTHON, "-c",
+    proc = subprocess.Popen([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-c",
                              "import time; print('ready', flush=True); time.sleep(120)", token],
                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -143,7 +143,7 @@ def test_stopping_mtrain_leaves_nothing(sig):
 
 
 def test_check_reports_mpi_and_frameworks():
-    done = subprocess.run([PYTHON, "-m", "launcher.cli", "check"], capture_output=True, text=True,
+    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "check"], capture_output=True, text=True,
                           timeout=200, env=env())
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

@@ -77,7 +77,7 @@ def mpi_test(nps: Iterable[int] = (1, 2, 3), timeout: float = 120,
 
 
 def _main(module_name: str, function_name: str) -> None:
-    import ringreduce as rr
+    import mtrain.ringreduce as rr
     rr.init()
     getattr(importlib.import_module(module_name), function_name).rank_body()
     rr.shutdown()

@@ -2,7 +2,7 @@
 import numpy as np
 from mpi4py import MPI
 
-import ringreduce as rr
+import mtrain.ringreduce as rr
 from tests.mpi.data import DTYPES, OPS, assert_matches, reference, values
 from tests.mpi.harness import mpi_test
 
@@ -88,8 +88,8 @@ def test_allreduce_in_place_noncontiguous_and_scaling():
 
 @mpi_test(nps=(1, 2, 3))
 def test_ring_over_a_layout_of_many_buffers_equals_one_contiguous_buffer():
-    from ringreduce import ring
-    from ringreduce.backend import NumpyBackend
+    from mtrain.ringreduce import ring
+    from mtrain.ringreduce.backend import NumpyBackend
     n, me = rr.size(), rr.rank()
     comm = MPI.COMM_WORLD.Dup()
     backend = NumpyBackend()

@@ -1,7 +1,7 @@
 """allgather, broadcast, reducescatter, alltoall, barrier and the object collectives."""
 import numpy as np
 
-import ringreduce as rr
+import mtrain.ringreduce as rr
 from tests.mpi.data import DTYPES, assert_matches, reference, values
 from tests.mpi.harness import mpi_test
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import ringreduce as rr
+import mtrain.ringreduce as rr
 from tests.mpi.harness import launch, mpi_test
 
 FUSE_SMALL = {"MTRAIN_FUSION_THRESHOLD_BYTES": "4096", "MTRAIN_FUSION_INPLACE_MIN_BYTES": "2048"}
@@ -255,8 +255,8 @@ def test_engine_thread_adopts_the_gpu_bound_in_the_creating_thread():
     # for CuPy's runtime records which thread asked for which device.
     import threading
     import types
-    from ringreduce.collectives import Executor
-    from ringreduce.engine import Engine, EngineConfig
+    from mtrain.ringreduce.collectives import Executor
+    from mtrain.ringreduce.engine import Engine, EngineConfig
 
     calls = []
     runtime = types.SimpleNamespace(getDevice=lambda: 3,

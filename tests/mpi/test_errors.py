@@ -4,7 +4,7 @@ import sys
 import numpy as np
 import pytest
 
-import ringreduce as rr
+import mtrain.ringreduce as rr
 from tests.mpi.harness import launch, mpi_test
 
 

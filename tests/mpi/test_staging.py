@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringreduce import ring
-from ringreduce.backend import NumpyBackend, StagedBackend
-from ringreduce.collectives import Executor, Kind
-from ringreduce.engine import Engine, EngineConfig, Handle, make_request
-from ringreduce.ops import Average, Max, Min, Product, Sum
+from mtrain.ringreduce import ring
+from mtrain.ringreduce.backend import NumpyBackend, StagedBackend
+from mtrain.ringreduce.collectives import Executor, Kind
+from mtrain.ringreduce.engine import Engine, EngineConfig, Handle, make_request
+from mtrain.ringreduce.ops import Average, Max, Min, Product, Sum
 from tests.mpi.data import DTYPES, assert_matches, reference, values
 from tests.mpi.harness import mpi_test
 
@@ -303,7 +303,7 @@ def test_checker_catches_broken_staging():
 # -- pure pieces of the GPU path (no MPI job, no GPU) -----------------------
 
 def test_gpu_choice_respects_the_users_choice():
-    from ringreduce.cuda import choose_device
+    from mtrain.ringreduce.cuda import choose_device
     assert [choose_device(r, 2, {}, False) for r in range(4)] == [0, 1, 0, 1]
     assert choose_device(3, 0, {}, False) is None                                 # no GPU: nothing to bind
     assert choose_device(1, 1, {"CUDA_VISIBLE_DEVICES": "3"}, False) is None      # launcher gave one GPU
@@ -314,7 +314,7 @@ def test_gpu_choice_respects_the_users_choice():
 def test_device_scaling_matches_host_bit_for_bit():
     # The device backend widens integers to float64 itself (CuPy 13 would compute
     # int8 * np.float64 in float16); on NumPy both must give the host's exact bits.
-    from ringreduce.backend import _scale_device
+    from mtrain.ringreduce.backend import _scale_device
     host = NumpyBackend()
     for dtype in (np.int8, np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64):
         for factor in (0.9, 0.3, 1.0 / 3.0, 2.5):
@@ -328,7 +328,7 @@ def test_device_scaling_matches_host_bit_for_bit():
 
 
 def test_cuda_aware_override(monkeypatch):
-    from ringreduce import cuda
+    from mtrain.ringreduce import cuda
     monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
     assert cuda.cuda_aware() is True
     monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "0")

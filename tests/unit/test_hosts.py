@@ -1,7 +1,7 @@
 """Host parsing and slot assignment (pure functions)."""
 import pytest
 
-from launcher.hosts import (HostSlots, HostSpecError, assign_slots, expand_slurm_counts,
+from mtrain.launcher.hosts import (HostSlots, HostSpecError, assign_slots, expand_slurm_counts,
                             expand_slurm_nodelist, is_local, parse_host_list, parse_hostfile_text,
                             rank_hosts, read_hostfile, slurm_hosts)
 

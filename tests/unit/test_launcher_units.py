@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from launcher.config import SshOptions
-from launcher.rank import EXIT_MARKER, child_environment, read_error_file
-from launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
-from launcher.supervise import RankExit, first_failure
+from mtrain.launcher.config import SshOptions
+from mtrain.launcher.rank import EXIT_MARKER, child_environment, read_error_file
+from mtrain.launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
+from mtrain.launcher.supervise import RankExit, first_failure
 
 
 def test_agent_parses_ssh_style_arguments():
@@ -27,7 +27,7 @@ def test_agent_command_drops_daemonize_and_quotes_for_the_guard():
     words = ["PATH=/p:$PATH;export", "PATH;/p/prted", "--daemonize", "--x", '"a b"']
     command = remote_command(words, "/my env/python")
     parsed = shlex.split(command)
-    assert parsed[:4] == ["exec", "/my env/python", "-m", "launcher.remote_guard"]
+    assert parsed[:4] == ["exec", "/my env/python", "-m", "mtrain.launcher.remote_guard"]
     # The guard gets exactly what OpenSSH would have sent, minus --daemonize.
     assert parsed[4] == 'PATH=/p:$PATH;export PATH;/p/prted --x "a b"'
 
@@ -64,7 +64,7 @@ def test_rank_environment_yields_only_when_oversubscribed():
 
 
 def _wrapped(code: str) -> tuple[str, dict]:
-    done = subprocess.run([sys.executable, "-m", "launcher.rank", "--", sys.executable, "-c", code],
+    done = subprocess.run([sys.executable, "-m", "mtrain.launcher.rank", "--", sys.executable, "-c", code],
                           capture_output=True, timeout=60, env={**os.environ, "OMPI_COMM_WORLD_RANK": "5"})
     lines = done.stderr.splitlines(keepends=True)
     records = [json.loads(l[len(EXIT_MARKER):]) for l in lines if l.startswith(EXIT_MARKER)]
@@ -126,7 +126,7 @@ def test_describe_names_signal():
 
 
 def test_paramiko_starts_without_importing_invoke_until_ssh_config_needs_it():
-    code = ("import sys, launcher.ssh, paramiko.config as c\n"
+    code = ("import sys, mtrain.launcher.ssh, paramiko.config as c\n"
             "assert 'invoke.context' not in sys.modules, 'invoke imported at start-up'\n"
             "assert c.invoke.Context.__module__ == 'invoke.context'\n"
             "assert sys.modules['invoke'].Context is c.invoke.Context\n")

@@ -1,10 +1,10 @@
 """The launcher argv builder: Open MPI 5 and MPICH hydra (pure)."""
 import pytest
 
-from launcher.config import MpiLauncher
-from launcher.environment import forwarded_names, rank_environment
-from launcher.hosts import HostSlots
-from launcher.mpirun import MpiNotFound, build_argv, kind_from_version_text
+from mtrain.launcher.config import MpiLauncher
+from mtrain.launcher.environment import forwarded_names, rank_environment
+from mtrain.launcher.hosts import HostSlots
+from mtrain.launcher.mpirun import MpiNotFound, build_argv, kind_from_version_text
 
 OMPI = MpiLauncher("/opt/ompi/bin/mpirun", "openmpi")
 HYDRA = MpiLauncher("/opt/mpich/bin/mpiexec", "mpich")
@@ -17,7 +17,7 @@ def _after(argv, flag):
 
 
 def test_openmpi_multi_host():
-    argv = build_argv(OMPI, PLAN, COMMAND, rank_python="/env/bin/python", agent=["/env/bin/python", "-m", "launcher.ssh_agent"],
+    argv = build_argv(OMPI, PLAN, COMMAND, rank_python="/env/bin/python", agent=["/env/bin/python", "-m", "mtrain.launcher.ssh_agent"],
                       env_names=["PATH"], env_values={"SEED": "1 2"}, network_interfaces=["10.0.0.0/24"],
                       as_root=True)
     assert argv[:3] == ["/opt/ompi/bin/mpirun", "-np", "3"]
@@ -26,11 +26,11 @@ def test_openmpi_multi_host():
     assert "--allow-run-as-root" in argv
     prte = _after(argv, "--prtemca")
     assert prte == ["plm_ssh_agent", "plm_ssh_no_tree_spawn", "oob_tcp_if_include"]
-    assert argv[argv.index("plm_ssh_agent") + 1] == "/env/bin/python -m launcher.ssh_agent"
+    assert argv[argv.index("plm_ssh_agent") + 1] == "/env/bin/python -m mtrain.launcher.ssh_agent"
     assert argv[argv.index("btl_tcp_if_include") + 1] == "10.0.0.0/24"
     assert _after(argv, "-x") == ["PATH", "SEED=1 2"]
     # The user's words are the tail, untouched, after the rank wrapper.
-    assert argv[-len(COMMAND) - 4:] == ["/env/bin/python", "-m", "launcher.rank", "--", *COMMAND]
+    assert argv[-len(COMMAND) - 4:] == ["/env/bin/python", "-m", "mtrain.launcher.rank", "--", *COMMAND]
 
 
 def test_openmpi_local_job_has_no_agent_and_no_root_flag():
@@ -65,13 +65,13 @@ def test_hydra_multi_host():
     assert _after(argv, "-genvlist") == ["PATH,OMP_NUM_THREADS"]
     assert argv[argv.index("-genv"):argv.index("-genv") + 3] == ["-genv", "A", "x y"]
     assert _after(argv, "-iface") == ["ib0"] and _after(argv, "-bind-to") == ["none"]
-    assert argv.index("-verbose") < argv.index("launcher.rank")
+    assert argv.index("-verbose") < argv.index("mtrain.launcher.rank")
     assert argv[-len(COMMAND):] == COMMAND
 
 
 def test_hydra_needs_a_single_program_agent():
     with pytest.raises(ValueError, match="one executable"):
-        build_argv(HYDRA, PLAN, ["true"], rank_python="py", agent=["py", "-m", "launcher.ssh_agent"])
+        build_argv(HYDRA, PLAN, ["true"], rank_python="py", agent=["py", "-m", "mtrain.launcher.ssh_agent"])
 
 
 def test_empty_command_or_plan_rejected():

@@ -5,9 +5,9 @@ import sys
 import numpy as np
 import pytest
 
-from ringreduce import ops
-from ringreduce.backend import NumpyBackend
-from ringreduce.ring import even_bounds, segment_bounds
+from mtrain.ringreduce import ops
+from mtrain.ringreduce.backend import NumpyBackend
+from mtrain.ringreduce.ring import even_bounds, segment_bounds
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 5, 7, 64, 101, 4099])

@@ -3,9 +3,9 @@ import socket
 
 import pytest
 
-from launcher import ssh
-from launcher.config import SshOptions
-from launcher.preflight import HostReport, slot_warnings
+from mtrain.launcher import ssh
+from mtrain.launcher.config import SshOptions
+from mtrain.launcher.preflight import HostReport, slot_warnings
 
 
 @pytest.fixture

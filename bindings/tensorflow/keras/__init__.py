@@ -1,4 +1,4 @@
-"""Keras 3 adapter: ``import bindings.tensorflow.keras as hvd`` in place of ``import horovod.tensorflow.keras as hvd``.
+"""Keras 3 adapter: ``import mtrain.tensorflow.keras as hvd`` in place of ``import horovod.tensorflow.keras as hvd``.
 
 ``DistributedOptimizer`` wraps any Keras 3 optimizer so that ``model.fit`` (or a
 custom loop's ``apply``) averages gradients over all ranks before they are

@@ -6,7 +6,7 @@ from typing import Callable, Optional, Union
 import keras
 import numpy as np
 
-import ringreduce as rr
+import mtrain.ringreduce as rr
 
 from .. import broadcast_variables
 
