@@ -11,11 +11,13 @@ _IMPORT_PROBE = "import importlib,sys; m=importlib.import_module(sys.argv[1]); p
 
 
 def _run(argv: list[str], timeout: float = 60.0) -> tuple[int, str]:
+    """(status, stdout) of a command; on failure the text says why (its stderr, or the error)."""
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as error:
         return 1, str(error)
-    return done.returncode, (done.stdout + done.stderr).strip()
+    # Only stdout carries the answer: libraries log to stderr (TensorFlow's oneDNN notice, say).
+    return done.returncode, (done.stdout if done.returncode == 0 else done.stderr or done.stdout).strip()
 
 
 def mpi_description() -> tuple[str, str]:
@@ -24,7 +26,7 @@ def mpi_description() -> tuple[str, str]:
     try:
         mpi = find_mpirun()
         status, text = _run([mpi.path, "--version"], 20)
-        launcher_line = f"{mpi.kind} launcher {mpi.path}: {text.splitlines()[0] if text else '?'}"
+        launcher_line = f"{mpi.kind.value} launcher {mpi.path}: {text.splitlines()[0] if text else '?'}"
     except MpiNotFound as error:
         launcher_line = f"no MPI launcher: {error}"
     # mpi4py's library, read without initialising MPI (a probe must not start a job).
@@ -47,6 +49,11 @@ def cuda_aware() -> str:
 
 
 def gpu_count() -> int:
+    """NVIDIA GPUs on this host, by `nvidia-smi -L` (no CUDA library is loaded); 0 without the tool.
+
+    The launcher's one GPU counter: `mtrain check` and the preflight probe on every host use it.
+    Inside a rank the runtime asks CUDA itself (ringreduce.cuda), which honours CUDA_VISIBLE_DEVICES.
+    """
     smi = shutil.which("nvidia-smi")
     if not smi:
         return 0
@@ -61,7 +68,8 @@ def report() -> int:
     def probe(name: str) -> None:
         # A separate interpreter per framework: a broken install cannot take mtrain down.
         status, text = _run([sys.executable, "-c", _IMPORT_PROBE, name], 120)
-        results[name] = text.splitlines()[-1] if status == 0 else "not importable"
+        lines = text.splitlines()
+        results[name] = lines[-1] if status == 0 and lines else "not importable"
 
     threads = [threading.Thread(target=probe, args=(name,), daemon=True) for name in FRAMEWORKS]
     for thread in threads:

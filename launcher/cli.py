@@ -5,6 +5,7 @@ preflight exit 1; otherwise mtrain exits with the job's status (see supervise).
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shlex
@@ -109,9 +110,9 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
     from mtrain.launcher import mpirun as mpilib
     command = tuple(options["command"])
     if not command:
-        raise click.UsageError("no command given (write e.g. `mtrain run -np 2 python train.py`)")
+        raise click.UsageError("no command given; write e.g. `mtrain run -np 2 python train.py`")
     if command[0].startswith("-"):
-        raise click.UsageError(f"unknown option {command[0]} (mtrain's options go before the command)")
+        raise click.UsageError(f"unknown option {command[0]}; mtrain's options go before the command")
     if options["host_list"] is not None and options["hostfile"] is not None:
         raise click.UsageError("give either -H or --hostfile, not both")
     try:
@@ -162,6 +163,27 @@ def check() -> None:
     sys.exit(report())
 
 
+def usage_error_line(error: click.UsageError, args: list[str]) -> str:
+    """The one line a usage error prints.  At the top level a forgotten `run`
+    (`mtrain -np 2 python x.py`) or a mistyped command gets the line to write instead."""
+    command = error.ctx.command_path if error.ctx else "mtrain"
+    message = error.format_message().rstrip(".")
+    if (error.ctx is None or error.ctx.command is main_group) and args and args[0] not in main_group.commands:
+        first = args[0]
+        run_options = {name for param in run.params for name in getattr(param, "opts", ())}
+        if first.split("=", 1)[0] in run_options:
+            return f"mtrain: error: {first} is an option of `mtrain run`; write `mtrain run {shlex.join(args)}`"
+        if not first.startswith("-"):
+            close = difflib.get_close_matches(first, list(main_group.commands), n=1)
+            if close:
+                return f"mtrain: error: no command {first!r}; did you mean `mtrain {close[0]}`?"
+            return (f"mtrain: error: no command {first!r}; to start a job write "
+                    f"`mtrain run -np N {shlex.join(args)}`")
+    if message.endswith("?"):  # click already says what to do
+        return f"{command}: error: {message}"
+    return f"{command}: error: {message}; see `{command} --help`"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: click without tracebacks and with one-line usage errors."""
     args = sys.argv[1:] if argv is None else argv
@@ -171,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         click.echo(error.ctx.get_help() if error.ctx else str(error))
         return 0
     except click.UsageError as error:
-        command = error.ctx.command_path if error.ctx else "mtrain"
-        click.echo(f"{command}: error: {error.format_message()} (see `{command} --help`)", err=True)
+        click.echo(usage_error_line(error, args), err=True)
         return 2
     except click.Abort:
         click.echo("mtrain: aborted", err=True)

@@ -6,6 +6,7 @@ nothing else, so there is exactly one place where user input is validated.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from pathlib import Path
 
@@ -24,12 +25,19 @@ class SshOptions:
     connect_timeout: float = 30.0
 
 
+class MpiKind(enum.Enum):
+    """The family of an MPI launcher's command line."""
+
+    OPENMPI = "openmpi"  # Open MPI 5 (PRRTE's prterun)
+    MPICH = "mpich"      # MPICH's hydra (also Intel MPI)
+
+
 @dataclasses.dataclass(frozen=True)
 class MpiLauncher:
     """An MPI launcher program and the family of its command line."""
 
     path: str
-    kind: str  # "openmpi" or "mpich"
+    kind: MpiKind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,36 +12,30 @@ import time
 import mtrain
 from mtrain.launcher import mpirun as mpilib
 from mtrain.launcher import ssh_agent
-from mtrain.launcher.config import LaunchConfig
+from mtrain.launcher.config import LaunchConfig, MpiKind
 from mtrain.launcher.environment import rank_environment
-from mtrain.launcher.hosts import is_local, local_names
+from mtrain.records import Gate
+
 
 def _log(config: LaunchConfig, message: str) -> None:
     if config.verbose:
         print(f"mtrain: [{_stamp()}] {message}", file=sys.stderr, flush=True)
 
 
-def cpus_per_host(config: LaunchConfig, remote_cpus: dict[str, int]) -> dict[str, int]:
-    names = local_names()
-    return {h.name: (os.cpu_count() or 1) if is_local(h.name, names) else remote_cpus.get(h.name, 0)
-            for h in config.plan}
-
-
-def build_job_argv(config: LaunchConfig, agent: list[str] | None, remote_cpus: dict[str, int],
-                   subnets: tuple[str, ...] = ()) -> list[str]:
+def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple[str, ...] = ()) -> list[str]:
     """The launcher argv for `config` (pure apart from reading os.environ).
 
     `subnets` is the automatic interface choice, used when the user gave none.
+    Whether ranks must yield the CPU (more ranks than cores on a host) is decided
+    on each host by the rank wrapper, which knows that host's cores.
     """
     names, values = rank_environment(os.environ, config.env_pass)
-    if config.mpi.kind == "mpich":
+    if config.mpi.kind is MpiKind.MPICH:
         subnets = ()  # hydra's -iface wants an interface name, not a subnet
-    cpus = cpus_per_host(config, remote_cpus)
-    oversubscribed = any(cpus[h.name] and h.slots > cpus[h.name] for h in config.plan)
     return mpilib.build_argv(
         config.mpi, config.plan, config.command, rank_python=sys.executable, agent=agent,
         env_names=names, env_values=values, network_interfaces=config.network_interfaces or subnets,
-        yield_when_idle=oversubscribed, as_root=os.geteuid() == 0, extra_args=config.mpi_args)
+        as_root=os.geteuid() == 0, extra_args=config.mpi_args)
 
 
 def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str) -> list[str]:
@@ -51,7 +45,7 @@ def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str) ->
     options = dataclasses.replace(config.ssh, identity_file=identity, connect_timeout=config.start_timeout)
     ssh_agent.write_config(config_path, options, sys.executable, events_path, gate)
     words = [sys.executable, "-m", "mtrain.launcher.ssh_agent", "--config", config_path]
-    if config.mpi.kind != "mpich":
+    if config.mpi.kind is not MpiKind.MPICH:
         return words
     # hydra's -launcher-exec takes one program path, so wrap the words in a script.
     path = os.path.join(directory, "mtrain-ssh-agent")
@@ -65,7 +59,8 @@ def print_plan(config: LaunchConfig, argv: list[str]) -> None:
     rank = 0
     for host in config.plan:
         where = "ssh" if host.name in config.remote_hosts else "local"
-        print(f"host {host.name}: ranks {rank}-{rank + host.slots - 1} ({where})")
+        ranks = f"rank {rank}" if host.slots == 1 else f"ranks {rank}-{rank + host.slots - 1}"
+        print(f"host {host.name}: {ranks} ({where})")
         rank += host.slots
     print(shlex.join(argv))
 
@@ -84,7 +79,7 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
         events_path = os.path.join(scratch, "events")
         gate = os.path.join(scratch, "gate")
         if config.remote_hosts:
-            if dry_run and config.mpi.kind != "mpich":
+            if dry_run and config.mpi.kind is not MpiKind.MPICH:
                 # Printed for a human to rerun: no scratch config that vanishes when we exit
                 # (the agent then uses ~/.ssh/config and OpenSSH defaults).
                 agent = [sys.executable, "-m", "mtrain.launcher.ssh_agent"]
@@ -92,7 +87,7 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
                 agent = _agent(config, scratch, events_path, gate)
         subnets = _route_subnets(config) if config.remote_hosts and not config.network_interfaces else ()
         try:
-            argv = build_job_argv(config, agent, {}, subnets)
+            argv = build_job_argv(config, agent, subnets)
         except ValueError as error:
             print(f"mtrain run: error: {error}", file=sys.stderr)
             return 2
@@ -102,9 +97,9 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
         if subnets:
             _log(config, f"hosts are reached through {', '.join(subnets)}")
         preflight = (lambda: _preflight(config)) if config.remote_hosts else None
-        return supervise.run_job(argv, dict(os.environ), config.output_dir, config.verbose,
-                                 events_path if agent else None, preflight=preflight,
-                                 gate=gate if agent else None)
+        return supervise.run_job(argv, dict(os.environ), config.num_proc, config.output_dir,
+                                 config.verbose, events_path if agent else None, preflight=preflight,
+                                 gate=Gate(gate) if agent else None)
 
 
 def _preflight(config: LaunchConfig) -> bool:
@@ -117,7 +112,8 @@ def _preflight(config: LaunchConfig) -> bool:
     for line in errors:
         print(f"mtrain: {line}", file=sys.stderr)
     if errors:
-        print(f"mtrain: preflight failed on {len(errors)} host(s); nothing was started", file=sys.stderr)
+        failed = "1 host" if len(errors) == 1 else f"{len(errors)} hosts"
+        print(f"mtrain: preflight failed on {failed}; nothing was started", file=sys.stderr)
         return False
     for line in slot_warnings(reports, {h.name: h.slots for h in config.plan}):
         print(f"mtrain: warning: {line}", file=sys.stderr)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
-from mtrain.launcher.config import MpiLauncher
+from mtrain.launcher.config import MpiKind, MpiLauncher
 from mtrain.launcher.hosts import HostSlots
 
 ENV_MPIRUN = "MTRAIN_MPIRUN"
@@ -55,14 +55,14 @@ def find_mpirun(explicit: str | None = None, env: Mapping[str, str] | None = Non
                       f"or point {ENV_MPIRUN} / --mpirun at your MPI's launcher")
 
 
-def detect_kind(path: str) -> str:
-    """'openmpi' or 'mpich' for the launcher at `path`."""
+def detect_kind(path: str) -> MpiKind:
+    """The family of the launcher at `path`."""
     # Sibling programs tell the family without running anything (saves ~50 ms per job).
     directory = os.path.dirname(os.path.realpath(path))
     if os.path.exists(os.path.join(directory, "prterun")) or os.path.exists(os.path.join(directory, "ompi_info")):
-        return "openmpi"
+        return MpiKind.OPENMPI
     if os.path.exists(os.path.join(directory, "mpiexec.hydra")):
-        return "mpich"
+        return MpiKind.MPICH
     try:
         text = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired) as error:
@@ -70,13 +70,13 @@ def detect_kind(path: str) -> str:
     return kind_from_version_text(text, path)
 
 
-def kind_from_version_text(text: str, path: str = "mpirun") -> str:
+def kind_from_version_text(text: str, path: str = "mpirun") -> MpiKind:
     """Classify `mpirun --version` output."""
     lowered = text.lower()
     if "open mpi" in lowered or "open rte" in lowered or "prte" in lowered:
-        return "openmpi"
+        return MpiKind.OPENMPI
     if "hydra" in lowered or "mpich" in lowered or "intel(r) mpi" in lowered:
-        return "mpich"
+        return MpiKind.MPICH
     raise MpiNotFound(f"{path}: not Open MPI or MPICH (its --version says {text.strip()[:60]!r})")
 
 
@@ -94,7 +94,6 @@ def build_argv(
     env_names: Sequence[str] = (),
     env_values: Mapping[str, str] | None = None,
     network_interfaces: Sequence[str] = (),
-    yield_when_idle: bool = False,
     as_root: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
@@ -111,18 +110,14 @@ def build_argv(
     env_values = dict(env_values or {})
     num_proc = sum(host.slots for host in plan)
     rank_command = [rank_python, "-m", "mtrain.launcher.rank", "--", *command]
-    if mpi.kind == "openmpi":
-        argv = _openmpi(mpi.path, plan, num_proc, agent, env_names, env_values,
-                        network_interfaces, yield_when_idle, as_root)
-    elif mpi.kind == "mpich":
-        argv = _hydra(mpi.path, plan, num_proc, agent, env_names, env_values, network_interfaces)
+    if mpi.kind is MpiKind.OPENMPI:
+        argv = _openmpi(mpi.path, plan, num_proc, agent, env_names, env_values, network_interfaces, as_root)
     else:
-        raise ValueError(f"unknown MPI kind {mpi.kind!r}")
+        argv = _hydra(mpi.path, plan, num_proc, agent, env_names, env_values, network_interfaces)
     return argv + list(extra_args) + rank_command
 
 
-def _openmpi(path, plan, num_proc, agent, env_names, env_values, interfaces, yield_when_idle,
-             as_root) -> list[str]:
+def _openmpi(path, plan, num_proc, agent, env_names, env_values, interfaces, as_root) -> list[str]:
     argv = [path, "-np", str(num_proc), "--host", host_list(plan),
             "--map-by", "slot", "--bind-to", "none"]
     if as_root:
@@ -142,9 +137,6 @@ def _openmpi(path, plan, num_proc, agent, env_names, env_values, interfaces, yie
             argv += ["--mca", "btl_tcp_if_exclude", joined, "--prtemca", "oob_tcp_if_exclude", joined]
     elif interfaces:
         argv += ["--mca", "btl_tcp_if_include", ",".join(interfaces)]
-    if yield_when_idle:
-        # Busy-polling ranks starve each other when they outnumber the cores.
-        argv += ["--mca", "mpi_yield_when_idle", "1"]
     for name in env_names:
         argv += ["-x", name]
     for name, value in env_values.items():

@@ -1,7 +1,7 @@
 """Check every remote host before any rank starts: all hosts in parallel, one bounded wait.
 
 Per host: connect (host key verified), then run a probe with the launcher's
-own Python path that reports mtrain's version, CPU and GPU counts.  Every
+own Python path that reports mtrain's version and the host's GPU count.  Every
 failing host yields one line; the job starts only if there are none.
 """
 from __future__ import annotations
@@ -17,21 +17,14 @@ from mtrain.launcher.config import SshOptions
 
 # Runs on the remote host; must work with nothing but mtrain installed.
 PROBE = r"""
-import json, os, shutil, subprocess, sys
+import json
 try:
     import mtrain
-    version = mtrain.__version__
+    from mtrain.launcher.capabilities import gpu_count
+    found = {"version": mtrain.__version__, "gpus": gpu_count()}
 except Exception:
-    version = None
-gpus = 0
-smi = shutil.which("nvidia-smi")
-if smi:
-    try:
-        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
-        gpus = sum(1 for line in listing.splitlines() if line.startswith("GPU"))
-    except Exception:
-        pass
-print(json.dumps({"version": version, "cpus": os.cpu_count() or 1, "gpus": gpus}))
+    found = {"version": None, "gpus": 0}
+print(json.dumps(found))
 """
 
 
@@ -41,9 +34,7 @@ class HostReport:
 
     host: str
     error: str | None = None
-    cpus: int = 0
     gpus: int = 0
-    local_address: str | None = None  # our end of the SSH connection: which NIC reaches the host
 
 
 def probe_host(host: str, options: SshOptions, python: str, version: str, timeout: float) -> HostReport:
@@ -56,7 +47,6 @@ def probe_host(host: str, options: SshOptions, python: str, version: str, timeou
     except Exception as error:  # a report line, never a traceback from a worker thread
         return HostReport(host, f"host {host}: cannot connect: {type(error).__name__}: {error}")
     try:
-        local_address = client.get_transport().sock.getsockname()[0]
         status, out, err = ssh.run_command(client, f"{shlex.quote(python)} -c {shlex.quote(PROBE)}", timeout)
     except Exception as error:
         return HostReport(host, f"host {host}: probe failed: {error}")
@@ -75,7 +65,7 @@ def probe_host(host: str, options: SshOptions, python: str, version: str, timeou
     if found["version"] != version:
         return HostReport(host, f"host {host}: mtrain {found['version']} there but {version} here; "
                           "install the same version on every host")
-    return HostReport(host, None, int(found.get("cpus", 1)), int(found.get("gpus", 0)), local_address)
+    return HostReport(host, None, int(found.get("gpus", 0)))
 
 
 def run_preflight(hosts: Sequence[str], options: SshOptions, python: str, version: str,

@@ -18,16 +18,15 @@ MPI first waits, the launcher meanwhile stops it as a consequence of the real
 failure, and the wrapper hides Open MPI's "Delaying for…" line and marks the
 record `mpi_abort` (evidence the supervisor weighs; see supervise.first_failure).
 
-Runtimes can sharpen the root-cause report through $MTRAIN_ERROR_FILE (the
-idea of torchelastic's error file): a JSON object written there before the
-rank exits, with optional keys `time` (when the failure began, epoch
-seconds), `cause` ("peer" when this rank only failed because another one
-did) and `message` (one line).  Only the exit status is needed without it.
+The runtime sharpens the report through $MTRAIN_ERROR_FILE (the idea of
+torchelastic's error file): an `ErrorReport` (mtrain.records) written there
+before the rank exits says why it fails and whether the failure began here or
+in a peer.  Without one, the last line the rank printed to stderr stands in as
+its reason, so a failure before `init()` reads the same as one after.
 """
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import shutil
@@ -40,13 +39,11 @@ import threading
 import time
 
 from mtrain.launcher.process_tools import die_with_parent, exit_code, kill_group
+from mtrain.records import ENV_ERROR_FILE, ErrorReport, ExitRecord, FailureCause
 
-EXIT_MARKER = b"@@mtrain-rank-exit@@ "
 TAIL_LINES = 15
 TERM_GRACE = 3.0
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-ENV_ERROR_FILE = "MTRAIN_ERROR_FILE"
-_ERROR_FILE_LIMIT = 65536
 ABORT_DELAY_SECONDS = "1"
 # Open MPI's line when a process enters MPI_Abort (or a fatal MPI error) with mpi_abort_delay set.
 _ABORT_DELAY_LINE = re.compile(rb"^\[[^\]\s]+:\d+\] Delaying for \d+ seconds? before aborting\s*$")
@@ -127,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
-    start = time.time()
     scratch = tempfile.mkdtemp(prefix="mtrain-rank-")
     error_file = os.path.join(scratch, "error.json")
     try:
@@ -140,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         os.close(err_write)
         message = f"cannot start {argv[0]!r}: {error.strerror}"
         sys.stderr.buffer.write(f"[{rank}]<stderr>:{message}\n".encode())
-        _write_record(rank, host, 127, False, [message])
+        _write_record(ExitRecord(rank, host, 127, stopped=False, time=time.time(), stderr_tail=(message,)))
         return 127
     os.close(out_write)
     os.close(err_write)
@@ -172,44 +168,26 @@ def main(argv: list[str] | None = None) -> int:
     kill_group(child.pid, signal.SIGKILL)
     for relay in relays:
         relay.join(timeout=2.0)
-    report = read_error_file(error_file)
+    report = ErrorReport.read(error_file)
     shutil.rmtree(scratch, ignore_errors=True)
     with lock:
-        _write_record(rank, host, returncode, stopped, list(tail), end, start, report,
-                      mpi_abort=err_relay.saw_mpi_abort)
+        _write_record(exit_record(rank, host, returncode, stopped, tuple(tail), end, report,
+                                  err_relay.saw_mpi_abort))
     return exit_code(returncode)
 
 
-def read_error_file(path: str) -> dict:
-    """The runtime's own account of the failure, reduced to the keys we understand."""
-    try:
-        with open(path, "rb") as handle:
-            data = json.loads(handle.read(_ERROR_FILE_LIMIT))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    report = {}
-    if isinstance(data.get("time"), (int, float)):
-        report["time"] = float(data["time"])
-    if data.get("cause") in ("peer", "own"):
-        report["cause"] = data["cause"]
-    if isinstance(data.get("message"), str):
-        report["message"] = data["message"].splitlines()[0][:500] if data["message"] else ""
-    return report
+def exit_record(rank: int, host: str, returncode: int, stopped: bool, tail: tuple[str, ...],
+                end: float, report: ErrorReport | None, mpi_abort: bool) -> ExitRecord:
+    """What the supervisor learns of this rank; the runtime's own account beats our inference."""
+    if report is None:
+        return ExitRecord(rank, host, returncode, stopped, end, tail, mpi_abort=mpi_abort)
+    return ExitRecord(rank, host, returncode, stopped=report.cause is FailureCause.PEER,
+                      time=min(end, report.time), stderr_tail=tail, report=report.message,
+                      mpi_abort=mpi_abort)
 
 
-def _write_record(rank: int, host: str, returncode: int, stopped: bool, tail: list[str],
-                  end: float | None = None, start: float | None = None,
-                  report: dict | None = None, mpi_abort: bool = False) -> None:
-    report = report or {}
-    end = end or time.time()
-    record = {"rank": rank, "host": host, "returncode": returncode,
-              # The runtime's own account beats our inference from who was stopped first.
-              "stopped": report["cause"] == "peer" if "cause" in report else stopped,
-              "time": min(end, report.get("time", end)), "start": start, "stderr_tail": tail,
-              "message": report.get("message", ""), "mpi_abort": mpi_abort}
-    sys.stderr.buffer.write(EXIT_MARKER + json.dumps(record).encode() + b"\n")
+def _write_record(record: ExitRecord) -> None:
+    sys.stderr.buffer.write(record.encode())
     sys.stderr.flush()
 
 

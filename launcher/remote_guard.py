@@ -16,6 +16,7 @@ import os
 import pwd
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def end_once(reason: str) -> None:
         if ending.acquire(blocking=False):
+            # Reaches mpirun's stderr through the agent: shown with --verbose and in DIR/mpirun.log.
+            print(f"mtrain-guard: {socket.gethostname()}: ending the job's processes here: {reason}",
+                  file=sys.stderr, flush=True)
             end_tree()
 
     def watchdog() -> None:
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda number, frame: threading.Thread(
-            target=end_once, args=("signal",), daemon=True).start())
+            target=end_once, args=(f"received {signal.Signals(number).name}",), daemon=True).start())
     threading.Thread(target=watchdog, daemon=True).start()
     status = None
     # Reap the direct child and every orphan handed to us; leave when no child is left.

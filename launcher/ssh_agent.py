@@ -28,9 +28,9 @@ import sys
 import threading
 import time
 
-from mtrain.launcher import events
 from mtrain.launcher.config import SshOptions
 from mtrain.launcher.process_tools import die_with_parent
+from mtrain.records import AgentEvent, AgentEventKind, Gate
 
 HEARTBEAT_SECONDS = 1.0
 # ssh options MPI launchers may put before the host (hydra passes -x); ignored.
@@ -38,16 +38,13 @@ _FLAGS = {"-x", "-X", "-q", "-T", "-t", "-tt", "-n", "-a", "-A", "-4", "-6", "-C
 _WITH_VALUE = {"-o", "-l", "-p", "-i", "-F", "-E"}
 
 
-GATE_OPEN, GATE_CLOSED = ".go", ".abort"
-
-
 def write_config(path: str, options: SshOptions, python: str, events_path: str | None,
                  gate: str | None = None) -> None:
     """Write the agent's settings for `--config` (done by the launcher before mpirun starts).
 
-    With `gate`, the agent connects and authenticates at once but runs nothing
-    until the file `gate + ".go"` exists (`gate + ".abort"`: give up quietly);
-    that lets mpirun and the SSH handshakes start while the preflight runs.
+    With `gate` (a records.Gate path), the agent connects and authenticates at
+    once but runs nothing until the supervisor opens the gate (closed: give up
+    quietly); that lets mpirun and the SSH handshakes start while the preflight runs.
     """
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"port": options.port, "identity_file": options.identity_file,
@@ -70,16 +67,11 @@ def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | No
 
 def wait_for_gate(gate: str | None, timeout: float, stop: threading.Event) -> bool:
     """True once the launcher opens the gate (or there is none); False if it closes or never opens."""
-    if gate is None:
-        return True
-    deadline = time.monotonic() + timeout
-    while not stop.is_set() and time.monotonic() < deadline:
-        if os.path.exists(gate + GATE_OPEN):
-            return True
-        if os.path.exists(gate + GATE_CLOSED):
-            return False
-        time.sleep(0.01)
-    return False
+    return gate is None or Gate(gate).wait(timeout, stop)
+
+
+def _report(events_path: str | None, kind: AgentEventKind, host: str, detail: str) -> None:
+    AgentEvent(kind, host, detail, time.time()).emit(events_path)
 
 
 def split_arguments(argv: list[str]) -> tuple[str, list[str], int | None]:
@@ -153,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except ssh.SshError as error:
         # The preflight reports this host itself; speak only if it somehow let the job go on.
         if wait_for_gate(gate, options.connect_timeout, stop):
-            events.emit(events_path, "connect-failed", host, str(error))
+            _report(events_path, AgentEventKind.CONNECT_FAILED, host, str(error))
             print(f"mtrain-agent: {error}", file=sys.stderr)
         return 255
     if not wait_for_gate(gate, options.connect_timeout, stop):
@@ -164,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         channel = transport.open_session(timeout=options.connect_timeout)
         channel.exec_command(remote_command(words, python))
     except Exception as error:
-        events.emit(events_path, "connect-failed", host, f"host {host}: cannot start a session: {error}")
+        _report(events_path, AgentEventKind.CONNECT_FAILED, host, f"host {host}: cannot start a session: {error}")
         print(f"mtrain-agent: host {host}: cannot start a session: {error}", file=sys.stderr)
         return 255
     pumps = [threading.Thread(target=_pump, args=(channel.recv, 1), daemon=True),
@@ -195,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             return 143
         if channel.status_event.is_set() or not transport.is_active():
             detail = f"host {host}: lost the SSH connection mid-job (host down or network cut)"
-            events.emit(events_path, "host-lost", host, detail)
+            _report(events_path, AgentEventKind.HOST_LOST, host, detail)
             print(f"mtrain-agent: {detail}", file=sys.stderr)
             client.close()
             return 255

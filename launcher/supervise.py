@@ -10,11 +10,15 @@ remains on the hosts.  Every wait is bounded.
 Outcome, in priority order: interrupted (130/143) · a host lost or
 unreachable (255, naming it) · the *first* rank that failed on its own
 (its exit code, or 128+N for signal N) · mpirun's own failure.
+
+What the user reads is mtrain's report.  The MPI launcher's own lines (the
+banners Open MPI prints around every failure) are kept out of the default
+output: `--verbose` shows them as they come, `--output-filename DIR` keeps
+them in DIR/mpirun.log, and they are shown after all when mpirun fails before
+any rank could report why.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import re
 import signal
@@ -25,55 +29,20 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from mtrain.launcher.events import EventReader
 from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_name, signal_process
-from mtrain.launcher.rank import EXIT_MARKER
-from mtrain.launcher.ssh_agent import GATE_CLOSED, GATE_OPEN
+from mtrain.records import (EXIT_MARKER, AgentEvent, AgentEventKind, AgentEventReader, ExitRecord, Gate,
+                            StopReason)
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
 LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead daemon: shorter wait
 FAILURE_GRACE = 2.0        # mpirun normally stops the job itself after a rank fails
 SESSION_DRAIN = 3.0        # time for agents to finish after mpirun has exited
 CAUSE_WINDOW = 1.0         # failures closer than this are ordered by evidence, not by clock
+LAUNCHER_TAIL = 40         # MPI launcher lines kept to explain a failure no rank reported
 _PREFIX = re.compile(rb"^\[(\d+)\]<(stdout|stderr)>:")
 
 
-@dataclasses.dataclass(frozen=True)
-class RankExit:
-    """How one rank ended, as its wrapper reported it."""
-
-    rank: int
-    host: str
-    returncode: int
-    stopped: bool          # it had been told to stop (a consequence, not a cause)
-    time: float
-    stderr_tail: tuple[str, ...]
-    message: str = ""
-    mpi_abort: bool = False  # it ended inside MPI_Abort (a fatal MPI error or an explicit abort)
-
-    @property
-    def failed(self) -> bool:
-        return self.returncode != 0
-
-    def describe(self) -> str:
-        if self.returncode < 0:
-            how = f"killed by {signal_name(-self.returncode)}"
-        else:
-            how = f"exit code {self.returncode}"
-        detail = f" ({self.message})" if self.message else ""
-        return f"rank {self.rank} on {self.host}: {how}{detail}"
-
-
-def _evidence(record: RankExit) -> int:
-    """How surely this failure began in this rank: 0 sure, 1 plain exit status, 2 doubtful."""
-    if record.message or record.returncode < 0:
-        return 0   # the runtime's own account, or a signal nobody in the job sent (kill -9, OOM, SEGV)
-    if record.mpi_abort:
-        return 2   # MPI aborted it; a peer's death or a lost link is the usual reason
-    return 1
-
-
-def first_failure(records: Sequence[RankExit]) -> RankExit | None:
+def first_failure(records: Sequence[ExitRecord]) -> ExitRecord | None:
     """The root cause: of the ranks that failed on their own, the first, else the earliest failure.
 
     Clocks cannot order failures that happen within a few milliseconds of each other
@@ -85,53 +54,72 @@ def first_failure(records: Sequence[RankExit]) -> RankExit | None:
     if own:
         start = min(r.time for r in own)
         close = [r for r in own if r.time <= start + CAUSE_WINDOW]
-        return min(close, key=lambda r: (_evidence(r), r.time, r.rank))
+        return min(close, key=lambda r: (r.evidence, r.time, r.rank))
     return min(failed, key=lambda r: (r.time, r.rank)) if failed else None
 
 
 class _OutputSink:
-    """Writes rank lines to our streams and, optionally, to DIR/rank.N/{stdout,stderr}."""
+    """Writes rank lines to our streams and, optionally, to DIR/rank.N/{stdout,stderr};
+    the MPI launcher's own lines go to DIR/mpirun.log (and to our stderr with `verbose`)."""
 
-    def __init__(self, output_dir: Path | None) -> None:
-        self.output_dir = output_dir
+    def __init__(self, output_dir: Path | None, ranks: int, verbose: bool) -> None:
+        self.output_dir, self.verbose = output_dir, verbose
         self.files: dict[tuple[int, str], IO[bytes]] = {}
+        self.launcher_log: IO[bytes] | None = None
         self.lock = threading.Lock()
+        if output_dir is not None:
+            # Every rank gets both files, even one that never prints: scripts can rely on them.
+            for rank in range(ranks):
+                for stream in ("stdout", "stderr"):
+                    self._file(rank, stream)
+            self.launcher_log = open(output_dir / "mpirun.log", "ab")
+
+    def _file(self, rank: int, stream: str) -> IO[bytes]:
+        handle = self.files.get((rank, stream))
+        if handle is None:
+            directory = self.output_dir / f"rank.{rank}"
+            directory.mkdir(parents=True, exist_ok=True)
+            handle = self.files[(rank, stream)] = open(directory / stream, "ab")
+        return handle
 
     def write(self, line: bytes, stream: IO[bytes]) -> None:
+        match = _PREFIX.match(line)
         with self.lock:
+            if match is None:
+                self._launcher_line(line)
+                return
             stream.write(line)
             stream.flush()
-            if self.output_dir is None:
-                return
-            match = _PREFIX.match(line)
-            if not match:
-                return
-            key = (int(match.group(1)), match.group(2).decode())
-            handle = self.files.get(key)
-            if handle is None:
-                directory = self.output_dir / f"rank.{key[0]}"
-                directory.mkdir(parents=True, exist_ok=True)
-                handle = self.files[key] = open(directory / key[1], "ab")
-            handle.write(line[match.end():])
-            handle.flush()
+            if self.output_dir is not None:
+                handle = self._file(int(match.group(1)), match.group(2).decode())
+                handle.write(line[match.end():])
+                handle.flush()
+
+    def _launcher_line(self, line: bytes) -> None:
+        if self.verbose:
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
+        if self.launcher_log is not None:
+            self.launcher_log.write(line)
+            self.launcher_log.flush()
 
     def close(self) -> None:
         with self.lock:
-            for handle in self.files.values():
+            for handle in [*self.files.values(), *([self.launcher_log] if self.launcher_log else [])]:
                 handle.close()
 
 
 class Job:
     """One running mpirun and what we learn about it."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str], output_dir: Path | None,
+    def __init__(self, argv: Sequence[str], env: dict[str, str], ranks: int, output_dir: Path | None,
                  verbose: bool, events_path: str | None, preflight: Callable[[], bool] | None = None,
-                 gate: str | None = None) -> None:
+                 gate: Gate | None = None) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
         self.events_path, self.preflight, self.gate = events_path, preflight, gate
         self.quiet = False
-        self.sink = _OutputSink(output_dir)
-        self.records: list[RankExit] = []
+        self.sink = _OutputSink(output_dir, ranks, verbose)
+        self.records: list[ExitRecord] = []
         self.launcher_tail: list[str] = []
         self.lock = threading.Lock()
         self.interrupted: int | None = None
@@ -153,16 +141,12 @@ class Job:
                 continue
             if not _PREFIX.match(line):
                 with self.lock:
-                    self.launcher_tail = (self.launcher_tail + [line.decode(errors="replace").rstrip()])[-20:]
+                    self.launcher_tail = (self.launcher_tail + [line.decode(errors="replace").rstrip()])[-LAUNCHER_TAIL:]
             self.sink.write(line, stream)
 
     def _record(self, payload: bytes) -> None:
-        try:
-            data = json.loads(payload)
-            record = RankExit(int(data["rank"]), str(data["host"]), int(data["returncode"]),
-                              bool(data["stopped"]), float(data["time"]), tuple(data["stderr_tail"]),
-                              str(data.get("message", "")), bool(data.get("mpi_abort", False)))
-        except (ValueError, KeyError, TypeError):
+        record = ExitRecord.decode(payload)
+        if record is None:
             return
         with self.lock:
             self.records.append(record)
@@ -173,7 +157,7 @@ class Job:
         """Run to completion; print the outcome; return mtrain's exit status."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            return self._run(self.env, EventReader(self.events_path) if self.events_path else None)
+            return self._run(self.env, AgentEventReader(self.events_path) if self.events_path else None)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -183,7 +167,7 @@ class Job:
         if self.interrupted is None:
             self.interrupted = number
 
-    def _run(self, env: dict[str, str], reader: EventReader | None) -> int:
+    def _run(self, env: dict[str, str], reader: AgentEventReader | None) -> int:
         self.log("starting: " + " ".join(self.argv))
         try:
             process = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
@@ -198,8 +182,8 @@ class Job:
             thread.start()
         if self.preflight is not None and not self._pass_gate(process):
             return 1
-        host_problems: list[dict] = []
-        stop_reason: str | None = None
+        host_problems: list[AgentEvent] = []
+        stop_reason: StopReason | None = None
         stop_sent_at: float | None = None
         failure_seen_at: float | None = None
         while True:
@@ -211,22 +195,22 @@ class Job:
             now = time.monotonic()
             for event in (reader.poll() if reader else []):
                 host_problems.append(event)
-                self.log(f"{event['event']}: {event['detail']}")
+                self.log(f"{event.kind.value}: {event.detail}")
             if failure_seen_at is None and any(r.failed and not r.stopped for r in self.records):
                 failure_seen_at = now
             if stop_reason is None:
                 if self.interrupted is not None:
-                    stop_reason = f"interrupted by {signal_name(self.interrupted)}"
-                elif any(e["event"] == "host-lost" for e in host_problems):
-                    stop_reason = "a host was lost"
+                    stop_reason = StopReason.INTERRUPTED
+                elif any(e.kind is AgentEventKind.HOST_LOST for e in host_problems):
+                    stop_reason = StopReason.HOST_LOST
                 elif failure_seen_at is not None and now - failure_seen_at > FAILURE_GRACE:
-                    stop_reason = "a rank failed and mpirun did not stop the job"
+                    stop_reason = StopReason.RANK_FAILED
                 if stop_reason is not None:
-                    self.log(f"stopping the job: {stop_reason}")
+                    self.log(f"stopping the job: {stop_reason.value}")
                     signal_process(process.pid, signal.SIGTERM)
                     stop_sent_at = now
             elif stop_sent_at is not None and now - stop_sent_at > (
-                    LOST_HOST_GRACE if stop_reason == "a host was lost" else STOP_GRACE):
+                    LOST_HOST_GRACE if stop_reason is StopReason.HOST_LOST else STOP_GRACE):
                 self.log("job still running; killing everything it started")
                 kill_session(process.pid, signal.SIGKILL)
                 stop_sent_at = None
@@ -245,12 +229,12 @@ class Job:
         """Run the preflight while mpirun's agents connect; open or close their gate."""
         passed = self.preflight()
         if passed:
-            open(self.gate + GATE_OPEN, "w").close()
+            self.gate.open()
             return True
         # Nothing ran anywhere: the agents only connected.  Silence mpirun's complaints.
         self.quiet = True
         kill_session(process.pid, signal.SIGKILL)
-        open(self.gate + GATE_CLOSED, "w").close()
+        self.gate.close()
         try:
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -258,41 +242,49 @@ class Job:
         wait_session_empty(process.pid, 2.0)
         return False
 
-    def _outcome(self, mpirun_status: int, host_problems: list[dict]) -> int:
+    def _outcome(self, mpirun_status: int, host_problems: list[AgentEvent]) -> int:
         records = list(self.records)
         if self.interrupted is not None:
             print(f"mtrain: {signal_name(self.interrupted)} received; all ranks were stopped",
                   file=sys.stderr)
             return 128 + self.interrupted
         failure = first_failure(records)
-        lost = [e for e in host_problems if e["event"] == "host-lost"]
-        if lost and (failure is None or failure.stopped or lost[0]["time"] <= failure.time):
+        lost = [e for e in host_problems if e.kind is AgentEventKind.HOST_LOST]
+        if lost and (failure is None or failure.stopped or lost[0].time <= failure.time):
             for event in lost:
-                print(f"mtrain: {event['detail']}; the job was stopped", file=sys.stderr)
+                print(f"mtrain: {event.detail}; the job was stopped", file=sys.stderr)
             return 255
         if failure is not None:
             self._report(failure, len(records))
             return exit_code(failure.returncode)
-        unreachable = [e for e in host_problems if e["event"] == "connect-failed"]
+        unreachable = [e for e in host_problems if e.kind is AgentEventKind.CONNECT_FAILED]
         if unreachable:
             for event in unreachable:
-                print(f"mtrain: {event['detail']}", file=sys.stderr)
+                print(f"mtrain: {event.detail}", file=sys.stderr)
             return 255
         if mpirun_status != 0:
-            print(f"mtrain: {os.path.basename(self.argv[0])} failed with exit status "
-                  f"{exit_code(mpirun_status)} before any rank reported a failure "
-                  "(its messages are above)", file=sys.stderr)
+            launcher = os.path.basename(self.argv[0])
+            if self.launcher_tail and not self.verbose:
+                print(f"mtrain: {launcher} said:", file=sys.stderr)
+                for line in self.launcher_tail:
+                    print(f"    {line}", file=sys.stderr)
+            print(f"mtrain: {launcher} failed with exit status {exit_code(mpirun_status)} "
+                  "before any rank reported a failure", file=sys.stderr)
             return exit_code(mpirun_status) or 1
         return 0
 
-    def _report(self, failure: RankExit, reported: int) -> None:
+    def _report(self, failure: ExitRecord, reported: int) -> None:
         print(f"mtrain: job failed; first failure: {failure.describe()}", file=sys.stderr)
-        if failure.stderr_tail:
+        # A reason in one line is enough (the full traceback is above, prefixed with the rank);
+        # without one, the rank's last words are the best clue (a signal, a silent exit).
+        if failure.stderr_tail and (self.verbose or not failure.reason):
             print(f"mtrain: last stderr lines of rank {failure.rank}:", file=sys.stderr)
             for line in failure.stderr_tail:
                 print(f"    {line}", file=sys.stderr)
         others = sorted(r.rank for r in self.records if r.failed and r is not failure)
-        if others:
+        if len(others) == 1:
+            print(f"mtrain: rank {others[0]} was stopped or failed after it", file=sys.stderr)
+        elif others:
             print(f"mtrain: ranks {', '.join(map(str, others))} were stopped or failed after it",
                   file=sys.stderr)
         sys.stderr.flush()
@@ -322,15 +314,15 @@ def wait_session_empty(session: int, timeout: float) -> bool:
     return True
 
 
-def run_job(argv: Sequence[str], env: dict[str, str], output_dir: Path | None = None,
+def run_job(argv: Sequence[str], env: dict[str, str], ranks: int, output_dir: Path | None = None,
             verbose: bool = False, events_path: str | None = None,
-            preflight: Callable[[], bool] | None = None, gate: str | None = None) -> int:
-    """Run the launcher argv as one supervised job; return mtrain's exit status.
+            preflight: Callable[[], bool] | None = None, gate: Gate | None = None) -> int:
+    """Run the launcher argv (a job of `ranks` ranks) under supervision; return mtrain's exit status.
 
     `events_path` is the file the SSH agents report connection problems to;
     `preflight` runs once mpirun has started and opens the agents' `gate` when it passes.
     """
-    return Job(argv, env, output_dir, verbose, events_path, preflight, gate).run()
+    return Job(argv, env, ranks, output_dir, verbose, events_path, preflight, gate).run()
 
 
 def _stamp() -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import time
 import uuid
 
 import pytest
+
+from tests.launcher.report_check import assert_only_mtrain_output
 
 pytestmark = pytest.mark.timeout(120)
 PYTHON = sys.executable
@@ -77,8 +80,57 @@ def test_first_failure_reported_with_its_code_and_stderr(tmp_path):
     assert done.returncode == 3, done.stderr
     assert time.monotonic() - started < 30
     assert "mtrain: job failed; first failure: rank 1 on" in done.stderr
-    assert "exit code 3" in done.stderr and "    boom: bad batch 17" in done.stderr
+    assert "exit code 3 (boom: bad batch 17)" in done.stderr
     assert "Traceback" not in done.stderr
+    assert "rank 0 and" not in done.stderr and "ranks 0, 2 were stopped or failed after it" in done.stderr
+    assert_only_mtrain_output(done.stderr)
+
+
+def test_failure_before_init_reads_like_one_after_it():
+    # Raised before the runtime exists: no error file, yet the report names the exception.
+    early = mtrain("-np", "2", PYTHON, "-c", "import mtrain.ringreduce as rr; rr.rank()")
+    assert early.returncode == 1, early.stderr
+    assert "exit code 1 (NotInitializedError: " in early.stderr, early.stderr
+    late = mtrain("-np", "2", PYTHON, "-c", "import mtrain.ringreduce as rr; rr.init(); "
+                  "raise ValueError(f'bad value on rank {rr.rank()}')")
+    assert late.returncode == 1, late.stderr
+    assert "exit code 1 (ValueError: bad value on rank " in late.stderr, late.stderr
+    missing = mtrain("-np", "2", PYTHON, "no_such_script.py")
+    assert missing.returncode == 2, missing.stderr
+    assert "exit code 2 (" in missing.stderr and "no_such_script.py" in missing.stderr
+    bad_setting = mtrain("-np", "2", "-x", "MTRAIN_CYCLE_TIME_MS=soon", PYTHON, "-c",
+                         "import mtrain.ringreduce as rr; rr.init()")
+    assert "exit code 1 (ValueError: MTRAIN_CYCLE_TIME_MS='soon' is not a number" in bad_setting.stderr
+    for done in (early, late, missing, bad_setting):
+        assert_only_mtrain_output(done.stderr)
+        # The traceback is shown once, as the rank printed it; the report adds one line, not a copy.
+        assert done.stderr.count("Traceback") <= 2, done.stderr
+
+
+def test_mpi_launcher_lines_kept_out_of_the_way_but_not_lost(tmp_path):
+    code = "import mtrain.ringreduce as rr; rr.init(); rr.barrier(); raise SystemExit(5 if rr.rank() == 1 else 0)"
+    done = mtrain("-np", "2", "--output-filename", str(tmp_path / "o"), PYTHON, "-c", code)
+    assert done.returncode == 5, done.stderr
+    assert_only_mtrain_output(done.stderr)
+    assert (tmp_path / "o" / "mpirun.log").exists()
+    verbose = mtrain("-np", "2", "--verbose", PYTHON, "-c", code)
+    assert verbose.returncode == 5 and "mtrain: [" in verbose.stderr
+
+
+def test_job_runs_from_a_directory_with_hostile_launcher_bindings_ringreduce(tmp_path):
+    # A user's project with its own packages of these common names must not change mtrain.
+    for name in ("launcher", "bindings", "ringreduce"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the user\'s own {name} was imported')\n")
+        (tmp_path / name / "rank.py").write_text("raise SystemExit('the user\'s rank module ran')\n")
+    (tmp_path / "job.py").write_text(
+        "import numpy as np, mtrain.ringreduce as rr\n"
+        "rr.init()\n"
+        "total = rr.allreduce(np.arange(5, dtype=np.float64) * (rr.rank() + 1), op=rr.Sum)\n"
+        "print('sum', total.tolist())\n")
+    done = mtrain("-np", "2", PYTHON, "job.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [f"[{r}]<stdout>:sum [0.0, 3.0, 6.0, 9.0, 12.0]" for r in (0, 1)]
 
 
 def test_killed_rank_gives_128_plus_signal():
@@ -105,14 +157,20 @@ def test_output_dir_and_environment(tmp_path):
     for r in (0, 1):
         assert (tmp_path / "o" / f"rank.{r}" / "stdout").read_text() == "1 2 fwd None\n"
         assert (tmp_path / "o" / f"rank.{r}" / "stderr").read_text() == "e\n"
+    # A rank that prints nothing still gets both files.
+    silent = mtrain("-np", "2", "--output-filename", str(tmp_path / "s"), PYTHON, "-c",
+                    f"print('only rank 0') if {RANK} == 0 else None")
+    assert silent.returncode == 0, silent.stderr
+    assert (tmp_path / "s" / "rank.0" / "stdout").read_text() == "only rank 0\n"
+    for r, stream in ((0, "stderr"), (1, "stdout"), (1, "stderr")):
+        assert (tmp_path / "s" / f"rank.{r}" / stream).read_text() == ""
 
 
 def test_more_ranks_than_cores_with_mpi(tmp_path):
     code = ("from mpi4py import MPI; c=MPI.COMM_WORLD; "
             "assert c.allreduce(c.rank + 1) == c.size * (c.size + 1) // 2; print('ok', c.size)")
     np_ = str(max(3, (os.cpu_count() or 1) + 1))
-    dry = mtrain("--dry-run", "-np", np_, PYTHON, "-c", code)
-    assert "mpi_yield_when_idle 1" in dry.stdout
+    # The rank wrapper sees more ranks than cores on this host and makes them yield.
     done = mtrain("-np", np_, PYTHON, "-c", code, timeout=90)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count(f"ok {np_}") == int(np_)
@@ -152,13 +210,17 @@ def test_check_reports_mpi_and_frameworks():
     assert any(l.startswith("CUDA-aware MPI: ") for l in lines)
     for name in ("numpy", "cupy", "torch", "tensorflow"):
         assert any(l.startswith(f"{name}: ") for l in lines), name
+    # A framework's version, not a log line the framework printed while importing.
+    versions = dict(l.split(": ", 1) for l in lines if l.split(": ", 1)[0] in ("numpy", "torch", "tensorflow"))
+    for name, version in versions.items():
+        assert version == "not importable" or re.match(r"^\d+\.\d+", version), (name, version)
     assert lines[-1].startswith("GPUs: ")
 
 
 def test_rank_leaving_mid_job_is_named_not_the_ranks_it_strands():
     # Rank 1 exits early (sys.exit) while rank 0 still waits on an all-reduce: rank 0 then
     # fails with ShutdownError, but the report must name rank 1, where the failure began.
-    code = ("import sys, numpy as np, ringreduce as rr\n"
+    code = ("import sys, numpy as np, mtrain.ringreduce as rr\n"
             "rr.init()\n"
             "for step in range(3):\n    rr.allreduce(np.ones(4), name=f's{step}')\n"
             "if rr.rank() == 1:\n    sys.exit(7)\n"
@@ -167,3 +229,4 @@ def test_rank_leaving_mid_job_is_named_not_the_ranks_it_strands():
     assert done.returncode != 0
     assert "first failure: rank 1 on" in done.stderr, done.stderr
     assert "left the job" in done.stderr
+    assert_only_mtrain_output(done.stderr)

@@ -67,7 +67,7 @@ def test_dry_run_prints_plan_and_argv_without_running(tmp_path):
     done = mtrain("run", "--dry-run", "-np", "3", "-H", "localhost:2,127.0.0.1:2", "touch", str(marker))
     assert done.returncode == 0, done.stderr
     assert "host localhost: ranks 0-1 (local)" in done.stdout
-    assert "host 127.0.0.1: ranks 2-2 (local)" in done.stdout
+    assert "host 127.0.0.1: rank 2 (local)" in done.stdout
     assert "--bind-to none" in done.stdout and "plm_ssh_agent" not in done.stdout
     assert not marker.exists()
 
@@ -86,3 +86,19 @@ def test_version_and_help():
                  "--network-interface", "--output-filename", "--output-dir", "--verbose", "--dry-run",
                  "--ssh-accept-new-hosts", "--mpirun"):
         assert flag in done.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["-np", "2", "python", "x.py"], "-np is an option of `mtrain run`; write `mtrain run -np 2 python x.py`"),
+    (["-H", "a:2", "python", "x.py"], "write `mtrain run -H a:2 python x.py`"),
+    (["runn", "-np", "2", "true"], "did you mean `mtrain run`?"),
+    (["python", "x.py"], "to start a job write `mtrain run -np N python x.py`"),
+])
+def test_top_level_mistakes_get_the_command_to_write(args, expected):
+    assert_usage_error(mtrain(*args), expected)
+
+
+def test_usage_errors_read_as_one_sentence_with_one_remark():
+    done = mtrain("run", "-np", "2")
+    assert_usage_error(done, "no command given")
+    assert done.stderr.count("(") <= 1, done.stderr  # one parenthesised remark at most

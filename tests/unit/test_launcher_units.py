@@ -1,5 +1,4 @@
 """Pure pieces of the agent and the supervisor."""
-import json
 import os
 import shlex
 import subprocess
@@ -9,9 +8,11 @@ import threading
 import pytest
 
 from mtrain.launcher.config import SshOptions
-from mtrain.launcher.rank import EXIT_MARKER, child_environment, read_error_file
+from mtrain.launcher.rank import child_environment, exit_record
 from mtrain.launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
-from mtrain.launcher.supervise import RankExit, first_failure
+from mtrain.launcher.supervise import first_failure
+from mtrain.records import (EXIT_MARKER, AgentEvent, AgentEventKind, AgentEventReader, ErrorReport, ExitRecord,
+                            FailureCause, Gate, report_error)
 
 
 def test_agent_parses_ssh_style_arguments():
@@ -44,11 +45,13 @@ def test_gate_opens_closes_and_times_out(tmp_path):
     gate = str(tmp_path / "gate")
     assert wait_for_gate(None, 0.1, stop)
     assert not wait_for_gate(gate, 0.2, stop)  # never opened: bounded wait, then no
-    open(gate + ".abort", "w").close()
+    Gate(gate).close()
     assert not wait_for_gate(gate, 5, stop)
     other = str(tmp_path / "other")
-    threading.Timer(0.1, lambda: open(other + ".go", "w").close()).start()
+    threading.Timer(0.1, Gate(other).open).start()
     assert wait_for_gate(other, 5, stop)
+    stop.set()
+    assert not wait_for_gate(str(tmp_path / "third"), 5, stop)  # a stopping agent does not wait
 
 
 def test_rank_environment_yields_only_when_oversubscribed():
@@ -67,8 +70,8 @@ def _wrapped(code: str) -> tuple[str, dict]:
     done = subprocess.run([sys.executable, "-m", "mtrain.launcher.rank", "--", sys.executable, "-c", code],
                           capture_output=True, timeout=60, env={**os.environ, "OMPI_COMM_WORLD_RANK": "5"})
     lines = done.stderr.splitlines(keepends=True)
-    records = [json.loads(l[len(EXIT_MARKER):]) for l in lines if l.startswith(EXIT_MARKER)]
-    assert len(records) == 1, done.stderr
+    records = [ExitRecord.decode(l[len(EXIT_MARKER):]) for l in lines if l.startswith(EXIT_MARKER)]
+    assert len(records) == 1 and records[0] is not None, done.stderr
     return b"".join(l for l in lines if not l.startswith(EXIT_MARKER)).decode(), records[0]
 
 
@@ -78,23 +81,64 @@ def test_wrapper_hides_open_mpi_abort_delay_line_and_records_it():
                              "print(f'[node-1:{os.getpid()}] Delaying for 1 seconds before aborting', file=sys.stderr)\n"
                              "sys.exit(14)")
     assert shown == "[5]<stderr>:before\n"
-    assert (record["rank"], record["returncode"], record["mpi_abort"]) == (5, 14, True)
-    assert record["stderr_tail"] == ["before"]
+    assert (record.rank, record.returncode, record.mpi_abort) == (5, 14, True)
+    assert record.stderr_tail == ("before",)
     shown, record = _wrapped("import sys; print('Delaying for 1 seconds before aborting', file=sys.stderr); sys.exit(3)")
-    assert shown == "[5]<stderr>:Delaying for 1 seconds before aborting\n" and record["mpi_abort"] is False
+    assert shown == "[5]<stderr>:Delaying for 1 seconds before aborting\n" and record.mpi_abort is False
 
 
-def test_error_file_is_read_defensively(tmp_path):
+def test_wrapper_carries_the_runtimes_own_account_into_the_record():
+    code = ("from mtrain.records import FailureCause, report_error\n"
+            "report_error('ShutdownError: rank 2 left\\nmore', FailureCause.PEER)\n"
+            "report_error('second account, ignored', FailureCause.OWN)\n"
+            "raise SystemExit(9)")
+    shown, record = _wrapped(code)
+    assert (record.returncode, record.report, record.stopped) == (9, "ShutdownError: rank 2 left", True)
+
+
+def test_error_report_is_read_defensively_and_written_once(tmp_path, monkeypatch):
     path = tmp_path / "e.json"
-    assert read_error_file(str(path)) == {}
+    assert ErrorReport.read(str(path)) is None
     path.write_text("not json")
-    assert read_error_file(str(path)) == {}
+    assert ErrorReport.read(str(path)) is None
+    path.write_text('{"time": 5, "cause": "elsewhere", "message": "x"}')
+    assert ErrorReport.read(str(path)) is None
     path.write_text('{"time": 5, "cause": "peer", "message": "line one\\nline two", "x": 1}')
-    assert read_error_file(str(path)) == {"time": 5.0, "cause": "peer", "message": "line one"}
+    assert ErrorReport.read(str(path)) == ErrorReport("line one", FailureCause.PEER, 5.0)
+    fresh = tmp_path / "f.json"
+    monkeypatch.setenv("MTRAIN_ERROR_FILE", str(fresh))
+    report_error("ValueError: first", FailureCause.OWN)
+    report_error("ValueError: second", FailureCause.PEER)
+    assert (ErrorReport.read(str(fresh)).message, ErrorReport.read(str(fresh)).cause) == ("ValueError: first", FailureCause.OWN)
 
 
-def _exit(rank, code, stopped, time, message="", mpi_abort=False):
-    return RankExit(rank, "h", code, stopped, time, (), message, mpi_abort)
+def test_exit_record_round_trip_and_the_runtime_account_wins():
+    record = ExitRecord(3, "b", -9, False, 12.5, ("x", "y"), "RuntimeError: z", True)
+    assert ExitRecord.decode(record.encode()[len(EXIT_MARKER):]) == record
+    assert ExitRecord.decode(b'{"rank": 1}') is None and ExitRecord.decode(b"garbage") is None
+    peer = exit_record(1, "a", 1, False, (), 20.0, ErrorReport("ShutdownError: rank 0 left", FailureCause.PEER, 19.0), False)
+    assert peer.stopped and peer.time == 19.0 and peer.report == "ShutdownError: rank 0 left"
+    plain = exit_record(1, "a", 1, True, ("t",), 20.0, None, False)
+    assert plain.stopped and plain.time == 20.0 and plain.report == ""
+
+
+def test_agent_events_round_trip_through_the_file(tmp_path):
+    path = str(tmp_path / "events")
+    reader = AgentEventReader(path)
+    assert reader.poll() == []
+    lost = AgentEvent(AgentEventKind.HOST_LOST, "b", "host b: lost", 7.0)
+    lost.emit(path)
+    AgentEvent(AgentEventKind.CONNECT_FAILED, "c", "host c: refused", 8.0).emit(None)  # nobody listens
+    with open(path, "a") as handle:
+        handle.write('{"kind": "unknown"}\n{"kind": "connect-fa')  # garbage, then half a line
+    assert reader.poll() == [lost]
+    with open(path, "a") as handle:
+        handle.write('iled", "host": "c", "detail": "host c: refused", "time": 8}\n')
+    assert reader.poll() == [AgentEvent(AgentEventKind.CONNECT_FAILED, "c", "host c: refused", 8.0)]
+
+
+def _exit(rank, code, stopped, time, message="", mpi_abort=False, tail=()):
+    return ExitRecord(rank, "h", code, stopped, time, tuple(tail), message, mpi_abort)
 
 
 def test_first_failure_prefers_own_failures_over_stopped_ranks():
@@ -120,9 +164,18 @@ def test_first_failure_weighs_evidence_when_failures_are_too_close_for_clocks():
     assert first_failure([_exit(2, 7, False, 10.1), _exit(1, 7, False, 10.1), _exit(0, 5, False, 10.2)]).rank == 1
 
 
-def test_describe_names_signal():
+def test_describe_names_signal_and_reason():
     assert _exit(4, -9, False, 0).describe() == "rank 4 on h: killed by SIGKILL"
     assert _exit(4, 2, False, 0).describe() == "rank 4 on h: exit code 2"
+    # Without the runtime's account, the exception line of a traceback (or the last line) says why,
+    # so a failure before init() reads like one after it.
+    traceback = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+                 "mtrain.ringreduce.runtime.NotInitializedError: call init() first", ""]
+    assert _exit(0, 1, False, 0, tail=traceback).describe() == \
+        "rank 0 on h: exit code 1 (NotInitializedError: call init() first)"
+    assert _exit(0, 2, False, 0, tail=["python: can't open file 'x.py'"]).reason == "python: can't open file 'x.py'"
+    assert _exit(0, 1, False, 0, "MismatchError: m", tail=traceback).reason == "MismatchError: m"
+    assert _exit(0, -11, False, 0, tail=["last words"]).reason == ""  # a signal is its own reason
 
 
 def test_paramiko_starts_without_importing_invoke_until_ssh_config_needs_it():

@@ -1,13 +1,13 @@
 """The launcher argv builder: Open MPI 5 and MPICH hydra (pure)."""
 import pytest
 
-from mtrain.launcher.config import MpiLauncher
+from mtrain.launcher.config import MpiKind, MpiLauncher
 from mtrain.launcher.environment import forwarded_names, rank_environment
 from mtrain.launcher.hosts import HostSlots
 from mtrain.launcher.mpirun import MpiNotFound, build_argv, kind_from_version_text
 
-OMPI = MpiLauncher("/opt/ompi/bin/mpirun", "openmpi")
-HYDRA = MpiLauncher("/opt/mpich/bin/mpiexec", "mpich")
+OMPI = MpiLauncher("/opt/ompi/bin/mpirun", MpiKind.OPENMPI)
+HYDRA = MpiLauncher("/opt/mpich/bin/mpiexec", MpiKind.MPICH)
 PLAN = [HostSlots("h1", 2), HostSlots("h2", 1)]
 COMMAND = ["python", "train.py", "--name", "a b", "$HOME", "*", ";", "'q'"]
 
@@ -46,11 +46,6 @@ def test_openmpi_default_excludes_loopback_and_docker_between_hosts():
     assert "lo" in excluded and "docker0" in excluded
 
 
-def test_openmpi_yield_when_oversubscribed():
-    argv = build_argv(OMPI, PLAN, ["true"], rank_python="py", agent=None, yield_when_idle=True)
-    assert argv[argv.index("mpi_yield_when_idle") + 1] == "1"
-
-
 def test_openmpi_rejects_agent_words_with_spaces():
     with pytest.raises(ValueError, match="spaces"):
         build_argv(OMPI, PLAN, ["true"], rank_python="py", agent=["/my env/python", "-m", "x"])
@@ -82,10 +77,10 @@ def test_empty_command_or_plan_rejected():
 
 
 @pytest.mark.parametrize("text, kind", [
-    ("mpirun (Open MPI) 5.0.11\n", "openmpi"),
-    ("prterun (PRRTE) 3.0.6\n", "openmpi"),
-    ("HYDRA build details:\n    Version: 4.2.0\n", "mpich"),
-    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "mpich"),
+    ("mpirun (Open MPI) 5.0.11\n", MpiKind.OPENMPI),
+    ("prterun (PRRTE) 3.0.6\n", MpiKind.OPENMPI),
+    ("HYDRA build details:\n    Version: 4.2.0\n", MpiKind.MPICH),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", MpiKind.MPICH),
 ])
 def test_kind_from_version_text(text, kind):
     assert kind_from_version_text(text) == kind

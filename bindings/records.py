@@ -1,0 +1,276 @@
+"""The records that cross a process boundary, each with its writer and reader side by side.
+
+Both halves of mtrain import this module: the runtime inside every rank
+(``mtrain.ringreduce``) and the launcher (``mtrain.launcher``).  It depends on
+the standard library only, because it runs in ranks, SSH agents and remote
+guards alike.
+
+    record          written by                       read by
+    ErrorReport     the runtime, in a rank           the rank wrapper
+    ExitRecord      the rank wrapper                 the supervisor
+    AgentEvent      the SSH agents                   the supervisor
+    Gate            the supervisor                   the SSH agents
+    StopReason      the supervisor (why it stopped a job; logged and used for its grace period)
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+# --------------------------------------------------------------------------------------------
+# ErrorReport: a rank's own account of why it is failing ($MTRAIN_ERROR_FILE)
+
+ENV_ERROR_FILE = "MTRAIN_ERROR_FILE"
+_ERROR_FILE_LIMIT = 65536
+_MESSAGE_LIMIT = 500
+
+
+class FailureCause(enum.Enum):
+    OWN = "own"    # the failure began in this rank
+    PEER = "peer"  # this rank failed only because another one left or failed
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorReport:
+    """Why a rank is failing, in the runtime's own words (one line)."""
+
+    message: str
+    cause: FailureCause
+    time: float
+
+    def write(self, path: str) -> bool:
+        """Write the report unless one is there already (the first account wins)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump({"message": self.message, "cause": self.cause.value, "time": self.time}, handle)
+        return True
+
+    @staticmethod
+    def read(path: str) -> "ErrorReport | None":
+        """The report at `path`, or None when there is none or it is not one of ours."""
+        try:
+            with open(path, "rb") as handle:
+                data = json.loads(handle.read(_ERROR_FILE_LIMIT))
+            return ErrorReport(message=_one_line(str(data["message"])),
+                               cause=FailureCause(data["cause"]), time=float(data["time"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def report_error(message: str, cause: FailureCause) -> None:
+    """Tell the launcher (if one is listening through $MTRAIN_ERROR_FILE) why this rank fails."""
+    path = os.environ.get(ENV_ERROR_FILE)
+    if not path:
+        return
+    try:
+        ErrorReport(_one_line(message), cause, time.time()).write(path)
+    except OSError:
+        pass  # the report is a courtesy; it must never mask the failure itself
+
+
+def _one_line(text: str) -> str:
+    lines = text.splitlines()
+    return lines[0][:_MESSAGE_LIMIT] if lines else ""
+
+
+# --------------------------------------------------------------------------------------------
+# ExitRecord: how one rank ended (a marker line on the rank's stderr, removed by the supervisor)
+
+EXIT_MARKER = b"@@mtrain-rank-exit@@ "
+# `package.module.ValueError: …` is shown as `ValueError: …`, as the runtime's own account shows it.
+_QUALIFIED_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b)")
+
+
+class Evidence(enum.IntEnum):
+    """How surely a failure began in the rank that reports it (lower is surer)."""
+
+    SURE = 0       # the runtime's own account, or a signal nobody in the job sent (kill -9, OOM, SEGV)
+    EXIT = 1       # a plain non-zero exit status
+    DOUBTFUL = 2   # it aborted inside MPI: a peer's death or a lost link is the usual reason
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitRecord:
+    """How one rank ended, as its wrapper saw it."""
+
+    rank: int
+    host: str
+    returncode: int                 # negative: killed by that signal
+    stopped: bool                   # told to stop before it ended, or failed because of a peer
+    time: float                     # when the failure began (the runtime's time if it said so)
+    stderr_tail: tuple[str, ...] = ()
+    report: str = ""                # the runtime's own one-line account, if it gave one
+    mpi_abort: bool = False         # it ended inside MPI_Abort
+
+    @property
+    def failed(self) -> bool:
+        return self.returncode != 0
+
+    @property
+    def evidence(self) -> Evidence:
+        if self.report or self.returncode < 0:
+            return Evidence.SURE
+        return Evidence.DOUBTFUL if self.mpi_abort else Evidence.EXIT
+
+    @property
+    def reason(self) -> str:
+        """One line saying why: the runtime's own account; else, for a rank that exited with an
+        error status, the last line it printed to stderr (so a failure before `init()` reads
+        like one after it).  A signal's reason is the signal itself."""
+        if self.report:
+            return self.report
+        if self.returncode > 0:
+            for line in reversed(self.stderr_tail):
+                # A traceback's last unindented line is the exception; any other last line is the message.
+                if line.strip() and not line[:1].isspace():
+                    return _QUALIFIED_EXCEPTION.sub(r"\1", line.strip())[:_MESSAGE_LIMIT]
+        return ""
+
+    def describe(self) -> str:
+        how = f"killed by {signal_name(-self.returncode)}" if self.returncode < 0 else f"exit code {self.returncode}"
+        reason = self.reason
+        return f"rank {self.rank} on {self.host}: {how}" + (f" ({reason})" if reason else "")
+
+    def encode(self) -> bytes:
+        fields = dataclasses.asdict(self)
+        fields["stderr_tail"] = list(self.stderr_tail)
+        return EXIT_MARKER + json.dumps(fields).encode() + b"\n"
+
+    @staticmethod
+    def decode(payload: bytes) -> "ExitRecord | None":
+        """The record after EXIT_MARKER, or None for anything else."""
+        try:
+            data = json.loads(payload)
+            return ExitRecord(rank=int(data["rank"]), host=str(data["host"]),
+                              returncode=int(data["returncode"]), stopped=bool(data["stopped"]),
+                              time=float(data["time"]),
+                              stderr_tail=tuple(str(line) for line in data["stderr_tail"]),
+                              report=str(data["report"]), mpi_abort=bool(data["mpi_abort"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+# --------------------------------------------------------------------------------------------
+# AgentEvent: what the SSH agents (children of mpirun, whose own reports may hide them) tell
+# the supervisor, as JSON lines appended to a file the supervisor polls.
+
+class AgentEventKind(enum.Enum):
+    CONNECT_FAILED = "connect-failed"  # the host could not be reached or refused a session
+    HOST_LOST = "host-lost"            # the connection died while the job ran
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentEvent:
+    kind: AgentEventKind
+    host: str
+    detail: str   # one line for the user, naming the host
+    time: float
+
+    def emit(self, path: "str | None") -> None:
+        """Append the event to `path` if a supervisor listens (None: nothing)."""
+        if not path:
+            return
+        line = json.dumps({"kind": self.kind.value, "host": self.host, "detail": self.detail,
+                           "time": self.time}) + "\n"
+        # One write() on an O_APPEND file: lines from several agents never interleave.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def decode(line: bytes) -> "AgentEvent | None":
+        try:
+            data = json.loads(line)
+            return AgentEvent(AgentEventKind(data["kind"]), str(data["host"]), str(data["detail"]),
+                              float(data["time"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+class AgentEventReader:
+    """Reads the events appended to a file since the last poll."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def poll(self) -> list[AgentEvent]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        return [event for event in map(AgentEvent.decode, lines) if event is not None]
+
+
+# --------------------------------------------------------------------------------------------
+# Gate: the agents connect while the preflight runs, and run nothing until it passes.
+
+class GateState(enum.Enum):
+    WAITING = "waiting"
+    OPEN = "open"      # the preflight passed: go on
+    CLOSED = "closed"  # the preflight failed: give up quietly
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """Two marker files beside `path`: the supervisor creates one, the agents watch for both."""
+
+    path: str
+
+    def _marker(self, state: GateState) -> str:
+        return f"{self.path}.{state.value}"
+
+    def open(self) -> None:
+        open(self._marker(GateState.OPEN), "w").close()
+
+    def close(self) -> None:
+        open(self._marker(GateState.CLOSED), "w").close()
+
+    def state(self) -> GateState:
+        for state in (GateState.OPEN, GateState.CLOSED):
+            if os.path.exists(self._marker(state)):
+                return state
+        return GateState.WAITING
+
+    def wait(self, timeout: float, stop: threading.Event) -> bool:
+        """True once the gate opens; False when it closes, `stop` is set or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while not stop.is_set() and time.monotonic() < deadline:
+            state = self.state()
+            if state is not GateState.WAITING:
+                return state is GateState.OPEN
+            time.sleep(0.01)
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# StopReason: why the supervisor stopped a job itself.
+
+class StopReason(enum.Enum):
+    INTERRUPTED = "interrupted"                 # Ctrl-C or SIGTERM reached mtrain
+    HOST_LOST = "a host was lost"               # an agent reported a dead connection
+    RANK_FAILED = "a rank failed and mpirun did not stop the job"
+
