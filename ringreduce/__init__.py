@@ -1,6 +1,6 @@
 """ringreduce: the collective runtime inside every mtrain rank."""
-from .collectives import MismatchError
-from .engine import EngineError, Handle, ShutdownError, StallError
+from .engine import Handle
+from .errors import EngineError, MismatchError, ShutdownError, StallError
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
     NotInitializedError,

@@ -20,11 +20,8 @@ from mpi4py import MPI
 
 from . import ring
 from .backend import NumpyBackend, backend_for
+from .errors import MismatchError
 from .ops import ReduceOp, check_op, check_reducible, dtype_code
-
-
-class MismatchError(ValueError):
-    """Ranks passed incompatible arguments to the same collective."""
 
 
 class Kind(enum.IntEnum):

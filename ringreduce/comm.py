@@ -10,7 +10,7 @@ import traceback
 # MULTIPLE by default, which also lets user code call MPI from its own threads.
 from mpi4py import MPI
 
-from . import errorfile
+from mtrain.records import FailureCause, report_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,8 @@ def install_abort_on_exception() -> None:
             return
         rank = MPI.COMM_WORLD.Get_rank()
         # Tell the launcher whether this failure began here or was caused by a rank that left.
-        errorfile.record(f"{kind.__name__}: {value}", "peer" if getattr(value, "peers", None) else "own")
+        cause = FailureCause.PEER if getattr(value, "peers", None) else FailureCause.OWN
+        report_error(f"{kind.__name__}: {value}", cause)
         text = "".join(traceback.format_exception(kind, value, tb))
         sys.stderr.write(f"mtrain: rank {rank} raised an uncaught exception; aborting the job\n{text}")
         sys.stderr.flush()

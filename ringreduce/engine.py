@@ -31,11 +31,14 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import cuda, errorfile
+from mtrain.records import FailureCause, report_error
+
+from . import cuda
 from .backend import NumpyBackend, backend_for
-from .collectives import Executor, Kind, MismatchError
+from .collectives import Executor, Kind
+from .errors import EngineError, ShutdownError, Verdict
 from .negotiation import (CONTROL_SHUTDOWN, CONTROL_STALL_CHECK, CONTROL_UNREPORTED, Coordinator,
-                          ResponseCache, bits_of, set_bit)
+                          RequestState, ResponseCache, bits_of, set_bit)
 from .ops import ReduceOp, dtype_code
 from .timeline import Timeline
 
@@ -48,25 +51,6 @@ DEFAULT_INPLACE_MIN_BYTES = 1 << 20
 FUSION_SLOT = "fusion"
 # How long the negotiation spins on its all-reduce before it starts to sleep.
 SPIN_SECONDS = 300e-6
-
-
-class ShutdownError(RuntimeError):
-    """The runtime shut down (here or on another rank) while the op was in flight.
-
-    ``peers`` lists the other ranks whose leaving caused it (empty: this rank's own shutdown).
-    """
-
-    def __init__(self, message: str, peers: "Sequence[int]" = ()) -> None:
-        super().__init__(message)
-        self.peers = list(peers)
-
-
-class StallError(RuntimeError):
-    """Some ranks never submitted an op the others are waiting on."""
-
-
-class EngineError(RuntimeError):
-    """The background engine failed; the message carries the original error."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,9 +142,9 @@ class Request:
     postscale: float = 1.0
     obj: Any = None
     submitted: float = 0.0
-    state: str = "unreported"  # -> "reported" (coordinator knows) or "cached" (bit set)
+    state: RequestState = RequestState.UNREPORTED
     signature: tuple = ()  # what every rank must agree on; set once by make_request
-    bit: int = -1  # response-cache bit while state == "cached"
+    bit: int = -1  # response-cache bit while state is CACHED
 
     def meta(self) -> tuple:
         """What every rank must agree on for this name."""
@@ -302,13 +286,13 @@ class Engine:
         mine = np.zeros(words + 1 + 2 * rank_words, dtype=np.uint64)
         control = 0
         for request in self._pending.values():
-            if request.state == "unreported":
+            if request.state is RequestState.UNREPORTED:
                 request.bit = self._cache.lookup(request.name, request.signature)
                 if request.bit < 0:
                     control |= CONTROL_UNREPORTED
                     continue
-                request.state = "cached"
-            if request.state == "cached":
+                request.state = RequestState.CACHED
+            if request.state is RequestState.CACHED:
                 set_bit(mine, request.bit)
         if closing:
             control |= CONTROL_SHUTDOWN
@@ -332,13 +316,15 @@ class Engine:
             responses = self._coordinate(set(partial) | set(ready), bool(agreed_control & CONTROL_STALL_CHECK))
         for response in responses:
             self._cache.apply(response)
-            if response.kind == "ready":
+            verdict = response.verdict
+            if verdict is Verdict.READY:
                 ready.append(response.name)
-            elif response.kind == "invalidate" and response.name in self._pending:
-                self._pending[response.name].state = "unreported"
-            elif response.kind == "error" and response.name in self._pending:
-                error = StallError if response.message.startswith("stalled") else MismatchError
-                self._finish(self._pending.pop(response.name), error=error(response.message))
+            elif response.name not in self._pending:
+                continue
+            elif verdict is Verdict.INVALIDATE:
+                self._pending[response.name].state = RequestState.UNREPORTED
+            else:  # MISMATCH or STALLED: the op ends with that error on every rank
+                self._finish(self._pending.pop(response.name), error=verdict.error(response.message))
         if self._coordinator is not None:
             now = time.monotonic()
             for name in ready:
@@ -357,8 +343,8 @@ class Engine:
         if self._rank in leaving:
             message = "mtrain shut down on this rank while this op was in flight; synchronize every op first"
             if stranded:
-                errorfile.record(f"rank {self._rank} left the job (shutdown() or process exit) while "
-                                 f"rank(s) {stranded} still had ops in flight", "own")
+                report_error(f"rank {self._rank} left the job (shutdown() or process exit) while "
+                             f"rank(s) {stranded} still had ops in flight", FailureCause.OWN)
             self._shutdown_error = ShutdownError(message)
         else:
             self._shutdown_error = ShutdownError(
@@ -386,9 +372,9 @@ class Engine:
     def _coordinate(self, cached_anywhere: "set[str]", stall_check: bool) -> list:
         reports = []
         for request in self._pending.values():
-            if request.state == "unreported":
+            if request.state is RequestState.UNREPORTED:
                 reports.append((request.name, request.signature, request.describe()))
-                request.state = "reported"
+                request.state = RequestState.REPORTED
         pending = sorted(self._pending) if stall_check else None
         gathered = self._control.gather((reports, pending), root=0)
         responses = None

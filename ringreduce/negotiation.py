@@ -20,11 +20,13 @@ same metadata. Two paths:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import sys
-import time
 from typing import Any, Sequence
 
 import numpy as np
+
+from .errors import Verdict
 
 CONTROL_UNREPORTED = 1  # "I have ops the coordinator has not seen"
 CONTROL_SHUTDOWN = 2  # "I am shutting down"
@@ -34,15 +36,23 @@ CONTROL_STALL_CHECK = 4  # rank 0 asks every rank for its pending list
 CACHE_CAPACITY = 4096
 
 
+class RequestState(enum.Enum):
+    """Where one submitted op stands in the negotiation on this rank."""
+
+    UNREPORTED = "unreported"  # neither cached nor reported to the coordinator yet
+    REPORTED = "reported"      # sent to the coordinator; waiting for its verdict
+    CACHED = "cached"          # known to every rank as a cache bit: goes in the bit vector
+
+
 @dataclasses.dataclass(frozen=True)
 class Response:
     """One decision of the coordinator, applied by every rank in order."""
 
-    kind: str  # "ready", "error" or "invalidate"
+    verdict: Verdict
     name: str
-    bit: int = -1  # cache bit for "ready" (-1: not cached)
+    bit: int = -1  # cache bit for READY (-1: not cached)
     meta: Any = None
-    message: str = ""
+    message: str = ""  # for MISMATCH and STALLED: what the error says
 
 
 class ResponseCache:
@@ -61,12 +71,12 @@ class ResponseCache:
         return entry[0] if entry is not None and entry[1] == meta else -1
 
     def apply(self, response: Response) -> None:
-        if response.kind == "ready" and response.bit >= 0:
+        if response.verdict is Verdict.READY and response.bit >= 0:
             if response.bit == len(self.names):
                 self.names.append(response.name)
             self.names[response.bit] = response.name
             self.entries[response.name] = (response.bit, response.meta)
-        elif response.kind == "invalidate":
+        elif response.verdict is Verdict.INVALIDATE:
             bit, _ = self.entries.pop(response.name)
             self.names[bit] = None  # a tombstone keeps later bits where they are
 
@@ -124,7 +134,7 @@ class Coordinator:
                 if name in cache.entries and name in cached_anywhere and name not in invalidated:
                     # Some ranks hold this op under its cached metadata, this one under
                     # other metadata: drop the entry so every rank reports it afresh.
-                    responses.append(Response("invalidate", name))
+                    responses.append(Response(Verdict.INVALIDATE, name))
                     invalidated.add(name)
                 self.reported.setdefault(name, {})[rank] = (meta, description)
                 self.first_seen.setdefault(name, now)
@@ -143,10 +153,10 @@ class Coordinator:
                     bit, next_bit = next_bit, next_bit + 1
                 else:
                     bit = -1
-                responses.append(Response("ready", name, bit, metas[0]))
+                responses.append(Response(Verdict.READY, name, bit, metas[0]))
             else:
                 lines = "; ".join(f"rank {r}: {by_rank[r][1]}" for r in range(self.size))
-                responses.append(Response("error", name, message=(
+                responses.append(Response(Verdict.MISMATCH, name, message=(
                     f"ranks submitted op {name!r} with different arguments ({lines}); every rank must "
                     f"submit the same dtype, shape, op and root for the same name")))
         if any(pending is not None for _, pending in gathered):
@@ -168,7 +178,7 @@ class Coordinator:
             text = (f"op {name!r} was submitted by rank(s) {ranks} {age:.0f}s ago but not yet by "
                     f"rank(s) {missing}")
             if self.shutdown_seconds > 0 and age > self.shutdown_seconds:
-                responses.append(Response("error", name, message=(
+                responses.append(Response(Verdict.STALLED, name, message=(
                     f"stalled: {text}; giving up after MTRAIN_STALL_SHUTDOWN_SECONDS="
                     f"{self.shutdown_seconds:g}. Make every rank submit the same ops (same names)")))
                 self.forget(name)
@@ -181,7 +191,3 @@ class Coordinator:
                              "MTRAIN_STALL_SHUTDOWN_SECONDS=<s> makes this an error\n")
             sys.stderr.flush()
         return responses
-
-
-def now() -> float:
-    return time.monotonic()

@@ -1,0 +1,48 @@
+"""The errors an op can end with, and which of them the negotiation decides.
+
+Every rank raises the same class for the same op: the class of a negotiated
+error travels in the coordinator's response (``Verdict``), never in its text.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Sequence
+
+
+class MismatchError(ValueError):
+    """Ranks passed incompatible arguments to the same collective."""
+
+
+class StallError(RuntimeError):
+    """Some ranks never submitted an op the others are waiting on."""
+
+
+class ShutdownError(RuntimeError):
+    """The runtime shut down (here or on another rank) while the op was in flight.
+
+    ``peers`` lists the other ranks whose leaving caused it (empty: this rank's own shutdown).
+    """
+
+    def __init__(self, message: str, peers: "Sequence[int]" = ()) -> None:
+        super().__init__(message)
+        self.peers = list(peers)
+
+
+class EngineError(RuntimeError):
+    """The background engine failed; the message carries the original error."""
+
+
+class Verdict(enum.Enum):
+    """What the coordinator decided about one op name; every rank applies it alike."""
+
+    READY = "ready"            # every rank submitted it with the same arguments: run it
+    INVALIDATE = "invalidate"  # drop its cache entry; every rank reports it afresh
+    MISMATCH = "mismatch"      # ranks submitted it with different arguments
+    STALLED = "stalled"        # some ranks never submitted it within the stall limit
+
+    def error(self, message: str) -> Exception:
+        """The exception this verdict ends an op with (only MISMATCH and STALLED end one)."""
+        return _ERROR_OF[self](message)
+
+
+_ERROR_OF = {Verdict.MISMATCH: MismatchError, Verdict.STALLED: StallError}
