@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import importlib
+import logging
 import os
 import socket
 import sys
@@ -38,6 +39,10 @@ if "invoke" not in sys.modules:
 import paramiko  # noqa: E402
 
 from mtrain.launcher.config import SshOptions
+
+# paramiko logs transport errors (a socket closed under its reader thread, say) that our own
+# messages already explain; without a handler Python would print them bare on stderr.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 # A dead link must end the job in bounded time: unacknowledged data (our

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.conftest import PYTHON, assert_no_leftovers, run_mtrain, start_mtrain
+from tests.launcher.report_check import assert_only_mtrain_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 HERE = Path(__file__).resolve().parent
@@ -94,6 +95,7 @@ def test_changed_host_key_refused_even_with_accept_new(cluster, tmp_path):
     done = run_mtrain(cluster, "--ssh-accept-new-hosts", "-H", "mtr-a:1,mtr-b:1", "true", home=home)
     assert done.returncode == 1
     assert "host mtr-a: host key CHANGED" in done.stderr and "ssh-keygen -R 10.77.0.11" in done.stderr
+    assert_only_mtrain_output(done.stderr)
 
 
 def test_all_failing_hosts_reported_together(cluster, tmp_path):
@@ -111,7 +113,8 @@ def test_all_failing_hosts_reported_together(cluster, tmp_path):
     assert any(l.startswith("mtrain: host mtr-dead: cannot reach 10.77.0.11:2") for l in lines), lines
     assert any(l.startswith("mtrain: host mtr-nokey: authentication as root refused") for l in lines), lines
     assert not any("mtr-a" in l for l in lines) and "Traceback" not in done.stderr
-    assert lines[-1] == "mtrain: preflight failed on 2 host(s); nothing was started"
+    assert lines[-1] == "mtrain: preflight failed on 2 hosts; nothing was started"
+    assert_only_mtrain_output(done.stderr)
 
 
 def test_wrong_identity_file_flag(cluster, tmp_path):
@@ -129,6 +132,7 @@ def test_rank_exit_stops_every_rank_and_reports_it_first(cluster, tmp_path, toke
     assert "mtrain: job failed; first failure: rank 2 on mtr-b: exit code 7" in done.stderr
     assert "rank 2 giving up: simulated failure" in done.stderr.split("first failure")[1]
     assert time.monotonic() - started < 40
+    assert_only_mtrain_output(done.stderr)
     assert_no_leftovers(cluster, token, within=10)
 
 
@@ -138,6 +142,7 @@ def test_uncaught_exception_is_the_reported_root_cause(cluster, tmp_path, token)
     assert done.returncode != 0, done.stderr
     assert "first failure: rank 2 on mtr-b" in done.stderr
     assert "RuntimeError: simulated failure in rank 2" in done.stderr.split("first failure")[1]
+    assert_only_mtrain_output(done.stderr)
     assert_no_leftovers(cluster, token, within=10)
 
 
@@ -155,6 +160,7 @@ def test_sigkill_of_a_rank(cluster, tmp_path, token):
     assert job.proc.returncode == 128 + 9, err
     assert "first failure: rank 3 on mtr-b: killed by SIGKILL" in err
     assert time.monotonic() - killed_at < 15
+    assert_only_mtrain_output(err)
     assert_no_leftovers(cluster, token, within=10)
 
 
@@ -172,6 +178,7 @@ def test_interrupt_ends_everything_on_every_host(cluster, tmp_path, token, sig):
     assert job.proc.returncode == 128 + sig, err
     assert time.monotonic() - sent < 10
     assert f"{signal.Signals(sig).name} received" in err
+    assert_only_mtrain_output(err)
     assert_no_leftovers(cluster, token, within=10)
 
 
@@ -192,6 +199,7 @@ def test_cut_link_ends_the_job_naming_the_host(cluster, tmp_path, token):
     assert job.proc.returncode == 255, err
     assert "host mtr-b: lost the SSH connection" in err
     assert elapsed < 30
+    assert_only_mtrain_output(err)
 
 
 def test_launcher_host_plus_remote_hosts_from_a_hostfile(cluster, tmp_path):
