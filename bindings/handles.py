@@ -11,11 +11,6 @@ from typing import Any, Callable
 import mtrain.ringreduce as rr
 
 
-def start(op: str, *args: Any, **kwargs: Any) -> Any:
-    """Start runtime op ``op`` ("allreduce_", "broadcast", ...) on the engine; returns its handle."""
-    return getattr(rr, op[:-1] + "_async_" if op.endswith("_") else op + "_async")(*args, **kwargs)
-
-
 class Handle:
     """An op in flight. ``wait()`` returns the framework-level result (once computed, cached)."""
 

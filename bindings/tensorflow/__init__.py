@@ -22,7 +22,6 @@ from ..gradient_op import check_gradient_op, resolve_op
 from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from .. import compression as _compression
-from ..handles import start
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min", "MismatchError",
@@ -101,14 +100,10 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
 
     def reduce(*arrays: np.ndarray) -> List[np.ndarray]:
         arrays = [_c(a) for a in arrays]
-        results = _synchronize_inner(start("grouped_allreduce", arrays, op, name, prescale_factor, postscale_factor))
+        results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor))
         return [r.reshape(a.shape) for r, a in zip(results, arrays)]
     reduced = _call(reduce, inputs, [t.dtype for t in inputs], [t.shape for t in inputs])
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
-
-
-def _synchronize_inner(inner: Any) -> Any:
-    return rr.synchronize(inner)
 
 
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",
@@ -123,7 +118,7 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
 def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False) -> tf.Tensor:
     """Every rank's tensor concatenated along dimension 0 (first dimensions may differ)."""
     tensor = _dense(tensor)
-    fn = lambda a: [_synchronize_inner(start("allgather", _c(a), name))]  # noqa: E731
+    fn = lambda a: [rr.synchronize(rr.allgather_async(_c(a), name))]  # noqa: E731
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tf.TensorShape([None])
     return _call(fn, [tensor], [tensor.dtype], [shape])[0]
 
@@ -132,7 +127,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
               ignore_name_scope: bool = False) -> tf.Tensor:
     """``root_rank``'s value of ``tensor``, on every rank."""
     tensor = _dense(tensor)
-    fn = lambda a: [_synchronize_inner(start("broadcast", _c(a), root_rank, name)).reshape(a.shape)]  # noqa: E731,E501
+    fn = lambda a: [rr.synchronize(rr.broadcast_async(_c(a), root_rank, name)).reshape(a.shape)]  # noqa: E731,E501
     return _call(fn, [tensor], [tensor.dtype], [tensor.shape])[0]
 
 
@@ -150,9 +145,9 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int) -> Non
     values = [_dense(v, f"variables[{i}]") for i, v in enumerate(variables)]
 
     def fn(*arrays: np.ndarray) -> List[np.ndarray]:
-        handles = [start("broadcast", _c(a), root_rank, f"broadcast_variables.{i}")
+        handles = [rr.broadcast_async(_c(a), root_rank, f"broadcast_variables.{i}")
                    for i, a in enumerate(arrays)]
-        return [_synchronize_inner(h).reshape(a.shape) for h, a in zip(handles, arrays)]
+        return [rr.synchronize(h).reshape(a.shape) for h, a in zip(handles, arrays)]
     for variable, value in zip(variables, _call(fn, values, [v.dtype for v in values], [v.shape for v in values])):
         variable.assign(value)
 
@@ -166,7 +161,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: type = Compr
     def fn(a: np.ndarray) -> List[np.ndarray]:
         a = _c(a) * np.asarray(prescale_factor, dtype=a.dtype) if prescale_factor != 1.0 \
             else _c(a)
-        out = _synchronize_inner(start("reducescatter", a, op, name))
+        out = rr.synchronize(rr.reducescatter_async(a, op, name))
         return [out * np.asarray(postscale_factor, dtype=out.dtype) if postscale_factor != 1.0 else out]
     shape = tf.TensorShape([None]).concatenate(compressed.shape[1:]) if compressed.shape.rank else compressed.shape
     return compression.decompress(_call(fn, [compressed], [compressed.dtype], [shape])[0], ctx)
@@ -180,7 +175,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
     splits_tensor = tf.cast(tf.convert_to_tensor(splits if given else [], dtype=tf.int64), tf.int32)
 
     def fn(a: np.ndarray, s: np.ndarray) -> List[np.ndarray]:
-        received, received_splits = _synchronize_inner(start("alltoall", _c(a), s.tolist() if given else None, name))
+        received, received_splits = rr.synchronize(rr.alltoall_async(_c(a), s.tolist() if given else None, name))
         return [received, np.asarray(received_splits, dtype=np.int32)]
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tensor.shape
     received, received_splits = _call(fn, [tensor, splits_tensor], [tensor.dtype, tf.int32], [shape, [None]])
