@@ -17,6 +17,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+import mtrain.ringreduce as rr
+from mtrain.ringreduce import cuda as _cuda
 from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp, Sum,
     allgather_object, barrier, broadcast_object, cross_rank, cross_size, init, is_initialized,
@@ -27,7 +29,7 @@ from .build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from . import compression as _compression
 from .gradient_op import check_gradient_op, resolve_op
-from .handles import Handle, poll, start, synchronize  # noqa: F401
+from .handles import Handle, poll, synchronize  # noqa: F401
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "MismatchError",
@@ -52,6 +54,15 @@ class Compression:
 def cuda_built() -> bool:
     """CUDA tensors work when CuPy is installed (the GPU path goes through it)."""
     return importlib.util.find_spec("cupy") is not None
+
+
+def _follow_runtime_device(device_id: int) -> None:
+    """init() picked this rank's GPU for CuPy: make it torch's current device too."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device_id)
+
+
+_cuda.on_device_bound(_follow_runtime_device)
 
 
 # -- tensors <-> NumPy ---------------------------------------------------------
@@ -145,7 +156,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start an all-reduce of ``tensor`` into a new tensor; ``synchronize`` returns it."""
     array = _numpy_view(_check_tensor(tensor))
-    inner = start("allreduce", array, resolve_op(average, op), name, prescale_factor, postscale_factor)
+    inner = rr.allreduce_async(array, resolve_op(average, op), name, prescale_factor, postscale_factor)
     return Handle(inner, lambda result: _from_numpy(result).reshape(tensor.shape))
 
 
@@ -153,7 +164,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start an in-place all-reduce of ``tensor``; ``synchronize`` returns ``tensor``."""
     buffer, land = _inplace_buffer(_check_tensor(tensor))
-    inner = start("allreduce_", buffer, resolve_op(average, op), name, prescale_factor, postscale_factor)
+    inner = rr.allreduce_async_(buffer, resolve_op(average, op), name, prescale_factor, postscale_factor)
     return Handle(inner, land)
 
 
@@ -196,7 +207,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             postscale_factor: float = 1.0) -> Handle:
     """Start all-reduces of several tensors as one unit; ``synchronize`` returns new tensors."""
     arrays = [_numpy_view(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    inner = start("grouped_allreduce", arrays, resolve_op(average, op), name, prescale_factor, postscale_factor)
+    inner = rr.grouped_allreduce_async(arrays, resolve_op(average, op), name, prescale_factor, postscale_factor)
     return Handle(inner, lambda results: [_from_numpy(r).reshape(t.shape) for r, t in zip(results, tensors)])
 
 
@@ -205,7 +216,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              postscale_factor: float = 1.0) -> Handle:
     """In-place grouped all-reduce; ``synchronize`` returns the same tensors."""
     pairs = [_inplace_buffer(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    inner = start("grouped_allreduce_", [b for b, _ in pairs], resolve_op(average, op), name,
+    inner = rr.grouped_allreduce_async_([b for b, _ in pairs], resolve_op(average, op), name,
                   prescale_factor, postscale_factor)
     return Handle(inner, lambda results: [land(r) for (_, land), r in zip(pairs, results)])
 
@@ -229,7 +240,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 # -- other collectives --------------------------------------------------------
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
-    return Handle(start("allgather", _numpy_view(_check_tensor(tensor)), name), _from_numpy)
+    return Handle(rr.allgather_async(_numpy_view(_check_tensor(tensor)), name), _from_numpy)
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
@@ -238,13 +249,13 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
-    return Handle(start("broadcast", _numpy_view(_check_tensor(tensor)), root_rank, name),
+    return Handle(rr.broadcast_async(_numpy_view(_check_tensor(tensor)), root_rank, name),
                   lambda result: _from_numpy(result).reshape(tensor.shape))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
     buffer, land = _inplace_buffer(_check_tensor(tensor))
-    return Handle(start("broadcast_", buffer, root_rank, name), land)
+    return Handle(rr.broadcast_async_(buffer, root_rank, name), land)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
@@ -266,7 +277,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: An
         def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
             return t * torch.tensor(factor, dtype=t.dtype) if factor != 1.0 else t
         array = _numpy_view(scaled(tensor.detach(), prescale_factor))
-        return Handle(start("reducescatter", array, op, name),
+        return Handle(rr.reducescatter_async(array, op, name),
                       lambda result: scaled(_from_numpy(result), postscale_factor))
     array = _numpy_view(tensor)
     if prescale_factor != 1.0:
@@ -276,7 +287,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: An
         if postscale_factor != 1.0:
             result = result * np.asarray(postscale_factor, dtype=result.dtype)
         return _from_numpy(result)
-    return Handle(start("reducescatter", array, op, name), finish)
+    return Handle(rr.reducescatter_async(array, op, name), finish)
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: type = Compression.none,
@@ -301,7 +312,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
         out = _from_numpy(array)
         return (out if device is None else out.to(device)), \
             torch.as_tensor(np.asarray(received), dtype=torch.int32)
-    return Handle(start("alltoall", _numpy_view(tensor), splits, name), finish)
+    return Handle(rr.alltoall_async(_numpy_view(tensor), splits, name), finish)
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Any:

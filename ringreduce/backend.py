@@ -16,6 +16,11 @@ fills (or empties) it has completed; later copies run while earlier segments
 are on the wire. Both device backends take a ``Device`` (``cuda.CupyDevice``
 on a GPU; a NumPy stand-in in the tests), so the staging logic is the same code
 with or without a GPU.
+
+``backend_for`` picks the backend of an array. Host arrays are known here;
+device array types are registered by the module that drives the device
+(``cuda.py`` registers CuPy's when it is imported, which the runtime always
+does), so this module imports no device code and nothing imports it back.
 """
 from __future__ import annotations
 
@@ -348,14 +353,25 @@ class StagedBackend(DeviceBackend):
 Backend = Union[NumpyBackend, DeviceBackend]
 
 _NUMPY = NumpyBackend()
+# Device arrays by the top-level module of their type ("cupy") -> the backend of one such array.
+_DEVICE_BACKENDS: "dict[str, Callable[[Any], Backend]]" = {}
+
+
+def register_device_arrays(module: str, backend_of: Callable[[Any], Backend]) -> None:
+    """Arrays whose type comes from package ``module`` are reduced by ``backend_of(array)``."""
+    _DEVICE_BACKENDS[module] = backend_of
+
+
+def is_device_array(array: Any) -> bool:
+    return type(array).__module__.partition(".")[0] in _DEVICE_BACKENDS
 
 
 def backend_for(array: Any) -> Backend:
     """The backend that owns ``array``; TypeError for anything that is not an array we know."""
     if isinstance(array, np.ndarray):
         return _NUMPY
-    if type(array).__module__.startswith("cupy"):
-        from . import cuda  # lazily: CuPy is imported only when a CuPy array shows up
-        return cuda.backend(array)
+    backend_of = _DEVICE_BACKENDS.get(type(array).__module__.partition(".")[0])
+    if backend_of is not None:
+        return backend_of(array)
     raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(array).__name__}; "
                     "wrap Python data with numpy.asarray() first")

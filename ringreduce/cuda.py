@@ -9,20 +9,27 @@
   the per-thread default stream) and blocking streams wait for it, so buffers
   produced on such a stream in the user's thread need no extra synchronization,
   and results can be read there once the op's handle is done. Work on a
-  non-blocking stream (``Stream(non_blocking=True)``, torch's side streams) is
-  not ordered implicitly: ``mtrain.torch`` orders torch's current stream
-  against the legacy stream explicitly; CuPy users synchronize such a stream
-  before submitting.
+  non-blocking stream (``Stream(non_blocking=True)``, a framework's side
+  streams) is not ordered implicitly: a framework binding orders its current
+  stream against the legacy stream explicitly; CuPy users synchronize such a
+  stream before submitting.
 * ``cuda_aware()``: whether MPI can read device memory (Open MPI's and MPICH's
   ``MPIX_Query_cuda_support``, which mpi4py does not wrap; MTRAIN_CUDA_AWARE=0/1
   overrides).
 * ``backend()``: the process-wide device backend, direct for a CUDA-aware MPI,
   staged through pinned host memory otherwise.
-* ``bind_device(local_rank)``: one rank per GPU, called by ``init()``.
+* ``bind_device(local_rank)``: one rank per GPU, called by ``init()``;
+  ``on_device_bound(hook)`` lets a framework binding make the same GPU current
+  in its own runtime (the runtime knows no framework).
+* ``gpu_count()``: the GPUs this process can use through CuPy.
+* ``cupy_installed()``: whether this install has a GPU path at all.
+
+Importing this module registers CuPy arrays with ``backend.backend_for``.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import sys
 import threading
@@ -30,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .backend import DeviceBackend, StagedBackend
+from .backend import DeviceBackend, StagedBackend, register_device_arrays
 
 CUDA_AWARE_ENV = "MTRAIN_CUDA_AWARE"
 
@@ -161,10 +168,17 @@ def use_device(device_id: int) -> None:
     cupy.cuda.runtime.setDevice(device_id)
 
 
+def cupy_installed() -> bool:
+    """Whether CuPy, the runtime's GPU path, is installed (imports nothing)."""
+    return importlib.util.find_spec("cupy") is not None
+
+
 def gpu_count() -> int:
-    """Visible GPUs, or 0 without CuPy or a working driver (never raises, imports nothing heavy if absent)."""
-    import importlib.util
-    if importlib.util.find_spec("cupy") is None:
+    """GPUs this process can use: 0 without CuPy or a working driver (never raises).
+
+    Honours CUDA_VISIBLE_DEVICES, as every CUDA program does.
+    """
+    if not cupy_installed():
         return 0
     try:
         import cupy
@@ -187,8 +201,24 @@ def choose_device(local_rank: int, count: int, environ: "dict[str, str]", alread
     return local_rank % count
 
 
+_device_hooks: "list[Callable[[int], None]]" = []
+_bound_device: "int | None" = None
+
+
+def on_device_bound(hook: Callable[[int], None]) -> None:
+    """Call ``hook(device_id)`` each time ``bind_device`` picks this process's GPU (at once if it has).
+
+    A framework binding registers one so that the framework's own current device
+    follows the runtime's choice; the runtime itself knows no framework.
+    """
+    _device_hooks.append(hook)
+    if _bound_device is not None:
+        hook(_bound_device)
+
+
 def bind_device(local_rank: int) -> "int | None":
     """Make GPU ``local_rank % count`` current for this process; returns it (None: left as it was)."""
+    global _bound_device
     count = gpu_count()
     if count == 0:
         return None
@@ -196,9 +226,9 @@ def bind_device(local_rank: int) -> "int | None":
     chosen = choose_device(local_rank, count, dict(os.environ), _has_context())
     if chosen is not None:
         cupy.cuda.Device(chosen).use()
-        torch = sys.modules.get("torch")  # only if the user's program uses it: never import it here
-        if torch is not None and torch.cuda.is_available():
-            torch.cuda.set_device(chosen)
+        _bound_device = chosen
+        for hook in _device_hooks:
+            hook(chosen)
     return chosen
 
 
@@ -209,3 +239,6 @@ def _has_context() -> bool:
         return int(cupy.cuda.driver.ctxGetCurrent()) != 0  # NULL until a device has been used
     except Exception:
         return False
+
+
+register_device_arrays("cupy", backend)

@@ -7,7 +7,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import comm as comm_module
-from . import ring
+from . import cuda, ring
+from .backend import is_device_array
 from .collectives import Executor, Kind
 from .engine import Engine, EngineConfig, Handle, env_number, make_request
 from .ops import Average, ReduceOp, check_op, check_reducible
@@ -48,8 +49,7 @@ def init(comm: Any = None) -> None:
     small = int(env_number("MTRAIN_SMALL_ALLREDUCE_BYTES", ring.DEFAULT_SMALL_BYTES))
     config = EngineConfig.from_environment()
     comms = comm_module.create(comm)
-    # GPU binding (issue 6): rank -> GPU local_rank % count; nothing at all without CuPy and a GPU.
-    from . import cuda
+    # One GPU per rank: local_rank % count; nothing at all without CuPy and a GPU.
     cuda.bind_device(comms.local.Get_rank())
     engine = Engine(Executor(comms.world, segment, small), comms.world.Dup(), config)
     _runtime = _Runtime(comms, engine)
@@ -112,7 +112,7 @@ def _array(value: Any) -> np.ndarray:
         return value
     if isinstance(value, np.generic):  # a NumPy scalar: treat as a 0-d array
         return np.asarray(value)
-    if type(value).__module__.startswith("cupy"):  # device arrays (issue 6): the engine picks their backend
+    if is_device_array(value):  # the engine picks its backend
         return value
     raise TypeError(f"expected a numpy.ndarray, got {type(value).__name__}; "
                     "wrap Python data with numpy.asarray() first")
