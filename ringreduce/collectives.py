@@ -1,27 +1,25 @@
-"""Collective operations on NumPy arrays: validation, agreement across ranks, execution.
+"""Collectives on NumPy (or device) arrays, one at a time, once every rank has agreed to run them.
 
-Every collective starts with one tiny all-gather of a fixed-size metadata
-record (which collective, dtype, op, root, shape). That is the cheap check the
-house style asks for: a rank that passes a different size, dtype, op or even a
-different collective gets an error on *every* rank naming what each one
-passed, instead of a hang or garbage. It also hands allgather and alltoall the
-per-rank sizes they need.
+Nothing here checks arguments. ``runtime.py`` validates each one once, in the
+caller's thread (dtype, op, root, splits; objects are pickled and unpickled there too), and the engine's
+negotiation (``negotiation.py``) runs an op only once every rank has
+submitted it under the same name with the same collective, dtype, shape, op,
+root and scaling, so a mismatch is an error on every rank, never a hang. The
+only metadata that still moves here is data the collective needs: allgather's
+per-rank first dimensions and alltoall's per-rank splits.
 """
 from __future__ import annotations
 
 import enum
 import math
-import pickle
-import zlib
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from . import ring
 from .backend import NumpyBackend, backend_for
-from .errors import MismatchError
-from .ops import ReduceOp, check_op, check_reducible, dtype_code
+from .ops import ReduceOp
 
 
 class Kind(enum.IntEnum):
@@ -33,58 +31,6 @@ class Kind(enum.IntEnum):
     BARRIER = 6
     BROADCAST_OBJECT = 7
     ALLGATHER_OBJECT = 8
-
-
-# Fields of the metadata record.
-_KIND, _DTYPE, _OP, _ROOT, _FIRST, _NDIM, _TRAIL, _SHAPE = range(8)
-_FIELDS = 8
-_NO_ARRAY = -1
-
-
-def _shape_hash(shape: Sequence[int]) -> int:
-    return zlib.crc32(np.asarray(shape, dtype=np.int64).tobytes())
-
-
-def _record(kind: Kind, array: "np.ndarray | None", op: int = -1, root: int = -1) -> np.ndarray:
-    rec = np.full(_FIELDS, _NO_ARRAY, dtype=np.int64)
-    rec[_KIND], rec[_OP], rec[_ROOT] = int(kind), op, root
-    if array is not None:
-        rec[_DTYPE] = dtype_code(array.dtype)
-        rec[_NDIM] = array.ndim
-        rec[_FIRST] = array.shape[0] if array.ndim else 1
-        rec[_TRAIL] = _shape_hash(array.shape[1:])
-        rec[_SHAPE] = _shape_hash(array.shape)
-    return rec
-
-
-def _describe(kind: Kind, array: "np.ndarray | None", op: int, root: int, name: "str | None") -> str:
-    text = kind.name.lower()
-    if name:
-        text += f" {name!r}"
-    if array is not None:
-        text += f" {array.dtype}{list(array.shape)}"
-    if op >= 0:
-        text += f" op={ReduceOp(op).name}"
-    if root >= 0:
-        text += f" root_rank={root}"
-    return text
-
-
-def agree(comm: MPI.Comm, kind: Kind, array: "np.ndarray | None" = None, op: int = -1,
-          root: int = -1, name: "str | None" = None, same: Sequence[int] = ()) -> np.ndarray:
-    """Exchange metadata records; raise MismatchError on every rank if any field in
-    ``same`` (besides the collective kind) differs. Returns the (size, fields) records."""
-    mine = _record(kind, array, op, root)
-    records = np.empty((comm.Get_size(), _FIELDS), dtype=np.int64)
-    comm.Allgather(mine, records)
-    fields = [_KIND, *same]
-    if np.all(records[:, fields] == records[0, fields]):
-        return records
-    # Every rank saw the same records, so every rank takes this path together.
-    descriptions = comm.allgather(_describe(kind, array, op, root, name))
-    lines = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
-    raise MismatchError(f"ranks disagree on a collective call ({lines}); every rank must make the "
-                        f"same call with the same dtype, op, root and shape")
 
 
 class Executor:
@@ -107,16 +53,10 @@ class Executor:
                        self.segment_bytes, self.small_bytes, postscale_factor)
 
     # -- reduce-scatter -----------------------------------------------------
-    def reducescatter(self, array: np.ndarray, op: ReduceOp, name: "str | None" = None) -> np.ndarray:
+    def reducescatter(self, array: np.ndarray, op: ReduceOp) -> np.ndarray:
         """Reduce across ranks, then rank r keeps rows r of the first dimension split N ways
         (the first ``rows % N`` ranks get one extra row)."""
         backend = backend_for(array)
-        op = check_op(op)
-        check_reducible(array.dtype, op)
-        if array.ndim == 0:
-            raise ValueError("reducescatter needs an array with at least one dimension to split")
-        agree(self.comm, Kind.REDUCESCATTER, array, int(op), name=name,
-              same=(_DTYPE, _OP, _SHAPE, _NDIM))
         work = array.copy(order="C").reshape(-1)
         row = math.prod(array.shape[1:])
         # Chunks fall on row boundaries: rank r's chunk is its share of the rows.
@@ -130,13 +70,15 @@ class Executor:
         return result
 
     # -- all-gather ---------------------------------------------------------
-    def allgather(self, array: np.ndarray, name: "str | None" = None) -> np.ndarray:
+    def allgather(self, array: np.ndarray) -> np.ndarray:
         """Concatenate every rank's array along the first dimension (which may differ)."""
         backend = backend_for(array)
         if array.ndim == 0:
             array = array.reshape(1)
-        records = agree(self.comm, Kind.ALLGATHER, array, name=name, same=(_DTYPE, _NDIM, _TRAIL))
-        firsts = [int(n) for n in records[:, _FIRST]]
+        # The one thing ranks do not agree on in advance: each rank's first dimension.
+        firsts_of = np.empty(self.size, dtype=np.int64)
+        self.comm.Allgather(np.array([array.shape[0]], dtype=np.int64), firsts_of)
+        firsts = firsts_of.tolist()
         row = math.prod(array.shape[1:])
         offsets = np.concatenate([[0], np.cumsum(firsts)]).astype(int) * row
         out = backend.empty(sum(firsts) * row, array.dtype).reshape((sum(firsts),) + array.shape[1:])
@@ -148,13 +90,9 @@ class Executor:
         return out
 
     # -- broadcast ----------------------------------------------------------
-    def broadcast(self, array: np.ndarray, root_rank: int, out: "np.ndarray | None" = None,
-                  name: "str | None" = None) -> np.ndarray:
+    def broadcast(self, array: np.ndarray, root_rank: int, out: "np.ndarray | None" = None) -> np.ndarray:
         """Every rank ends with root's values (into ``out``: new array when None, may be ``array``)."""
         backend = backend_for(array)
-        self._check_root(root_rank)
-        agree(self.comm, Kind.BROADCAST, array, root=root_rank, name=name,
-              same=(_DTYPE, _SHAPE, _NDIM, _ROOT))
         if out is None:
             out = array.copy(order="C")
         elif out is not array:
@@ -167,24 +105,9 @@ class Executor:
         return out
 
     # -- all-to-all ---------------------------------------------------------
-    def alltoall(self, array: np.ndarray, splits: "Sequence[int] | None" = None,
-                 name: "str | None" = None) -> "tuple[np.ndarray, np.ndarray]":
+    def alltoall(self, array: np.ndarray, splits: Sequence[int]) -> "tuple[np.ndarray, np.ndarray]":
         """Send rows ``splits[r]`` of ``array`` to rank r; returns (received, received_splits)."""
-        backend_for(array)
-        if array.ndim == 0:
-            raise ValueError("alltoall needs an array with at least one dimension to split")
-        first = array.shape[0]
-        if splits is None:
-            if first % self.size:
-                raise ValueError(f"alltoall without splits needs the first dimension ({first}) to be "
-                                 f"divisible by the number of ranks ({self.size}); pass splits=")
-            send_splits = np.full(self.size, first // self.size, dtype=np.int64)
-        else:
-            send_splits = np.asarray(splits, dtype=np.int64).reshape(-1)
-            if send_splits.size != self.size or np.any(send_splits < 0) or send_splits.sum() != first:
-                raise ValueError(f"alltoall splits must be {self.size} non-negative integers summing to "
-                                 f"the first dimension ({first}); got {send_splits.tolist()}")
-        agree(self.comm, Kind.ALLTOALL, array, name=name, same=(_DTYPE, _NDIM, _TRAIL))
+        send_splits = np.asarray(splits, dtype=np.int64)
         recv_splits = np.empty(self.size, dtype=np.int64)
         self.comm.Alltoall(send_splits, recv_splits)
         row_bytes = math.prod(array.shape[1:]) * array.itemsize
@@ -199,20 +122,13 @@ class Executor:
 
     # -- control and objects ------------------------------------------------
     def barrier(self) -> None:
-        # The metadata exchange is itself a barrier, and it catches a rank that
-        # is in a different collective instead of deadlocking against it.
-        agree(self.comm, Kind.BARRIER)
+        """Nothing left to do: the negotiation runs an op only once every rank has submitted it,
+        so by the time a barrier runs every rank has reached it."""
 
-    def broadcast_object(self, obj: Any, root_rank: int = 0, name: "str | None" = None) -> Any:
-        self._check_root(root_rank)
-        agree(self.comm, Kind.BROADCAST_OBJECT, root=root_rank, name=name, same=(_ROOT,))
-        payload = pickle.dumps(obj) if self.rank == root_rank else None
-        return pickle.loads(self.comm.bcast(payload, root=root_rank))
+    def broadcast_bytes(self, payload: "bytes | None", root_rank: int) -> bytes:
+        """Root's ``payload`` (ignored on the other ranks)."""
+        return self.comm.bcast(payload, root=root_rank)
 
-    def allgather_object(self, obj: Any, name: "str | None" = None) -> list:
-        agree(self.comm, Kind.ALLGATHER_OBJECT, name=name)
-        return [pickle.loads(p) for p in self.comm.allgather(pickle.dumps(obj))]
-
-    def _check_root(self, root_rank: int) -> None:
-        if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < self.size:
-            raise ValueError(f"root_rank must be an integer in [0, {self.size}); got {root_rank!r}")
+    def allgather_bytes(self, payload: bytes) -> "list[bytes]":
+        """Every rank's ``payload``, in rank order."""
+        return self.comm.allgather(payload)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import pickle
 from typing import Any, Sequence
 
 import numpy as np
@@ -219,7 +220,23 @@ def alltoall_async(array: np.ndarray, splits: "Sequence[int] | None" = None,
     array = _array(array)
     if array.ndim == 0:
         raise ValueError("alltoall needs an array with at least one dimension to split")
-    return _submit(Kind.ALLTOALL, [array], name, splits=None if splits is None else list(splits))
+    return _submit(Kind.ALLTOALL, [array], name, splits=_check_splits(splits, array.shape[0]))
+
+
+def _check_splits(splits: "Sequence[int] | None", first: int) -> "list[int]":
+    """Rows to send to each rank: ``splits``, or equal shares when None."""
+    size_ = _rt().size
+    if splits is None:
+        if first % size_:
+            raise ValueError(f"alltoall without splits needs the first dimension ({first}) to be "
+                             f"divisible by the number of ranks ({size_}); pass splits=")
+        return [first // size_] * size_
+    send = np.asarray(splits).reshape(-1)
+    if (send.size != size_ or send.dtype.kind not in "iu" or np.any(send < 0)
+            or int(send.sum()) != first):
+        raise ValueError(f"alltoall splits must be {size_} non-negative integers summing to "
+                         f"the first dimension ({first}); got {send.tolist()}")
+    return [int(n) for n in send]
 
 
 # -- synchronous API: the asynchronous one, waited on ----------------------
@@ -280,9 +297,14 @@ def barrier() -> None:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: "str | None" = None) -> Any:
     """``root_rank``'s picklable object, on every rank."""
-    return synchronize(_submit(Kind.BROADCAST_OBJECT, [None], name, root=_check_root(root_rank), obj=obj))
+    root = _check_root(root_rank)
+    # Pickled and unpickled here, in the caller's thread: the engine moves bytes only, and an
+    # object that cannot be pickled fails this call at once.
+    payload = pickle.dumps(obj) if root == _rt().rank else None
+    return pickle.loads(synchronize(_submit(Kind.BROADCAST_OBJECT, [None], name, root=root, obj=payload)))
 
 
 def allgather_object(obj: Any, name: "str | None" = None) -> list:
     """A list of every rank's picklable object, in rank order."""
-    return synchronize(_submit(Kind.ALLGATHER_OBJECT, [None], name, obj=obj))
+    payloads = synchronize(_submit(Kind.ALLGATHER_OBJECT, [None], name, obj=pickle.dumps(obj)))
+    return [pickle.loads(payload) for payload in payloads]

@@ -1,5 +1,7 @@
 """Bad input and mismatched calls: clear errors on every rank, never a hang."""
+import pickle
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -40,6 +42,44 @@ def test_mismatched_calls_fail_on_every_rank_naming_each_side():
     assert rr.allreduce(np.full(3, me + 1.0), op=rr.Sum).tolist() == [n * (n + 1) / 2] * 3
 
 
+@mpi_test(nps=(2, 3))
+def test_mismatches_of_every_collective_reach_every_rank():
+    # The negotiation is the only cross-rank check: each collective's mismatch must still fail
+    # on every rank, naming what each one passed.
+    n, me = rr.size(), rr.rank()
+    last = me == n - 1
+    _raises(lambda: rr.reducescatter(np.zeros((n, 2 + last)), name="rs.shape"), rr.MismatchError,
+            f"rank 0: reducescatter float64[{n}, 2]", f"rank {n - 1}: reducescatter float64[{n}, 3]")
+    _raises(lambda: rr.reducescatter(np.zeros(n), op=rr.Max if last else rr.Sum), rr.MismatchError,
+            "op=Sum", "op=Max")
+    _raises(lambda: rr.allgather(np.zeros((me + 1, 2), np.int32 if last else np.float32), name="ag.dtype"),
+            rr.MismatchError, "'ag.dtype'", "allgather float32[1, 2]", f"allgather int32[{n}, 2]")
+    _raises(lambda: rr.alltoall(np.zeros((n, 1 + last))), rr.MismatchError,
+            f"alltoall float64[{n}, 1]", f"alltoall float64[{n}, 2]")
+    _raises(lambda: rr.broadcast_object(me, root_rank=1 if last else 0), rr.MismatchError,
+            "broadcast_object root_rank=0", "broadcast_object root_rank=1")
+    # Unnamed ops of different kinds meet under one auto-name.
+    _raises(lambda: rr.barrier() if me == 0 else rr.allgather_object(me), rr.MismatchError,
+            "rank 0: barrier", "rank 1: allgather_object")
+    # Afterwards every collective still runs.
+    assert rr.allgather_object(me * 10 + 1) == [r * 10 + 1 for r in range(n)]
+    assert rr.broadcast_object({"from": me}, root_rank=n - 1) == {"from": n - 1}
+    got, splits = rr.alltoall(np.arange(n * 2, dtype=np.int64) + 100 * me, splits=[2] * n)
+    assert got.tolist() == [100 * r + 2 * me + k for r in range(n) for k in range(2)]
+    assert splits.tolist() == [2] * n
+
+
+@mpi_test(nps=(2, 3))
+def test_barrier_waits_for_every_rank():
+    me = rr.rank()
+    time.sleep(0.3 * me)
+    arrived = time.time()
+    rr.barrier()
+    left = time.time()
+    arrivals = rr.allgather_object(arrived)
+    assert left >= max(arrivals), f"rank {me} left the barrier at {left} before rank(s) arrived: {arrivals}"
+
+
 @mpi_test(nps=(1, 2))
 def test_bad_arguments_raise_type_and_value_errors():
     _raises(lambda: rr.allreduce(np.zeros(3, np.complex64)), TypeError, "unsupported dtype complex64")
@@ -50,10 +90,17 @@ def test_bad_arguments_raise_type_and_value_errors():
     _raises(lambda: rr.broadcast(np.zeros(3), root_rank=rr.size()), ValueError, "root_rank")
     _raises(lambda: rr.alltoall(np.zeros(3), splits=[1] * (rr.size() + 1)), ValueError, "splits")
     _raises(lambda: rr.reducescatter(np.ones(())), ValueError, "at least one dimension")
+    if rr.size() > 1:
+        _raises(lambda: rr.alltoall(np.zeros(rr.size() + 1)), ValueError, "divisible")
+    _raises(lambda: rr.alltoall(np.zeros(3), splits=[0.5] * rr.size()), ValueError, "splits")
+    # Pickled in the caller's thread: the call itself fails, on the rank that passed the object.
+    _raises(lambda: rr.allgather_object(lambda: rr.rank()), (pickle.PicklingError, AttributeError, TypeError))
+    # Every rank raised before submitting anything, so the runtime is still in step.
+    assert rr.allgather_object(rr.rank() + 7) == [r + 7 for r in range(rr.size())]
 
 
 ABORT_SCRIPT = """
-import time, numpy as np, ringreduce as rr
+import time, numpy as np, mtrain.ringreduce as rr
 rr.init()
 if rr.rank() == 1:
     time.sleep(0.5)
