@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 from mtrain.records import FailureCause, report_error
 
-from . import cuda
+from . import cuda, fusion
 from .backend import NumpyBackend, backend_for
 from .collectives import Executor, Kind
 from .errors import EngineError, ShutdownError, Verdict
@@ -388,15 +388,14 @@ class Engine:
         if self._timeline is not None:
             for request in ready:
                 self._timeline.span(request.name, "NEGOTIATE", request.submitted, start)
-        groups: "dict[tuple, list[Request]]" = {}
+        allreduces = [r for r in ready if r.kind is Kind.ALLREDUCE]
         for request in ready:
-            if request.kind == Kind.ALLREDUCE:
-                key = (request.array.dtype, request.op, request.prescale, request.postscale, request.backend.name)
-                groups.setdefault(key, []).append(request)
-            else:
+            if request.kind is not Kind.ALLREDUCE:
                 self._run_one(request)
-        for group in groups.values():
-            self._allreduce_group(group)
+        # One ring reduces one dtype with one op and one scaling, in one kind of memory.
+        keys = [(r.array.dtype, r.op, r.prescale, r.postscale, r.backend.name) for r in allreduces]
+        for group in fusion.group_by_key(keys):
+            self._allreduce_group([allreduces[i] for i in group])
 
     def _run_one(self, request: Request) -> None:
         # No argument checks and no error catching here: arguments were checked at submit and
@@ -425,35 +424,12 @@ class Engine:
         self._finish(request, result)
 
     def _allreduce_group(self, group: "list[Request]") -> None:
-        """Small tensors are packed into the fusion buffer; large ones (at least
-        MTRAIN_FUSION_INPLACE_MIN_BYTES) are reduced in their own memory, with no
-        copies, by the same ring as the last fusion buffer (``ring.Layout``: one
-        logical buffer, one ring). Fusion off: one ring each."""
-        threshold = self.config.fusion_threshold_bytes
-        if threshold == 0:
-            for request in group:
-                self._allreduce_together([], 0, [request])
-            return
-        alone = min(threshold, self.config.inplace_min_bytes)
-        large = [r for r in group if r.nbytes >= alone]
-        batches: "list[list[Request]]" = [[]]
-        batch_bytes = 0
-        for request in group:
-            if request.nbytes >= alone:
-                continue
-            if batches[-1] and batch_bytes + request.nbytes > threshold:
-                batches.append([])
-                batch_bytes = 0
-            batches[-1].append(request)
-            batch_bytes += request.nbytes
-        if len(batches[-1]) == 1:
-            large.append(batches.pop()[0])  # nothing to fuse it with: no point copying it
-        batches = [b for b in batches if b]
-        for batch in batches[:-1]:
-            self._allreduce_together(batch, sum(r.nbytes for r in batch), [])
-        last = batches[-1] if batches else []
-        if last or large:
-            self._allreduce_together(last, sum(r.nbytes for r in last), large)
+        """The rings ``fusion.plan_rings`` plans for one group of fusable all-reduces."""
+        plans = fusion.plan_rings([r.nbytes for r in group], self.config.fusion_threshold_bytes,
+                                  self.config.inplace_min_bytes)
+        for plan in plans:
+            self._allreduce_together([group[i] for i in plan.packed], plan.packed_bytes,
+                                     [group[i] for i in plan.in_place])
 
     def _allreduce_together(self, batch: "list[Request]", nbytes: int, alone: "list[Request]") -> None:
         """One ring over the fusion buffer (``batch`` packed into it, if any) followed by
