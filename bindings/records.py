@@ -10,6 +10,7 @@ guards alike.
     ExitRecord      the rank wrapper                 the supervisor
     AgentEvent      the SSH agents                   the supervisor
     Gate            the supervisor                   the SSH agents
+    JobLayout       the launcher (through the gate)  the rank wrapper on every host
     StopReason      the supervisor (why it stopped a job; logged and used for its grace period)
 """
 from __future__ import annotations
@@ -86,8 +87,16 @@ def _one_line(text: str) -> str:
 # ExitRecord: how one rank ended (a marker line on the rank's stderr, removed by the supervisor)
 
 EXIT_MARKER = b"@@mtrain-rank-exit@@ "
-# `package.module.ValueError: …` is shown as `ValueError: …`, as the runtime's own account shows it.
-_QUALIFIED_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b)")
+# The line Python ends a traceback with, `package.module.ValueError: …` (torch.distributed adds
+# `[rank3]: ` in front); shown as `ValueError: …`, as the runtime's own account shows it.
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_]\w*\.)*"
+                             r"([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Fault)(?::.*)?)$")
+
+
+def exception_line(line: str) -> str:
+    """The exception named by a traceback's last line (without its module path), else ""."""
+    match = _EXCEPTION_LINE.match(line.rstrip())
+    return match.group(1)[:_MESSAGE_LIMIT] if match else ""
 
 
 class Evidence(enum.IntEnum):
@@ -110,6 +119,7 @@ class ExitRecord:
     stderr_tail: tuple[str, ...] = ()
     report: str = ""                # the runtime's own one-line account, if it gave one
     mpi_abort: bool = False         # it ended inside MPI_Abort
+    exception: str = ""             # the last exception line the rank printed to stderr, if any
 
     @property
     def failed(self) -> bool:
@@ -124,15 +134,17 @@ class ExitRecord:
     @property
     def reason(self) -> str:
         """One line saying why: the runtime's own account; else, for a rank that exited with an
-        error status, the last line it printed to stderr (so a failure before `init()` reads
-        like one after it).  A signal's reason is the signal itself."""
+        error status, the last exception it printed, else its last line on stderr (so a
+        failure before `init()` reads like one after it).  A signal is its own reason."""
         if self.report:
             return self.report
-        if self.returncode > 0:
-            for line in reversed(self.stderr_tail):
-                # A traceback's last unindented line is the exception; any other last line is the message.
-                if line.strip() and not line[:1].isspace():
-                    return _QUALIFIED_EXCEPTION.sub(r"\1", line.strip())[:_MESSAGE_LIMIT]
+        if self.returncode <= 0:
+            return ""
+        if self.exception:
+            return self.exception
+        for line in reversed(self.stderr_tail):
+            if line.strip() and not line[:1].isspace():  # not a traceback frame
+                return (exception_line(line) or line.strip())[:_MESSAGE_LIMIT]
         return ""
 
     def describe(self) -> str:
@@ -154,7 +166,8 @@ class ExitRecord:
                               returncode=int(data["returncode"]), stopped=bool(data["stopped"]),
                               time=float(data["time"]),
                               stderr_tail=tuple(str(line) for line in data["stderr_tail"]),
-                              report=str(data["report"]), mpi_abort=bool(data["mpi_abort"]))
+                              report=str(data["report"]), mpi_abort=bool(data["mpi_abort"]),
+                              exception=str(data["exception"]))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -243,8 +256,20 @@ class Gate:
     def _marker(self, state: GateState) -> str:
         return f"{self.path}.{state.value}"
 
-    def open(self) -> None:
-        open(self._marker(GateState.OPEN), "w").close()
+    def open(self, message: str = "") -> None:
+        """Let the agents go on, handing them `message` (the job's layout, for the hosts)."""
+        temporary = self._marker(GateState.OPEN) + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(message)
+        os.replace(temporary, self._marker(GateState.OPEN))  # agents never see half a message
+
+    def message(self) -> str:
+        """What the supervisor handed over when it opened the gate ("" before)."""
+        try:
+            with open(self._marker(GateState.OPEN), encoding="utf-8") as handle:
+                return handle.read()
+        except OSError:
+            return ""
 
     def close(self) -> None:
         open(self._marker(GateState.CLOSED), "w").close()
@@ -274,3 +299,70 @@ class StopReason(enum.Enum):
     HOST_LOST = "a host was lost"               # an agent reported a dead connection
     RANK_FAILED = "a rank failed and mpirun did not stop the job"
 
+
+
+# --------------------------------------------------------------------------------------------
+# JobLayout: what every rank is told about the job, so that plain torch.distributed and
+# tf.distribute programs find each other (written by the launcher once the preflight knows
+# addresses and free ports; on each host a file the rank wrapper reads).
+
+ENV_JOB_FILE = "MTRAIN_JOB_FILE"  # a path template: "{host}" stands for the host's name
+
+
+@dataclasses.dataclass(frozen=True)
+class JobLayout:
+    slots: tuple[int, ...]            # ranks per host, hosts in rank order
+    master_addr: str                  # rank 0's address on the job's network
+    master_port: int                  # free on rank 0's host (torch's env:// rendezvous)
+    workers: tuple[str, ...]          # "address:port" per rank, ports free on each host (TF_CONFIG)
+    gpu_per_rank: tuple[int, ...] = ()  # per host: GPUs to share one per local rank (empty: leave GPUs alone)
+    interfaces: tuple[str, ...] = ()    # per host: its interface on the job's network ("" unknown)
+
+    def encode(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @staticmethod
+    def decode(text: str) -> "JobLayout | None":
+        try:
+            data = json.loads(text)
+            return JobLayout(slots=tuple(int(n) for n in data["slots"]), master_addr=str(data["master_addr"]),
+                             master_port=int(data["master_port"]),
+                             workers=tuple(str(w) for w in data["workers"]),
+                             gpu_per_rank=tuple(int(n) for n in data.get("gpu_per_rank", ())),
+                             interfaces=tuple(str(name) for name in data.get("interfaces", ())))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, path: str) -> None:
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(self.encode())
+        os.replace(temporary, path)  # readers never see half a file
+
+    @staticmethod
+    def read(path: str) -> "JobLayout | None":
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return JobLayout.decode(handle.read())
+        except OSError:
+            return None
+
+    def rank_environment(self, rank: int) -> dict[str, str]:
+        """The variables torchrun gives a rank, plus TF_CONFIG for tf.distribute."""
+        host, first = 0, 0
+        while rank >= first + self.slots[host]:
+            first += self.slots[host]
+            host += 1
+        local_rank, world = rank - first, sum(self.slots)
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.slots[host]),
+               "GROUP_RANK": str(host), "GROUP_WORLD_SIZE": str(len(self.slots)),
+               "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+               "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
+               "TF_CONFIG": json.dumps({"cluster": {"worker": list(self.workers)},
+                                        "task": {"type": "worker", "index": rank}})}
+        if self.interfaces and self.interfaces[host]:
+            env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = self.interfaces[host]
+        if self.gpu_per_rank and self.gpu_per_rank[host] > 0:
+            env["CUDA_VISIBLE_DEVICES"] = str(local_rank % self.gpu_per_rank[host])
+        return env

@@ -94,6 +94,11 @@ def main_group() -> None:
 @click.option("--mpirun", "mpirun_path", default=None,
               help="MPI launcher to use (default: $MTRAIN_MPIRUN, else the one of this environment).")
 @click.option("--mpi-args", default=None, help="Extra arguments for mpirun, as one quoted string.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+              help="MASTER_PORT for torch.distributed programs (default: a port found free on rank 0's host).")
+@click.option("--one-gpu-per-rank", is_flag=True,
+              help="Each rank sees only its own GPU (CUDA_VISIBLE_DEVICES=local rank), as tf.distribute "
+                   "workers need; LOCAL_RANK stays the rank's index on its host.")
 @click.option("--dry-run", is_flag=True, help="Print the host plan and the mpirun command; run nothing.")
 @click.option("--verbose", is_flag=True, help="Log each step.")
 @click.option("--disable-cache", is_flag=True, hidden=True, help="Accepted for horovodrun compatibility.")
@@ -152,7 +157,8 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
         plan=tuple(plan), command=command, remote_hosts=remote, ssh=ssh, mpi=mpi,
         start_timeout=options["start_timeout"], network_interfaces=options["interfaces"] or (),
         output_dir=Path(options["output_dir"]).resolve() if options["output_dir"] else None,
-        env_pass=tuple(options["env_items"]), mpi_args=mpi_args, verbose=options["verbose"])
+        env_pass=tuple(options["env_items"]), mpi_args=mpi_args, verbose=options["verbose"],
+        master_port=options["master_port"], one_gpu_per_rank=options["one_gpu_per_rank"])
     return config, bool(options["dry_run"])
 
 

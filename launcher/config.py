@@ -55,6 +55,8 @@ class LaunchConfig:
     env_pass: tuple[str, ...] = ()       # `-x` items: "VAR" or "VAR=value"
     mpi_args: tuple[str, ...] = ()
     verbose: bool = False
+    master_port: int | None = None       # torch.distributed's MASTER_PORT (None: a free one, found)
+    one_gpu_per_rank: bool = False       # each rank sees only its own GPU (CUDA_VISIBLE_DEVICES)
 
     @property
     def num_proc(self) -> int:

@@ -1,20 +1,28 @@
 """From a LaunchConfig to a finished job: argv, dry run, preflight, supervision."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
+import socket
 import stat
 import sys
 import tempfile
 import time
+import uuid
 
 import mtrain
 from mtrain.launcher import mpirun as mpilib
 from mtrain.launcher import ssh_agent
 from mtrain.launcher.config import LaunchConfig, MpiKind
 from mtrain.launcher.environment import rank_environment
-from mtrain.records import Gate
+from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
+from mtrain.launcher.netif import free_ports
+from mtrain.records import ENV_JOB_FILE, Gate, JobLayout
+
+# Where each host keeps the job's layout for its ranks: a path that exists on every Linux host.
+JOB_FILE_DIRECTORY = "/tmp"
 
 
 def _log(config: LaunchConfig, message: str) -> None:
@@ -22,7 +30,8 @@ def _log(config: LaunchConfig, message: str) -> None:
         print(f"mtrain: [{_stamp()}] {message}", file=sys.stderr, flush=True)
 
 
-def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple[str, ...] = ()) -> list[str]:
+def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple[str, ...] = (),
+                   job_file: str | None = None) -> list[str]:
     """The launcher argv for `config` (pure apart from reading os.environ).
 
     `subnets` is the automatic interface choice, used when the user gave none.
@@ -30,6 +39,8 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
     on each host by the rank wrapper, which knows that host's cores.
     """
     names, values = rank_environment(os.environ, config.env_pass)
+    if job_file:
+        values.setdefault(ENV_JOB_FILE, job_file)
     if config.mpi.kind is MpiKind.MPICH:
         subnets = ()  # hydra's -iface wants an interface name, not a subnet
     return mpilib.build_argv(
@@ -38,12 +49,12 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
         as_root=os.geteuid() == 0, extra_args=config.mpi_args)
 
 
-def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str) -> list[str]:
+def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str, job_file: str) -> list[str]:
     """The remote-shell program handed to mpirun, with its settings written beside it."""
     config_path = os.path.join(directory, "agent.json")
     identity = os.path.abspath(config.ssh.identity_file) if config.ssh.identity_file else None
     options = dataclasses.replace(config.ssh, identity_file=identity, connect_timeout=config.start_timeout)
-    ssh_agent.write_config(config_path, options, sys.executable, events_path, gate)
+    ssh_agent.write_config(config_path, options, sys.executable, events_path, gate, job_file)
     words = [sys.executable, "-m", "mtrain.launcher.ssh_agent", "--config", config_path]
     if config.mpi.kind is not MpiKind.MPICH:
         return words
@@ -71,23 +82,26 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
     With remote hosts, mpirun starts right away and its agents connect while
     the preflight runs, but they execute nothing on any host until the
     preflight has passed (the agents' gate): the handshakes overlap instead
-    of adding up.
+    of adding up.  The job's layout (torchrun's variables, TF_CONFIG) needs
+    the preflight's ports, so it travels through the gate to the hosts, where
+    the remote guard leaves it for the rank wrappers in JOB_FILE_DIRECTORY.
     """
     from mtrain.launcher import supervise
     with tempfile.TemporaryDirectory(prefix="mtrain-agent-") as scratch:
         agent = None
         events_path = os.path.join(scratch, "events")
         gate = os.path.join(scratch, "gate")
+        job_file = os.path.join(JOB_FILE_DIRECTORY, f"mtrain-job-{uuid.uuid4().hex}-{{host}}.json")
         if config.remote_hosts:
             if dry_run and config.mpi.kind is not MpiKind.MPICH:
                 # Printed for a human to rerun: no scratch config that vanishes when we exit
                 # (the agent then uses ~/.ssh/config and OpenSSH defaults).
                 agent = [sys.executable, "-m", "mtrain.launcher.ssh_agent"]
             else:
-                agent = _agent(config, scratch, events_path, gate)
+                agent = _agent(config, scratch, events_path, gate, job_file)
         subnets = _route_subnets(config) if config.remote_hosts and not config.network_interfaces else ()
         try:
-            argv = build_job_argv(config, agent, subnets)
+            argv = build_job_argv(config, agent, subnets, job_file)
         except ValueError as error:
             print(f"mtrain run: error: {error}", file=sys.stderr)
             return 2
@@ -96,29 +110,90 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
             return 0
         if subnets:
             _log(config, f"hosts are reached through {', '.join(subnets)}")
-        preflight = (lambda: _preflight(config)) if config.remote_hosts else None
-        return supervise.run_job(argv, dict(os.environ), config.num_proc, config.output_dir,
-                                 config.verbose, events_path if agent else None, preflight=preflight,
-                                 gate=Gate(gate) if agent else None)
+        local_file = job_file.format(host=socket.gethostname())
+        try:
+            if config.remote_hosts:
+                preflight = lambda: _preflight(config, subnets, local_file)  # noqa: E731
+            else:
+                preflight = None
+                _local_layout(config).write(local_file)
+            return supervise.run_job(argv, dict(os.environ), config.num_proc, config.output_dir,
+                                     config.verbose, events_path if agent else None, preflight=preflight,
+                                     gate=Gate(gate) if agent else None)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(local_file)
 
 
-def _preflight(config: LaunchConfig) -> bool:
-    """Check every remote host; print one line per failing host.  True when all passed."""
+def _local_layout(config: LaunchConfig) -> JobLayout:
+    """The layout of a job on this machine alone: everything on the loopback address."""
+    from mtrain.launcher.capabilities import gpu_count
+    needed = ports_needed(config.plan, config.master_port)
+    ports = free_ports(sum(needed.values()))
+    gpus = gpu_count() if config.one_gpu_per_rank else 0
+    facts, start = {}, 0
+    for host in config.plan:
+        facts[host.name] = HostFacts({}, tuple(ports[start:start + needed[host.name]]), gpus, "127.0.0.1")
+        start += needed[host.name]
+    return job_layout(config.plan, facts, (), config.master_port, config.one_gpu_per_rank)
+
+
+def _preflight(config: LaunchConfig, subnets: tuple[str, ...], local_file: str) -> str | None:
+    """Check every remote host; print one line per failing host.
+
+    When all passed, return the job's layout for the gate (and leave it in `local_file`
+    for the ranks on this machine); None when the job must not start.
+    """
     from mtrain.launcher.preflight import run_preflight, slot_warnings
     _log(config, f"preflight of {', '.join(config.remote_hosts)}")
+    needed = ports_needed(config.plan, config.master_port)
     reports = run_preflight(config.remote_hosts, config.ssh, sys.executable,
-                            mtrain.__version__, config.start_timeout)
+                            mtrain.__version__, config.start_timeout, needed)
     errors = [r.error for r in reports.values() if r.error]
     for line in errors:
         print(f"mtrain: {line}", file=sys.stderr)
     if errors:
         failed = "1 host" if len(errors) == 1 else f"{len(errors)} hosts"
         print(f"mtrain: preflight failed on {failed}; nothing was started", file=sys.stderr)
-        return False
+        return None
     for line in slot_warnings(reports, {h.name: h.slots for h in config.plan}):
         print(f"mtrain: warning: {line}", file=sys.stderr)
-    _log(config, "preflight passed")
-    return True
+    try:
+        layout = _remote_layout(config, subnets, reports, needed)
+    except ValueError as error:
+        print(f"mtrain: {error}; nothing was started", file=sys.stderr)
+        return None
+    if any(h.name not in config.remote_hosts for h in config.plan):
+        layout.write(local_file)
+    _log(config, f"preflight passed; MASTER_ADDR={layout.master_addr} MASTER_PORT={layout.master_port}")
+    return layout.encode()
+
+
+def _remote_layout(config: LaunchConfig, subnets: tuple[str, ...], reports, needed) -> JobLayout:
+    from mtrain.launcher import ssh
+    from mtrain.launcher.capabilities import gpu_count
+    from mtrain.launcher.netif import interface_addresses, source_address
+    facts = {}
+    for host in config.plan:
+        if host.name in config.remote_hosts:
+            report = reports[host.name]
+            target = ssh.resolve(host.name, config.ssh)
+            facts[host.name] = HostFacts(report.addresses, report.ports, report.gpus,
+                                         _ipv4_of(target.hostname))
+        else:
+            first_remote = ssh.resolve(config.remote_hosts[0], config.ssh)
+            facts[host.name] = HostFacts(interface_addresses(), tuple(free_ports(needed[host.name])),
+                                         gpu_count() if config.one_gpu_per_rank else 0,
+                                         source_address(first_remote.hostname, first_remote.port) or "")
+    return job_layout(config.plan, facts, config.network_interfaces or subnets, config.master_port,
+                      config.one_gpu_per_rank)
+
+
+def _ipv4_of(name: str) -> str:
+    try:
+        return socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _route_subnets(config: LaunchConfig) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ import fcntl
 import ipaddress
 import socket
 import struct
+from typing import Sequence
 
 _SIOCGIFADDR = 0x8915
 _SIOCGIFNETMASK = 0x891B
@@ -26,15 +27,51 @@ def _ioctl_address(sock: socket.socket, name: str, request: int) -> str | None:
 
 
 def interface_subnets() -> dict[str, str]:
-    """{interface name: 'a.b.c.d/len'} for the IPv4 interfaces of this machine."""
-    subnets = {}
+    """{interface name: 'a.b.c.d/len'}: the IPv4 subnet of each interface of this machine."""
+    return {name: str(ipaddress.IPv4Interface(address).network) for name, address in interface_addresses().items()}
+
+
+def interface_addresses() -> dict[str, str]:
+    """{interface name: 'a.b.c.d/len'}: this machine's IPv4 address on each interface."""
+    found = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for _, name in socket.if_nameindex():
             address = _ioctl_address(sock, name, _SIOCGIFADDR)
             mask = _ioctl_address(sock, name, _SIOCGIFNETMASK)
             if address and mask:
-                subnets[name] = str(ipaddress.IPv4Network(f"{address}/{mask}", strict=False))
-    return subnets
+                found[name] = str(ipaddress.IPv4Interface(f"{address}/{mask}"))
+    return found
+
+
+def choose_interface(addresses: dict[str, str], networks: Sequence[str]) -> tuple[str, str] | None:
+    """(interface name, address) of `addresses` (as interface_addresses gives them) on the
+    first of `networks` (interface names or CIDR subnets) that has one; None if none matches."""
+    for network in networks:
+        if "/" in network:
+            try:
+                wanted = ipaddress.IPv4Network(network, strict=False)
+            except ValueError:
+                continue
+            for name, interface in addresses.items():
+                if ipaddress.IPv4Interface(interface).ip in wanted:
+                    return name, str(ipaddress.IPv4Interface(interface).ip)
+        elif network in addresses:
+            return network, str(ipaddress.IPv4Interface(addresses[network]).ip)
+    return None
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on this machine now (held together while chosen)."""
+    held = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in held]
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def subnet_of(address: str) -> str | None:

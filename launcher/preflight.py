@@ -1,7 +1,9 @@
 """Check every remote host before any rank starts: all hosts in parallel, one bounded wait.
 
 Per host: connect (host key verified), then run a probe with the launcher's
-own Python path that reports mtrain's version and the host's GPU count.  Every
+own Python path that reports mtrain's version, the host's GPU count, its
+addresses and as many free TCP ports as the job needs there (for
+torch.distributed's MASTER_PORT and tf.distribute's workers).  Every
 failing host yields one line; the job starts only if there are none.
 """
 from __future__ import annotations
@@ -17,13 +19,15 @@ from mtrain.launcher.config import SshOptions
 
 # Runs on the remote host; must work with nothing but mtrain installed.
 PROBE = r"""
-import json
+import json, sys
 try:
     import mtrain
     from mtrain.launcher.capabilities import gpu_count
-    found = {"version": mtrain.__version__, "gpus": gpu_count()}
+    from mtrain.launcher.netif import free_ports, interface_addresses
+    found = {"version": mtrain.__version__, "gpus": gpu_count(), "addresses": interface_addresses(),
+             "ports": free_ports(int(sys.argv[1]))}
 except Exception:
-    found = {"version": None, "gpus": 0}
+    found = {"version": None}
 print(json.dumps(found))
 """
 
@@ -35,10 +39,13 @@ class HostReport:
     host: str
     error: str | None = None
     gpus: int = 0
+    addresses: Mapping[str, str] = dataclasses.field(default_factory=dict)  # interface -> "ip/len"
+    ports: tuple[int, ...] = ()  # free TCP ports there, as many as asked for
 
 
-def probe_host(host: str, options: SshOptions, python: str, version: str, timeout: float) -> HostReport:
-    """Connect to `host` and run the probe; never raises."""
+def probe_host(host: str, options: SshOptions, python: str, version: str, timeout: float,
+               ports: int = 0) -> HostReport:
+    """Connect to `host` and run the probe (asking for `ports` free ports); never raises."""
     from mtrain.launcher import ssh  # keeps paramiko out of local-only jobs
     try:
         client = ssh.connect(host, options, timeout=timeout)
@@ -47,7 +54,8 @@ def probe_host(host: str, options: SshOptions, python: str, version: str, timeou
     except Exception as error:  # a report line, never a traceback from a worker thread
         return HostReport(host, f"host {host}: cannot connect: {type(error).__name__}: {error}")
     try:
-        status, out, err = ssh.run_command(client, f"{shlex.quote(python)} -c {shlex.quote(PROBE)}", timeout)
+        status, out, err = ssh.run_command(client, f"{shlex.quote(python)} -c {shlex.quote(PROBE)} {int(ports)}",
+                                           timeout)
     except Exception as error:
         return HostReport(host, f"host {host}: probe failed: {error}")
     finally:
@@ -65,17 +73,21 @@ def probe_host(host: str, options: SshOptions, python: str, version: str, timeou
     if found["version"] != version:
         return HostReport(host, f"host {host}: mtrain {found['version']} there but {version} here; "
                           "install the same version on every host")
-    return HostReport(host, None, int(found.get("gpus", 0)))
+    return HostReport(host, None, int(found.get("gpus", 0)), dict(found.get("addresses", {})),
+                      tuple(int(port) for port in found.get("ports", ())))
 
 
 def run_preflight(hosts: Sequence[str], options: SshOptions, python: str, version: str,
-                  timeout: float) -> dict[str, HostReport]:
-    """Probe all hosts in parallel; a host without an answer by `timeout` is reported as such."""
+                  timeout: float, ports: Mapping[str, int] | None = None) -> dict[str, HostReport]:
+    """Probe all hosts in parallel; a host without an answer by `timeout` is reported as such.
+
+    `ports` says how many free ports to find on each host (none by default).
+    """
     results: dict[str, HostReport] = {}
     lock = threading.Lock()
 
     def work(host: str) -> None:
-        report = probe_host(host, options, python, version, timeout)
+        report = probe_host(host, options, python, version, timeout, (ports or {}).get(host, 0))
         with lock:
             results[host] = report
 

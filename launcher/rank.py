@@ -39,7 +39,8 @@ import threading
 import time
 
 from mtrain.launcher.process_tools import die_with_parent, exit_code, kill_group
-from mtrain.records import ENV_ERROR_FILE, ErrorReport, ExitRecord, FailureCause
+from mtrain.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ErrorReport, ExitRecord, FailureCause, JobLayout,
+                            exception_line)
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0
@@ -64,6 +65,7 @@ class _Relay(threading.Thread):
         super().__init__(daemon=True)
         self.source, self.target, self.prefix, self.lock, self.tail = source, target, prefix, lock, tail
         self.saw_mpi_abort = False
+        self.last_exception = ""
 
     def _emit(self, line: bytes) -> None:
         if self.tail is not None and _ABORT_DELAY_LINE.match(line):
@@ -73,7 +75,10 @@ class _Relay(threading.Thread):
             self.target.write(self.prefix + line)
             self.target.flush()
         if self.tail is not None:
-            self.tail.append(line.rstrip(b"\n").decode(errors="replace"))
+            text = line.rstrip(b"\n").decode(errors="replace")
+            self.tail.append(text)
+            # Kept apart from the tail: a long exception message can push its first line out.
+            self.last_exception = exception_line(text) or self.last_exception
 
     def run(self) -> None:
         pending = b""
@@ -93,12 +98,19 @@ class _Relay(threading.Thread):
         os.close(self.source)
 
 
-def child_environment(env, error_file: str) -> dict[str, str]:
+def child_environment(env, error_file: str, rank: int = 0) -> dict[str, str]:
     """The rank's environment: ours, plus the error-file path, Open MPI's abort delay
-    (see the module docstring) and, on a host with more ranks than cores, Open MPI's
-    yield setting (busy-polling ranks starve each other).  Settings the user made win."""
+    (see the module docstring), on a host with more ranks than cores Open MPI's yield
+    setting (busy-polling ranks starve each other), and the job's layout: the variables
+    torchrun sets (RANK, LOCAL_RANK, MASTER_ADDR, …) and TF_CONFIG, so plain
+    torch.distributed and tf.distribute programs run unchanged.  Settings the user made win."""
     child = dict(env)
     child[ENV_ERROR_FILE] = error_file
+    template = child.get(ENV_JOB_FILE, "")
+    layout = JobLayout.read(template.format(host=socket.gethostname())) if "{host}" in template else None
+    if layout is not None and rank < sum(layout.slots):
+        for name, value in layout.rank_environment(rank).items():
+            child.setdefault(name, value)
     child.setdefault("OMPI_MCA_mpi_abort_delay", ABORT_DELAY_SECONDS)
     local = child.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
     if local.isdigit() and int(local) > (os.cpu_count() or 1):
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     error_file = os.path.join(scratch, "error.json")
     try:
         child = subprocess.Popen(argv, stdout=out_write, stderr=err_write,
-                                 env=child_environment(os.environ, error_file),
+                                 env=child_environment(os.environ, error_file, rank),
                                  start_new_session=True, preexec_fn=_set_child_deathsig)
     except OSError as error:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -172,18 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(scratch, ignore_errors=True)
     with lock:
         _write_record(exit_record(rank, host, returncode, stopped, tuple(tail), end, report,
-                                  err_relay.saw_mpi_abort))
+                                  err_relay.saw_mpi_abort, err_relay.last_exception))
     return exit_code(returncode)
 
 
 def exit_record(rank: int, host: str, returncode: int, stopped: bool, tail: tuple[str, ...],
-                end: float, report: ErrorReport | None, mpi_abort: bool) -> ExitRecord:
+                end: float, report: ErrorReport | None, mpi_abort: bool, exception: str = "") -> ExitRecord:
     """What the supervisor learns of this rank; the runtime's own account beats our inference."""
     if report is None:
-        return ExitRecord(rank, host, returncode, stopped, end, tail, mpi_abort=mpi_abort)
+        return ExitRecord(rank, host, returncode, stopped, end, tail, mpi_abort=mpi_abort, exception=exception)
     return ExitRecord(rank, host, returncode, stopped=report.cause is FailureCause.PEER,
                       time=min(end, report.time), stderr_tail=tail, report=report.message,
-                      mpi_abort=mpi_abort)
+                      mpi_abort=mpi_abort, exception=exception)
 
 
 def _write_record(record: ExitRecord) -> None:

@@ -1,4 +1,5 @@
-"""`python -m mtrain.launcher.remote_guard 'SHELL COMMAND'`: runs on a remote host, inside the SSH session.
+"""`python -m mtrain.launcher.remote_guard [--job-file T --layout JSON] 'SHELL COMMAND'`: runs on a
+remote host, inside the SSH session.
 
 It runs MPI's daemon command in the login shell and ends the whole process
 tree under it (daemons and ranks) when the session ends or goes silent: the
@@ -9,9 +10,14 @@ HEARTBEAT_TIMEOUT seconds means the link is cut.
 PRRTE's daemon forks and calls setsid(), so killing a process group is not
 enough: the guard makes itself a child subreaper, so every descendant stays
 under it even when its parent exits, and signals the whole tree.
+
+With `--job-file`, the guard first writes the job's layout (mtrain.records.
+JobLayout) to that path template, "{host}" replaced by this host's name, for
+the rank wrappers here, and removes it when the job ends.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import select
@@ -23,6 +29,7 @@ import threading
 import time
 
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, signal_process
+from mtrain.records import JobLayout
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -66,11 +73,26 @@ def end_tree(grace: float = TERM_GRACE) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    job_file, layout = None, None
+    if argv[:1] == ["--job-file"] and len(argv) >= 4 and argv[2] == "--layout":
+        job_file, layout, argv = argv[1].format(host=socket.gethostname()), JobLayout.decode(argv[3]), argv[4:]
     if len(argv) != 1:
-        print("usage: python -m mtrain.launcher.remote_guard 'COMMAND'", file=sys.stderr)
+        print("usage: python -m mtrain.launcher.remote_guard [--job-file PATH --layout JSON] 'COMMAND'",
+              file=sys.stderr)
         return 2
+    if job_file and layout:
+        layout.write(job_file)
+    try:
+        return _guard(argv[0])
+    finally:
+        if job_file:
+            with contextlib.suppress(OSError):
+                os.unlink(job_file)
+
+
+def _guard(command: str) -> int:
     become_subreaper()
-    child = subprocess.Popen([_login_shell(), "-c", argv[0]], stdin=subprocess.DEVNULL)
+    child = subprocess.Popen([_login_shell(), "-c", command], stdin=subprocess.DEVNULL)
     done = threading.Event()
     ending = threading.Lock()
 

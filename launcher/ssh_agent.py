@@ -39,30 +39,34 @@ _WITH_VALUE = {"-o", "-l", "-p", "-i", "-F", "-E"}
 
 
 def write_config(path: str, options: SshOptions, python: str, events_path: str | None,
-                 gate: str | None = None) -> None:
+                 gate: str | None = None, job_file: str | None = None) -> None:
     """Write the agent's settings for `--config` (done by the launcher before mpirun starts).
 
     With `gate` (a records.Gate path), the agent connects and authenticates at
     once but runs nothing until the supervisor opens the gate (closed: give up
     quietly); that lets mpirun and the SSH handshakes start while the preflight runs.
+    The gate opens with the job's layout, which the remote guard leaves in
+    `job_file` (a template with "{host}") for the ranks on its host.
     """
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"port": options.port, "identity_file": options.identity_file,
                    "accept_new_hosts": options.accept_new_hosts,
                    "connect_timeout": options.connect_timeout, "python": python,
-                   "events": events_path, "gate": gate}, handle)
+                   "events": events_path, "gate": gate, "job_file": job_file}, handle)
 
 
-def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | None]:
-    """(SSH options, remote Python, events file, gate) from a `--config` file; defaults without one."""
+def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | None, str | None]:
+    """(SSH options, remote Python, events file, gate, job file) from a `--config` file;
+    defaults without one."""
     if not path:
-        return SshOptions(), sys.executable, None, None
+        return SshOptions(), sys.executable, None, None, None
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     options = SshOptions(port=data.get("port"), identity_file=data.get("identity_file"),
                          accept_new_hosts=bool(data.get("accept_new_hosts")),
                          connect_timeout=float(data.get("connect_timeout", 30)))
-    return options, data.get("python") or sys.executable, data.get("events"), data.get("gate")
+    return (options, data.get("python") or sys.executable, data.get("events"), data.get("gate"),
+            data.get("job_file"))
 
 
 def wait_for_gate(gate: str | None, timeout: float, stop: threading.Event) -> bool:
@@ -92,11 +96,15 @@ def split_arguments(argv: list[str]) -> tuple[str, list[str], int | None]:
     return argv[index], argv[index + 1:], port
 
 
-def remote_command(words: list[str], python: str) -> str:
-    """The string the remote shell runs: the guard around MPI's daemon command."""
+def remote_command(words: list[str], python: str, job_file: str | None = None, layout: str = "") -> str:
+    """The string the remote shell runs: the guard around MPI's daemon command
+    (the guard also leaves the job's `layout` in `job_file` for the ranks)."""
     words = [word for word in words if word != "--daemonize"]
     inner = " ".join(words)  # what OpenSSH would send: MPI quoted the words for a shell
-    return f"exec {shlex.quote(python)} -m mtrain.launcher.remote_guard {shlex.quote(inner)}"
+    guard = f"exec {shlex.quote(python)} -m mtrain.launcher.remote_guard"
+    if job_file and layout:
+        guard += f" --job-file {shlex.quote(job_file)} --layout {shlex.quote(layout)}"
+    return f"{guard} {shlex.quote(inner)}"
 
 
 def _pump(read, fd: int) -> None:
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         config_path, argv = argv[1], argv[2:]
     try:
         host, words, port = split_arguments(argv)
-        options, python, events_path, gate = read_config(config_path)
+        options, python, events_path, gate, job_file = read_config(config_path)
     except (ValueError, OSError) as error:
         print(f"mtrain-agent: {error}; usage: python -m mtrain.launcher.ssh_agent [--config FILE] HOST COMMAND…",
               file=sys.stderr)
@@ -154,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     transport = client.get_transport()
     try:
         channel = transport.open_session(timeout=options.connect_timeout)
-        channel.exec_command(remote_command(words, python))
+        layout = Gate(gate).message() if gate else ""
+        channel.exec_command(remote_command(words, python, job_file, layout))
     except Exception as error:
         _report(events_path, AgentEventKind.CONNECT_FAILED, host, f"host {host}: cannot start a session: {error}")
         print(f"mtrain-agent: host {host}: cannot start a session: {error}", file=sys.stderr)

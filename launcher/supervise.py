@@ -113,7 +113,7 @@ class Job:
     """One running mpirun and what we learn about it."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], ranks: int, output_dir: Path | None,
-                 verbose: bool, events_path: str | None, preflight: Callable[[], bool] | None = None,
+                 verbose: bool, events_path: str | None, preflight: Callable[[], str | None] | None = None,
                  gate: Gate | None = None) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
         self.events_path, self.preflight, self.gate = events_path, preflight, gate
@@ -227,9 +227,9 @@ class Job:
 
     def _pass_gate(self, process: subprocess.Popen) -> bool:
         """Run the preflight while mpirun's agents connect; open or close their gate."""
-        passed = self.preflight()
-        if passed:
-            self.gate.open()
+        message = self.preflight()
+        if message is not None:
+            self.gate.open(message)
             return True
         # Nothing ran anywhere: the agents only connected.  Silence mpirun's complaints.
         self.quiet = True
@@ -316,11 +316,12 @@ def wait_session_empty(session: int, timeout: float) -> bool:
 
 def run_job(argv: Sequence[str], env: dict[str, str], ranks: int, output_dir: Path | None = None,
             verbose: bool = False, events_path: str | None = None,
-            preflight: Callable[[], bool] | None = None, gate: Gate | None = None) -> int:
+            preflight: Callable[[], str | None] | None = None, gate: Gate | None = None) -> int:
     """Run the launcher argv (a job of `ranks` ranks) under supervision; return mtrain's exit status.
 
     `events_path` is the file the SSH agents report connection problems to;
-    `preflight` runs once mpirun has started and opens the agents' `gate` when it passes.
+    `preflight` runs once mpirun has started; when it passes it returns the message the
+    agents' `gate` opens with (None: it failed, nothing runs).
     """
     return Job(argv, env, ranks, output_dir, verbose, events_path, preflight, gate).run()
 

@@ -230,3 +230,31 @@ def test_rank_leaving_mid_job_is_named_not_the_ranks_it_strands():
     assert "first failure: rank 1 on" in done.stderr, done.stderr
     assert "left the job" in done.stderr
     assert_only_mtrain_output(done.stderr)
+
+
+@pytest.mark.parametrize("np_", [1, 3])
+def test_plain_torch_distributed_program_runs_unchanged(tmp_path, np_):
+    pytest.importorskip("torch")
+    script = os.path.join(os.path.dirname(__file__), "..", "cluster", "ddp_plain.py")
+    before = set(os.listdir("/tmp"))
+    done = mtrain("-np", str(np_), PYTHON, script, "gloo", timeout=120)
+    assert done.returncode == 0, done.stderr
+    ranks = {}
+    for line in done.stdout.splitlines():
+        data = __import__("json").loads(line.split(">:", 1)[1])
+        ranks[data["rank"]] = data
+    assert sorted(ranks) == list(range(np_))
+    for rank, data in ranks.items():
+        assert (data["world"], data["local_rank"], data["local_world_size"]) == (np_, rank, np_)
+        assert (data["group_rank"], data["group_world_size"]) == (0, 1)
+        assert data["params"] == ranks[0]["params"]
+    assert not [name for name in set(os.listdir("/tmp")) - before if name.startswith("mtrain-job-")]
+
+
+def test_master_port_flag_and_tf_config_on_one_host():
+    code = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+            "print(os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'], c['task']['index'], len(set(c['cluster']['worker'])))")
+    done = mtrain("-np", "2", "--master-port", "29611", PYTHON, "-c", code)
+    assert done.returncode == 0, done.stderr
+    assert sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines()) == [
+        "127.0.0.1 29611 0 2", "127.0.0.1 29611 1 2"]

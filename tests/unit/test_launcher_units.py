@@ -12,7 +12,7 @@ from mtrain.launcher.rank import child_environment, exit_record
 from mtrain.launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
 from mtrain.launcher.supervise import first_failure
 from mtrain.records import (EXIT_MARKER, AgentEvent, AgentEventKind, AgentEventReader, ErrorReport, ExitRecord,
-                            FailureCause, Gate, report_error)
+                            FailureCause, Gate, exception_line, report_error)
 
 
 def test_agent_parses_ssh_style_arguments():
@@ -35,9 +35,11 @@ def test_agent_command_drops_daemonize_and_quotes_for_the_guard():
 
 def test_agent_config_round_trip(tmp_path):
     path = str(tmp_path / "agent.json")
-    write_config(path, SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events", "/tmp/gate")
-    assert read_config(path) == (SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events", "/tmp/gate")
-    assert read_config(None)[2:] == (None, None)
+    write_config(path, SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events", "/tmp/gate",
+                 "/tmp/job-{host}.json")
+    assert read_config(path) == (SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events", "/tmp/gate",
+                                 "/tmp/job-{host}.json")
+    assert read_config(None)[2:] == (None, None, None)
 
 
 def test_gate_opens_closes_and_times_out(tmp_path):
@@ -176,6 +178,26 @@ def test_describe_names_signal_and_reason():
     assert _exit(0, 2, False, 0, tail=["python: can't open file 'x.py'"]).reason == "python: can't open file 'x.py'"
     assert _exit(0, 1, False, 0, "MismatchError: m", tail=traceback).reason == "MismatchError: m"
     assert _exit(0, -11, False, 0, tail=["last words"]).reason == ""  # a signal is its own reason
+    # A message of many lines pushes the exception's own line out of the tail: the wrapper keeps it.
+    long = ExitRecord(0, "h", 1, False, 0, ("  0: <tf.Tensor ...>", "}) with an unsupported type"),
+                      exception="ValueError: Attempt to convert a value (PerReplica:{")
+    assert long.reason == "ValueError: Attempt to convert a value (PerReplica:{"
+
+
+def test_exception_lines_are_recognised_and_shortened():
+    assert exception_line("mtrain.ringreduce.errors.MismatchError: ranks differ") == "MismatchError: ranks differ"
+    assert exception_line("[rank1]: RuntimeError: simulated") == "RuntimeError: simulated"
+    assert exception_line("KeyboardInterrupt") == "KeyboardInterrupt"
+    for other in ("  File \"x.py\", line 3", "WARNING: All log messages", "/a/b.py:74: UserWarning: x",
+                  "python: can't open file 'x.py'", "Traceback (most recent call last):"):
+        assert exception_line(other) == "", other
+
+
+def test_wrapper_keeps_the_exception_line_a_long_message_pushes_out_of_the_tail():
+    code = "raise ValueError('first line of a long message' + chr(10) * 40 + 'last line')"
+    shown, record = _wrapped(code)
+    assert record.exception == "ValueError: first line of a long message"
+    assert record.describe() == "rank 5 on " + record.host + ": exit code 1 (ValueError: first line of a long message)"
 
 
 def test_paramiko_starts_without_importing_invoke_until_ssh_config_needs_it():
