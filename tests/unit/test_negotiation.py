@@ -1,0 +1,143 @@
+"""Coordinator and ResponseCache (ringreduce/negotiation.py) without MPI: the gathered
+reports every rank would send are built by hand, as rank 0 receives them."""
+import numpy as np
+import pytest
+
+from mtrain.ringreduce import negotiation
+from mtrain.ringreduce.errors import MismatchError, StallError, Verdict
+from mtrain.ringreduce.negotiation import Coordinator, Response, ResponseCache, bits_of, set_bit
+
+
+def report(name, meta, description=None):
+    return (name, meta, description or f"allreduce {meta}")
+
+
+def gathered(*per_rank, pending=None):
+    """One coordinator round: each rank's reports (and pending names, for a stall check)."""
+    return [(list(reports), None if pending is None else pending[r]) for r, reports in enumerate(per_rank)]
+
+
+def apply_all(responses, *caches):
+    for cache in caches:
+        for response in responses:
+            cache.apply(response)
+
+
+def test_op_reported_by_every_rank_with_equal_metadata_is_ready_and_cached():
+    coordinator, cache = Coordinator(3, 60, 0), ResponseCache()
+    first = coordinator.decide(gathered([report("w", "f4[3]")], [], [report("w", "f4[3]")]), cache, set(), 0.0)
+    assert first == [], "rank 1 has not reported yet"
+    second = coordinator.decide(gathered([], [report("w", "f4[3]")], []), cache, set(), 1.0)
+    assert second == [Response(Verdict.READY, "w", 0, "f4[3]")]
+    apply_all(second, cache)
+    assert cache.lookup("w", "f4[3]") == 0 and cache.lookup("w", "f4[4]") == -1
+    assert cache.names == ["w"] and cache.words == 1
+
+
+def test_each_new_name_gets_the_next_bit_and_every_rank_stays_identical():
+    coordinator = Coordinator(2, 60, 0)
+    caches = [ResponseCache(), ResponseCache()]
+    names = [f"grad.{i}" for i in range(70)]  # more than one 64-bit word
+    reports = [report(n, i) for i, n in enumerate(names)]
+    responses = coordinator.decide(gathered(reports, reports[::-1]), caches[0], set(), 0.0)
+    apply_all(responses, *caches)
+    assert [r.bit for r in responses] == list(range(70))
+    assert caches[0].names == caches[1].names == names
+    assert caches[0].entries == caches[1].entries and caches[0].words == 2
+
+
+def test_auto_named_ops_are_never_cached():
+    coordinator, cache = Coordinator(2, 60, 0), ResponseCache()
+    responses = coordinator.decide(gathered([report("noname.4", 1)], [report("noname.4", 1)]), cache, set(), 0.0)
+    assert responses == [Response(Verdict.READY, "noname.4", -1, 1)]
+    apply_all(responses, cache)
+    assert cache.names == [] and cache.lookup("noname.4", 1) == -1
+
+
+def test_cache_full_runs_the_op_without_a_bit(monkeypatch):
+    monkeypatch.setattr(negotiation, "CACHE_CAPACITY", 2)
+    coordinator, cache = Coordinator(1, 60, 0), ResponseCache()
+    responses = coordinator.decide(gathered([report("a", 1), report("b", 2), report("c", 3)]), cache, set(), 0.0)
+    assert [(r.name, r.bit) for r in responses] == [("a", 0), ("b", 1), ("c", -1)]
+
+
+def test_different_metadata_is_a_mismatch_naming_every_rank():
+    coordinator, cache = Coordinator(3, 60, 0), ResponseCache()
+    responses = coordinator.decide(gathered([report("w", "A", "allreduce float32[10]")],
+                                            [report("w", "B", "allreduce float32[11]")],
+                                            [report("w", "A", "allreduce float32[10]")]), cache, set(), 0.0)
+    assert len(responses) == 1 and responses[0].verdict is Verdict.MISMATCH
+    message = responses[0].message
+    for fragment in ("'w'", "rank 0: allreduce float32[10]", "rank 1: allreduce float32[11]",
+                     "rank 2: allreduce float32[10]"):
+        assert fragment in message
+    error = responses[0].verdict.error(message)
+    assert type(error) is MismatchError and str(error) == message
+    apply_all(responses, cache)
+    assert cache.names == [], "a mismatch assigns no bit"
+    assert coordinator.reported == {} and coordinator.first_seen == {}, "the name is forgotten"
+
+
+def test_a_rank_with_new_metadata_for_a_cached_name_invalidates_it_everywhere():
+    coordinator, cache = Coordinator(2, 60, 0), ResponseCache()
+    apply_all(coordinator.decide(gathered([report("w", "A")], [report("w", "A")]), cache, set(), 0.0), cache)
+    # Rank 0 still holds "w" under its cached metadata (its bit is set); rank 1 reports "w" as B.
+    responses = coordinator.decide(gathered([], [report("w", "B")]), cache, {"w"}, 1.0)
+    assert responses == [Response(Verdict.INVALIDATE, "w")]
+    apply_all(responses, cache)
+    assert cache.lookup("w", "A") == -1 and cache.names == [None], "a tombstone keeps later bits in place"
+    # Rank 0 reports afresh; with B everywhere the name is ready again under a new bit.
+    responses = coordinator.decide(gathered([report("w", "B")], []), cache, set(), 2.0)
+    assert responses == [Response(Verdict.READY, "w", 1, "B")]
+    apply_all(responses, cache)
+    assert cache.lookup("w", "B") == 1 and cache.names == [None, "w"]
+
+
+def test_new_metadata_on_every_rank_at_once_keeps_the_bit():
+    coordinator, cache = Coordinator(2, 60, 0), ResponseCache()
+    apply_all(coordinator.decide(gathered([report("w", "A")], [report("w", "A")]), cache, set(), 0.0), cache)
+    responses = coordinator.decide(gathered([report("w", "B")], [report("w", "B")]), cache, set(), 1.0)
+    assert responses == [Response(Verdict.READY, "w", 0, "B")]
+    apply_all(responses, cache)
+    assert cache.lookup("w", "B") == 0 and cache.lookup("w", "A") == -1
+
+
+def test_stall_past_the_limit_is_an_error_naming_the_missing_ranks(capsys):
+    coordinator, cache = Coordinator(3, warn_seconds=60, shutdown_seconds=10), ResponseCache()
+    coordinator.note_partial(["late"], now=100.0)
+    assert not coordinator.stall_check_due(105.0)
+    assert coordinator.stall_check_due(111.0)
+    pending = [["late"], [], ["late"]]
+    responses = coordinator.decide(gathered([], [], [], pending=pending), cache, set(), 111.0)
+    assert len(responses) == 1 and responses[0].verdict is Verdict.STALLED
+    message = responses[0].message
+    assert "'late'" in message and "rank(s) [0, 2]" in message and "rank(s) [1]" in message
+    assert type(responses[0].verdict.error(message)) is StallError
+    assert not coordinator.stall_check_due(200.0), "a stalled op is reported once"
+    assert capsys.readouterr().err == ""
+
+
+def test_stall_warning_is_printed_once_per_op(capsys):
+    coordinator, cache = Coordinator(2, warn_seconds=5, shutdown_seconds=0), ResponseCache()
+    coordinator.note_partial(["slow.0"], now=0.0)
+    coordinator.note_partial(["slow.1"], now=3.0)
+    coordinator.note_partial(["slow.0", "slow.1"], now=4.0)  # already seen: each keeps its first time
+    assert not coordinator.stall_check_due(5.0)
+    assert coordinator.stall_check_due(6.0)
+    pending = [["slow.0", "slow.1"], []]
+    assert coordinator.decide(gathered([], [], pending=pending), cache, set(), 6.0) == []
+    err = capsys.readouterr().err
+    assert "stall warning" in err and "'slow.0'" in err and "rank(s) [1]" in err and "slow.1" not in err
+    assert not coordinator.stall_check_due(7.0), "slow.0 was warned about; slow.1 is not due yet"
+    assert coordinator.stall_check_due(8.5), "slow.1 is due now"
+    coordinator.forget("slow.0")
+    assert coordinator.first_seen == {"slow.1": 3.0} and coordinator.warned == set()
+
+
+@pytest.mark.parametrize("bits", [[], [0], [5, 63], [0, 64, 65, 127, 128]])
+def test_set_bit_and_bits_of_round_trip(bits):
+    words = np.zeros(3, dtype=np.uint64)
+    for bit in bits:
+        set_bit(words, bit)
+    assert bits_of(words) == bits
+    assert sum(bin(int(w)).count("1") for w in words) == len(bits)
