@@ -11,7 +11,6 @@ the legacy stream, so torch side streams are ordered too.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -26,7 +25,7 @@ from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
 )
 
 from .build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
-    ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
+    ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from . import compression as _compression
 from .gradient_op import check_gradient_op, resolve_op
 from .handles import Handle, poll, synchronize  # noqa: F401
@@ -49,11 +48,6 @@ class Compression:
     fp16 = _compression.fp16_compressor(
         cast=lambda t, dtype: t.to(dtype), is_floating=lambda t: t.is_floating_point(),
         dtype_of=lambda t: t.dtype, float16=torch.float16)
-
-
-def cuda_built() -> bool:
-    """CUDA tensors work when CuPy is installed (the GPU path goes through it)."""
-    return importlib.util.find_spec("cupy") is not None
 
 
 def _follow_runtime_device(device_id: int) -> None:

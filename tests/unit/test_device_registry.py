@@ -52,3 +52,17 @@ def test_no_gpu_means_no_binding_and_no_hook_call(monkeypatch):
     calls = []
     cuda.on_device_bound(calls.append)
     assert cuda.bind_device(local_rank=1) is None and calls == []
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_cuda_built_says_whether_the_install_has_the_gpu_path(monkeypatch, installed):
+    import importlib.util
+
+    from mtrain import build_info
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "cupy" else real_find_spec(name, *a))
+    assert build_info.cuda_built() is installed
+    assert cuda.cupy_installed() is installed
+    if not installed:
+        assert cuda.gpu_count() == 0
