@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for issue 6, on one machine with a GPU (made for one H200, torch,
+# GPU check of the CuPy path, on one machine with a GPU (made for one H200, torch,
 # cupy-cuda13x and mpi4py preinstalled, no network). Usually under 5 minutes
 # (the step bounds add up to 560 s, under a 10-minute device call):
 #   1. environment: GPU, CuPy, torch, mpi4py, MPI library, CUDA-aware or not
