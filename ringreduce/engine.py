@@ -7,15 +7,16 @@ engine thread
 2. negotiates with the other ranks which ops every rank has submitted
    (``negotiation.py``: a response-cache bit vector in the steady state, a
    coordinator round trip for new names),
-3. runs the ready ops in the same order on every rank: all-reduces with equal
-   dtype, op and scaling are packed into one reusable fusion buffer up to the
-   fusion threshold and reduced by one ring; large tensors are reduced in
-   place with no copy; other collectives run one by one,
+3. runs the ready ops in the same order on every rank: all-reduces in the
+   rings ``fusion.py`` plans (small tensors packed into one reusable fusion
+   buffer, large ones reduced in place with no copy), other collectives one
+   by one (``collectives.py``),
 4. completes the handles.
 
 Errors are delivered to the handles of every rank (``synchronize`` raises
-them): mismatched submissions, stalls past MTRAIN_STALL_SHUTDOWN_SECONDS, and
-shutdown with ops in flight. Nothing waits forever on a rank that has left.
+them; the classes live in ``errors.py``): mismatched submissions, stalls past
+MTRAIN_STALL_SHUTDOWN_SECONDS, and shutdown with ops in flight. Nothing waits
+forever on a rank that has left.
 """
 from __future__ import annotations
 
