@@ -140,7 +140,7 @@ def test_stall_shutdown_fails_waiting_ranks_naming_the_missing_one():
 
 
 STALL_WARNING_SCRIPT = """
-import time, numpy as np, ringreduce as rr
+import time, numpy as np, mtrain.ringreduce as rr
 rr.init()
 if rr.rank() == 1:
     time.sleep(2.5)  # rank 1 is late: the others wait on 'late.grad' meanwhile
@@ -161,7 +161,7 @@ def test_stall_warning_names_op_and_missing_rank(nprocs):
 
 
 SHUTDOWN_SCRIPT = """
-import sys, numpy as np, ringreduce as rr
+import sys, numpy as np, mtrain.ringreduce as rr
 rr.init()
 if rr.rank() == 0:
     handle = rr.allreduce_async(np.ones(10), name="never.matched")
@@ -210,7 +210,7 @@ def test_memory_and_file_descriptors_stable_over_thousands_of_steps():
 
 
 TIMELINE_SCRIPT = """
-import numpy as np, ringreduce as rr
+import numpy as np, mtrain.ringreduce as rr
 rr.init()
 handles = [rr.allreduce_async(np.ones(n), name=f"w{n}") for n in (5, 50, 500_000)]
 [rr.synchronize(h) for h in handles]
@@ -233,7 +233,7 @@ def test_timeline_is_chrome_trace_json_from_rank_0():
 
 
 DYING_RANK_SCRIPT = """
-import os, signal, time, numpy as np, ringreduce as rr
+import os, signal, time, numpy as np, mtrain.ringreduce as rr
 rr.init()
 for step in range(1000):
     if rr.rank() == 1 and step == 20:

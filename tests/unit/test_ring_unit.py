@@ -56,7 +56,7 @@ def test_scratch_buffers_are_reused():
 
 
 def test_collective_before_init_says_to_call_init():
-    code = "import numpy, ringreduce as rr\ntry:\n    rr.allreduce(numpy.ones(2))\nexcept ValueError as e:\n    print(e)"
+    code = "import numpy, mtrain.ringreduce as rr\ntry:\n    rr.allreduce(numpy.ones(2))\nexcept ValueError as e:\n    print(e)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "call init() first" in out.stdout, out.stderr
     assert out.returncode == 0
