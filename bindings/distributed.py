@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -437,7 +438,11 @@ def init_process_group(timeout: Optional[timedelta] = None, **kwargs: Any) -> No
             kwargs["init_method"] = rr.broadcast_object(address, 0, name="mtrain.distributed.rendezvous")
     if timeout is not None:
         kwargs["timeout"] = timeout
+    hook = sys.excepthook
     dist.init_process_group(BACKEND, rank=rr.rank(), world_size=rr.size(), **kwargs)
+    # torch wraps the excepthook and points sys.stderr at a buffer while the previous hook runs;
+    # mtrain's hook aborts the job from inside, so the traceback would never be printed.
+    sys.excepthook = hook
 
 
 register()
