@@ -312,7 +312,8 @@ class ProcessGroupMtrain(dist.ProcessGroup):
                              f"must hold world size ({self.size()}) times the output "
                              f"({output_tensor.dtype}{list(output_tensor.shape)})")
         if input_tensor.is_complex() and op not in (rr.Sum, rr.Average):
-            raise ValueError("reduce_scatter_tensor: only ReduceOp.SUM and ReduceOp.AVG are defined for complex tensors")
+            raise ValueError("reduce_scatter_tensor: only ReduceOp.SUM and ReduceOp.AVG are defined for "
+                             "complex tensors")
         array = _input_array(input_tensor, "reduce_scatter_tensor input").reshape(self.size(), -1)
         destination, land = _inplace_array(output_tensor, "reduce_scatter_tensor output")
         name = self._name("reduce_scatter", op.name.lower(), f"{array.dtype}{list(array.shape)}")

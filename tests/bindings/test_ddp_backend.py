@@ -185,6 +185,14 @@ def test_async_handles_futures_barrier_and_errors():
     chained = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] / n)
     assert np.allclose(chained.wait().numpy(), (n + 1) / 2)
 
+    # A second mtrain group over all ranks: its ops are named apart from the default group's.
+    second = dist.new_group(backend="mtrain")
+    a, b = torch.full((4,), float(me)), torch.full((4,), 10.0 * me)
+    work_b = dist.all_reduce(b, group=second, async_op=True)
+    dist.all_reduce(a)
+    work_b.wait()
+    assert torch.equal(a, torch.full((4,), float(sum(range(n))))) and torch.equal(b, 10 * a)
+
     # Errors that say what to do.
     with pytest.raises(ValueError, match="does not support"):
         dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND)
