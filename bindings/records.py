@@ -123,7 +123,9 @@ class ExitRecord:
 
     @property
     def failed(self) -> bool:
-        return self.returncode != 0
+        # A rank that ended with status 0 still failed if the runtime says it left the job
+        # while other ranks needed it.
+        return self.returncode != 0 or bool(self.report and not self.stopped)
 
     @property
     def evidence(self) -> Evidence:

@@ -256,7 +256,7 @@ class Job:
             return 255
         if failure is not None:
             self._report(failure, len(records))
-            return exit_code(failure.returncode)
+            return exit_code(failure.returncode) or 1
         unreachable = [e for e in host_problems if e.kind is AgentEventKind.CONNECT_FAILED]
         if unreachable:
             for event in unreachable:

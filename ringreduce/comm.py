@@ -12,6 +12,8 @@ from mpi4py import MPI
 
 from mtrain.records import FailureCause, report_error
 
+from . import exits
+
 
 @dataclasses.dataclass(frozen=True)
 class Communicators:
@@ -59,6 +61,8 @@ def install_abort_on_exception() -> None:
 
     def abort_hook(kind, value, tb):  # type: ignore[no-untyped-def]
         if kind is KeyboardInterrupt or MPI.COMM_WORLD.Get_size() == 1:
+            if kind is KeyboardInterrupt:
+                exits.note_keyboard_interrupt()  # end the job at exit, not wait for the others
             previous_hook(kind, value, tb)
             return
         rank = MPI.COMM_WORLD.Get_rank()

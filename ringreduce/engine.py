@@ -504,7 +504,14 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
-            self._closed_error = error if not isinstance(error, ShutdownError) else None
+            if not isinstance(error, ShutdownError):
+                self._closed_error = error
+            elif error.peers:  # other ranks left: later ops must say who, not just "shut down"
+                self._closed_error = ShutdownError(
+                    f"rank(s) {error.peers} left the job (shutdown() or process exit); no collective "
+                    "can run without them", peers=error.peers)
+            else:
+                self._closed_error = None
             self._closing = True
             leftovers = list(self._pending.values()) + self._incoming
             self._incoming = []

@@ -1,14 +1,13 @@
 """Process-wide runtime state and the public functions of ``ringreduce``."""
 from __future__ import annotations
 
-import atexit
 import pickle
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import comm as comm_module
-from . import cuda, ring
+from . import cuda, exits, ring
 from .backend import is_device_array
 from .collectives import Executor, Kind
 from .engine import Engine, EngineConfig, Handle, env_number, make_request
@@ -55,7 +54,7 @@ def init(comm: Any = None) -> None:
     engine = Engine(Executor(comms.world, segment, small), comms.world.Dup(), config)
     _runtime = _Runtime(comms, engine)
     comm_module.install_abort_on_exception()
-    atexit.register(shutdown)
+    exits.install(shutdown)
 
 
 def shutdown() -> None:

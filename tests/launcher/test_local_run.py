@@ -217,18 +217,24 @@ def test_check_reports_mpi_and_frameworks():
     assert lines[-1].startswith("GPUs: ")
 
 
-def test_rank_leaving_mid_job_is_named_not_the_ranks_it_strands():
-    # Rank 1 exits early (sys.exit) while rank 0 still waits on an all-reduce: rank 0 then
-    # fails with ShutdownError, but the report must name rank 1, where the failure began.
+@pytest.mark.parametrize("status", [7, 0])
+def test_rank_leaving_mid_job_is_named_not_the_ranks_it_strands(status):
+    # Rank 1 exits early while rank 0 still waits on an all-reduce.  With an error status the
+    # job ends with that status at once; with status 0 rank 0's op fails with ShutdownError,
+    # but the report must name rank 1, where the failure began.
     code = ("import sys, numpy as np, mtrain.ringreduce as rr\n"
             "rr.init()\n"
             "for step in range(3):\n    rr.allreduce(np.ones(4), name=f's{step}')\n"
-            "if rr.rank() == 1:\n    sys.exit(7)\n"
+            f"if rr.rank() == 1:\n    sys.exit({status})\n"
             "rr.allreduce(np.ones(4), name='stranded')\n")
+    started = time.monotonic()
     done = mtrain("-np", "2", PYTHON, "-c", code)
-    assert done.returncode != 0
+    assert time.monotonic() - started < 30
     assert "first failure: rank 1 on" in done.stderr, done.stderr
-    assert "left the job" in done.stderr
+    if status:
+        assert done.returncode == status and "exit code 7" in done.stderr, done.stderr
+    else:
+        assert done.returncode != 0 and "left the job" in done.stderr, done.stderr
     assert_only_mtrain_output(done.stderr)
 
 

@@ -1,0 +1,84 @@
+"""How a rank leaves the job, so that every way of leaving ends the job or finishes it cleanly.
+
+Open MPI 5's ``MPI_Finalize`` waits (a PMIx fence) until every other rank
+finalizes too.  A rank that ends with an error status while the others are
+busy outside MPI (loading data, evaluating, checkpointing) would wait there
+forever, and the launcher would never see its status.  So, at exit:
+
+* an error status (``sys.exit(7)``, ``exit("message")``, an uncaught
+  ``KeyboardInterrupt``) makes mpi4py end MPI with ``MPI_Abort(status)``
+  instead of ``MPI_Finalize``: Open MPI stops the other ranks at once, and the
+  rank's own status is what the launcher reports (the engine is not shut down
+  politely first: the other ranks would fail on that news and race the abort);
+* status 0 shuts the engine down, so that ops other ranks still have in
+  flight, or submit later, fail with a ``ShutdownError`` naming this rank,
+  then finalizes as usual, waiting for the ranks still at work.
+
+The interpreter does not tell exit handlers its exit status, so ``sys.exit``
+(and the ``exit``/``quit`` builtins) are wrapped to note the status asked for
+before raising ``SystemExit`` as always.  An uncaught exception never gets
+here: the abort hook in ``comm.py`` ends the job first.
+"""
+from __future__ import annotations
+
+import atexit
+import builtins
+import signal
+import sys
+from typing import Any, Callable
+
+_requested: "int | None" = None   # the status sys.exit() was last asked for
+_installed = False
+
+
+def status_of(code: Any) -> int:
+    """The process status `SystemExit(code)` ends with (as the interpreter computes it)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1  # a message: printed, then status 1
+
+
+def note_status(status: int) -> None:
+    global _requested
+    _requested = status
+
+
+def _noting(original: Callable[..., Any]) -> Callable[..., Any]:
+    def leave(code: Any = None) -> Any:
+        note_status(status_of(code))
+        return original(code)
+
+    leave.__wrapped__ = original  # type: ignore[attr-defined]
+    leave.__doc__ = original.__doc__
+    return leave
+
+
+def install(shutdown: Callable[[], None]) -> None:
+    """Track exit statuses and run `leave` at exit (once per process)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    sys.exit = _noting(sys.exit)
+    for name in ("exit", "quit"):
+        if hasattr(builtins, name):
+            setattr(builtins, name, _noting(getattr(builtins, name)))
+    atexit.register(leave, shutdown)
+
+
+def leave(shutdown: Callable[[], None]) -> None:
+    """The exit handler: an error status ends the whole job; status 0 leaves politely."""
+    status = _requested
+    if status:
+        from mpi4py import MPI
+        # mpi4py calls MPI_Abort(status) instead of MPI_Finalize when the interpreter ends.
+        MPI._set_abort_status(status)
+        return
+    shutdown()
+
+
+def note_keyboard_interrupt() -> None:
+    """An uncaught Ctrl-C ends the rank with the status of SIGINT."""
+    note_status(128 + signal.SIGINT)
