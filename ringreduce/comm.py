@@ -70,8 +70,11 @@ def install_abort_on_exception() -> None:
         cause = FailureCause.PEER if getattr(value, "peers", None) else FailureCause.OWN
         report_error(f"{kind.__name__}: {value}", cause)
         text = "".join(traceback.format_exception(kind, value, tb))
-        sys.stderr.write(f"mtrain: rank {rank} raised an uncaught exception; aborting the job\n{text}")
-        sys.stderr.flush()
+        # The real stderr: a hook that called this one (torch.distributed's, say) may have pointed
+        # sys.stderr at a buffer it prints only after this hook returns, and Abort never returns.
+        stream = sys.__stderr__ or sys.stderr
+        stream.write(f"mtrain: rank {rank} raised an uncaught exception; aborting the job\n{text}")
+        stream.flush()
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_hook

@@ -77,9 +77,10 @@ def test_ddp_on_the_mtrain_backend_equals_gloo(cluster, tmp_path):
             np.testing.assert_allclose(ours_p, gloo_p, rtol=1e-5, atol=1e-6)
 
 
-def test_ddp_rank_that_raises_gets_the_usual_report(cluster, tmp_path, token):
+@pytest.mark.parametrize("backend", ["gloo", "mtrain"])
+def test_ddp_rank_that_raises_gets_the_usual_report(cluster, tmp_path, token, backend):
     done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "ddp_plain.py"),
-                      "gloo", "raise", token, cwd=tmp_path, timeout=120)
+                      backend, "raise", token, cwd=tmp_path, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "first failure: rank 1 on mtr-a: exit code 1 (RuntimeError: simulated failure in DDP rank 1)" in done.stderr
     assert_only_mtrain_output(done.stderr)
