@@ -79,6 +79,7 @@ def test_unknown_host_key_refused_then_accepted_on_request(cluster, tmp_path):
     assert done.returncode == 1, done.stderr
     assert "host mtr-b: unknown host key" in done.stderr and "ssh-keyscan" in done.stderr
     assert "--ssh-accept-new-hosts" in done.stderr and "Traceback" not in done.stderr
+    assert_only_mtrain_output(done.stderr)
     assert "mtr-a" not in done.stderr.replace("nothing was started", "")
     assert not marker.exists()  # nothing started anywhere
     done = run_mtrain(cluster, "--ssh-accept-new-hosts", "-H", "mtr-a:1,mtr-b:1", "touch", str(marker), home=home)
@@ -122,6 +123,7 @@ def test_wrong_identity_file_flag(cluster, tmp_path):
     os.system(f"ssh-keygen -q -t ed25519 -N '' -f {wrong_key}")
     done = run_mtrain(cluster, "-i", str(wrong_key), "-H", "mtr-a:1", "true")
     assert done.returncode == 1 and f"tried {wrong_key}" in done.stderr
+    assert_only_mtrain_output(done.stderr)
 
 
 def test_rank_exit_stops_every_rank_and_reports_it_first(cluster, tmp_path, token):

@@ -140,12 +140,14 @@ def test_killed_rank_gives_128_plus_signal():
     done = mtrain("-np", "2", PYTHON, "-c", code)
     assert done.returncode == 137, done.stderr
     assert "rank 0 on" in done.stderr and "killed by SIGKILL" in done.stderr
+    assert_only_mtrain_output(done.stderr)
 
 
 def test_command_not_found_is_127():
     done = mtrain("-np", "1", "mtrain-no-such-program")
     assert done.returncode == 127
     assert "cannot start 'mtrain-no-such-program'" in done.stderr
+    assert_only_mtrain_output(done.stderr)
 
 
 def test_output_dir_and_environment(tmp_path):
@@ -194,9 +196,10 @@ def test_stopping_mtrain_leaves_nothing(sig):
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate(timeout=10)
+        _, stderr = proc.communicate(timeout=10)
     if sig != signal.SIGKILL:
         assert proc.returncode == 128 + sig
+        assert_only_mtrain_output(stderr)
     assert_gone(token, within=10)
 
 
