@@ -213,3 +213,17 @@ def test_launcher_host_plus_remote_hosts_from_a_hostfile(cluster, tmp_path):
     assert done.returncode == 0, done.stderr
     lines = sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines())
     assert lines == ["0 False False 6", "1 True False 6", "2 True False 6", "3 False True 6"]
+
+
+def test_hostile_launcher_bindings_ringreduce_packages_in_the_working_directory(cluster, tmp_path):
+    # The agent, the remote guard, the preflight probe and the rank wrapper all start as
+    # `python -m mtrain.…`: a user's own packages of these common names change nothing.
+    for name in ("launcher", "bindings", "ringreduce"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the user\\'s own {name} was imported')\n")
+    code = ("import socket, numpy as np, mtrain.ringreduce as rr; rr.init(); "
+            "print(socket.gethostname(), rr.allreduce(np.full(2, rr.rank() + 1.0), op=rr.Sum).tolist())")
+    done = run_mtrain(cluster, "-H", "mtr-a:1,mtr-b:1", PYTHON, "-c", code, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines())
+    assert lines == ["mtr-a [3.0, 3.0]", "mtr-b [3.0, 3.0]"]
