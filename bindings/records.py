@@ -368,3 +368,65 @@ class JobLayout:
         if self.gpu_per_rank and self.gpu_per_rank[host] > 0:
             env["CUDA_VISIBLE_DEVICES"] = str(local_rank % self.gpu_per_rank[host])
         return env
+
+
+# --------------------------------------------------------------------------------------------
+# Elastic training: what the launcher's elastic driver and the ranks' `hvd.elastic` share.
+#
+# An MPI world cannot shrink or grow, so an elastic job runs as generations: the driver
+# starts one mpirun per host set.  Ranks keep every `state.commit()` in memory and in a
+# snapshot on their host; a new generation restores the newest commit any rank holds.
+
+ENV_ELASTIC = "MTRAIN_ELASTIC"                      # "1" in the ranks of an elastic job
+ENV_ELASTIC_STATE_DIR = "MTRAIN_ELASTIC_STATE_DIR"  # template, "{host}": this host's snapshot folder
+ENV_ELASTIC_UPDATES = "MTRAIN_ELASTIC_UPDATES"      # template, "{host}": file with the host-set version
+ENV_ELASTIC_VERSION = "MTRAIN_ELASTIC_VERSION"      # the host-set version this generation started with
+RESET_EXIT_STATUS = 75   # every rank exits with it to ask the driver for the next generation
+RESUME_MARKER = b"@@mtrain-elastic-resumed@@ "
+
+
+def host_path(template: str, host: "str | None" = None) -> str:
+    """A per-host path from one of the templates above ("{host}": this host's name)."""
+    import socket
+    return template.format(host=host or socket.gethostname())
+
+
+@dataclasses.dataclass(frozen=True)
+class HostUpdates:
+    """The host-set version, kept in a file on each host (written by the launcher's side)."""
+
+    version: int
+
+    def write(self, path: str) -> None:
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(str(self.version))
+        os.replace(temporary, path)
+
+    @staticmethod
+    def read(path: str) -> int:
+        """The version in `path` (0 when there is none yet)."""
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return int(handle.read().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticResume:
+    """Rank 0 of a new generation says, on stderr, from which commit training resumed."""
+
+    commit: int   # the commit number restored (-1: none, training starts afresh)
+    size: int     # how many ranks this generation has
+
+    def encode(self) -> bytes:
+        return RESUME_MARKER + json.dumps(dataclasses.asdict(self)).encode() + b"\n"
+
+    @staticmethod
+    def decode(payload: bytes) -> "ElasticResume | None":
+        try:
+            data = json.loads(payload)
+            return ElasticResume(int(data["commit"]), int(data["size"]))
+        except (ValueError, KeyError, TypeError):
+            return None

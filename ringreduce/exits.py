@@ -27,6 +27,8 @@ import signal
 import sys
 from typing import Any, Callable
 
+from mtrain.records import RESET_EXIT_STATUS
+
 _requested: "int | None" = None   # the status sys.exit() was last asked for
 _installed = False
 
@@ -71,7 +73,8 @@ def install(shutdown: Callable[[], None]) -> None:
 def leave(shutdown: Callable[[], None]) -> None:
     """The exit handler: an error status ends the whole job; status 0 leaves politely."""
     status = _requested
-    if status:
+    # Every rank of an elastic job leaves together with RESET_EXIT_STATUS: not a failure.
+    if status and status != RESET_EXIT_STATUS:
         from mpi4py import MPI
         # mpi4py calls MPI_Abort(status) instead of MPI_Finalize when the interpreter ends.
         MPI._set_abort_status(status)
