@@ -18,17 +18,25 @@ from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     rank, shutdown, size,
 )
 
+HorovodInternalError = getattr(rr, "HorovodInternalError", None)
+if HorovodInternalError is None:  # until the runtime exports its own
+    class HorovodInternalError(RuntimeError):  # type: ignore[no-redef]
+        """A collective failed inside the runtime (Horovod's name; elastic training catches it)."""
+
 from ..gradient_op import check_gradient_op, resolve_op
 from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from .. import compression as _compression
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min", "MismatchError",
-    "NotInitializedError", "Product", "ReduceOp", "Sum", "allgather", "allgather_object", "allreduce",
-    "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_variables",
-    "cross_rank", "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank",
-    "local_size", "mpi_threads_supported", "rank", "reducescatter", "shutdown", "size",
+    "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer",
+    "HorovodInternalError", "Max", "Min", "MismatchError", "NotInitializedError",
+    "PartialDistributedGradientTape", "Product", "ReduceOp", "Sum", "SyncBatchNormalization", "allgather",
+    "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
+    "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "broadcast_variables",
+    "cross_rank", "cross_size", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init",
+    "is_initialized", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_threads_supported",
+    "rank", "rank_op", "reducescatter", "shutdown", "size", "size_op",
 ]
 
 
@@ -67,11 +75,34 @@ def _dense(value: Any, what: str = "tensor") -> tf.Tensor:
     return tensor
 
 
+class _RanksDisagreeError(tf.errors.FailedPreconditionError, MismatchError):
+    """Ranks passed incompatible arguments to one collective.
+
+    Horovod programs catch ``tf.errors.FailedPreconditionError``; code written
+    against mtrain catches ``MismatchError``: this is both (raised eagerly; see ``_call``).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, None, message)
+
+
 def _call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
           shapes: Sequence[Any]) -> List[tf.Tensor]:
-    """Run ``fn`` on the inputs' NumPy values: directly when eager, as a numpy_function in a graph."""
+    """Run ``fn`` on the inputs' NumPy values: directly when eager, as a numpy_function in a graph.
+
+    Eagerly, ranks that disagree raise FailedPreconditionError (Horovod's type, and a
+    MismatchError). In a graph the error leaves through the numpy_function, where
+    TensorFlow maps Python exceptions by class alone (ValueError -> InvalidArgumentError,
+    anything else -> UnknownError; an OpError's own code is ignored): there it is an
+    InvalidArgumentError with the same message. Only a compiled kernel could do better.
+    """
     if tf.executing_eagerly():
-        outputs = fn(*[t.numpy() for t in inputs])
+        try:
+            outputs = fn(*[t.numpy() for t in inputs])
+        except MismatchError as error:
+            if isinstance(error, tf.errors.OpError):
+                raise
+            raise _RanksDisagreeError(str(error)) from error
         return [tf.convert_to_tensor(np.asarray(o), dtype=d) for o, d in zip(outputs, out_dtypes)]
     outputs = tf.numpy_function(lambda *arrays: [np.asarray(o) for o in fn(*arrays)], list(inputs),
                                 list(out_dtypes), stateful=True)
@@ -83,6 +114,123 @@ def _call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], out_
 def _c(array: Any) -> np.ndarray:
     """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray would make them 1-d)."""
     return np.asarray(array, order="C")
+
+
+def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
+    """``array * factor`` in the array's dtype; integers are scaled in float64 and truncated toward
+    zero, as Horovod does."""
+    if factor == 1.0:
+        return array
+    if array.dtype.kind in "iu":
+        return np.trunc(array.astype(np.float64) * factor).astype(array.dtype)
+    return array * np.asarray(factor, dtype=array.dtype)
+
+
+def _first_dim_unknown(tensor: tf.Tensor) -> tf.TensorShape:
+    return tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tensor.shape
+
+
+def _grad_name(name: Optional[str]) -> Optional[str]:
+    return None if name is None else f"{name}.grad"
+
+
+def _zeros_for_missing(grads: Sequence[Any], outputs: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    return [tf.zeros_like(o) if g is None else _dense(g, "gradient") for g, o in zip(grads, outputs)]
+
+
+# -- the collectives, each with Horovod's backward rule ---------------------------
+# Each ``_raw_*`` runs one collective with no gradient; the public functions wrap
+# it in tf.custom_gradient so tape.gradient (and Keras) can differentiate through it.
+
+def _raw_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str], prescale: float,
+                           postscale: float) -> List[tf.Tensor]:
+    def reduce(*arrays: np.ndarray) -> List[np.ndarray]:
+        arrays = [_c(a) for a in arrays]
+        results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale, postscale))
+        return [r.reshape(a.shape) for r, a in zip(results, arrays)]
+    return _call(reduce, inputs, [t.dtype for t in inputs], [t.shape for t in inputs])
+
+
+def _differentiable_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str],
+                                      prescale: float, postscale: float) -> List[tf.Tensor]:
+    @tf.custom_gradient
+    def reduce(*xs: tf.Tensor) -> Any:
+        outputs = _raw_grouped_allreduce(xs, op, name, prescale, postscale)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            # Horovod: the gradient of an allreduce is the same allreduce (op and scaling) of the gradient.
+            return _raw_grouped_allreduce(_zeros_for_missing(dys, outputs), op, _grad_name(name),
+                                          prescale, postscale)
+        return outputs, grad
+    return list(reduce(*inputs))
+
+
+def _raw_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str]) -> List[tf.Tensor]:
+    def gather(*arrays: np.ndarray) -> List[np.ndarray]:
+        names = [None if name is None else f"{name}.{i}" for i in range(len(arrays))]
+        handles = [rr.allgather_async(_c(a), n) for a, n in zip(arrays, names)]
+        return [rr.synchronize(h) for h in handles]
+    return _call(gather, inputs, [t.dtype for t in inputs], [_first_dim_unknown(t) for t in inputs])
+
+
+def _my_rows(grad: tf.Tensor, x: tf.Tensor, name: Optional[str]) -> tf.Tensor:
+    """This rank's block of rows of an allgathered tensor's gradient."""
+    counts = _raw_grouped_allgather([tf.shape(x, out_type=tf.int64)[:1]], name)[0]
+    start = tf.reduce_sum(counts[:rr.rank()])
+    return grad[start:start + counts[rr.rank()]]
+
+
+def _differentiable_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str]) -> List[tf.Tensor]:
+    @tf.custom_gradient
+    def gather(*xs: tf.Tensor) -> Any:
+        outputs = _raw_grouped_allgather(xs, name)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            # Horovod: average the gradient over ranks, keep the rows this rank contributed.
+            dys = _zeros_for_missing(dys, outputs)
+            averaged = [_raw_grouped_allreduce([dy], Average, None if name is None else f"{name}.grad.{i}",
+                                               1.0, 1.0)[0] for i, dy in enumerate(dys)]
+            return [_my_rows(g, x, None if name is None else f"{name}.grad.rows.{i}")
+                    for i, (g, x) in enumerate(zip(averaged, xs))]
+        return outputs, grad
+    return list(gather(*inputs))
+
+
+def _raw_broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str]) -> tf.Tensor:
+    fn = lambda a: [rr.synchronize(rr.broadcast_async(_c(a), root_rank, name)).reshape(a.shape)]  # noqa: E731,E501
+    return _call(fn, [tensor], [tensor.dtype], [tensor.shape])[0]
+
+
+def _raw_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str], prescale: float,
+                               postscale: float) -> List[tf.Tensor]:
+    def scatter(*arrays: np.ndarray) -> List[np.ndarray]:
+        names = [name if name is None or len(arrays) == 1 else f"{name}.{i}" for i in range(len(arrays))]
+        handles = [rr.reducescatter_async(_scaled(_c(a), prescale), op, n) for a, n in zip(arrays, names)]
+        return [_scaled(rr.synchronize(h), postscale) for h in handles]
+    return _call(scatter, inputs, [t.dtype for t in inputs], [_first_dim_unknown(t) for t in inputs])
+
+
+def _differentiable_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str],
+                                          prescale: float, postscale: float) -> List[tf.Tensor]:
+    @tf.custom_gradient
+    def scatter(*xs: tf.Tensor) -> Any:
+        outputs = _raw_grouped_reducescatter(xs, op, name, prescale, postscale)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            # Horovod: allgather the gradient (times size for Sum); the scale factors by the chain rule.
+            factor = prescale * postscale * (rr.size() if op == Sum else 1)
+            dys = [dy * tf.cast(factor, dy.dtype) if factor != 1 else dy for dy in _zeros_for_missing(dys, outputs)]
+            return [_raw_grouped_allgather([dy], None if name is None else f"{name}.grad.{i}")[0]
+                    for i, dy in enumerate(dys)]
+        return outputs, grad
+    return list(scatter(*inputs))
+
+
+def _raw_alltoall(tensor: tf.Tensor, splits: tf.Tensor, given: bool, name: Optional[str]) -> List[tf.Tensor]:
+    def fn(a: np.ndarray, s: np.ndarray) -> List[np.ndarray]:
+        received, received_splits = rr.synchronize(rr.alltoall_async(_c(a), s.tolist() if given else None, name))
+        return [received, np.asarray(received_splits, dtype=np.int32)]
+    return _call(fn, [tensor, splits], [tensor.dtype, tf.int32], [_first_dim_unknown(tensor), [None]])
 
 
 # -- collectives -----------------------------------------------------------------
@@ -97,12 +245,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     inputs = [t for t, _ in pairs]
     if not inputs:
         return []
-
-    def reduce(*arrays: np.ndarray) -> List[np.ndarray]:
-        arrays = [_c(a) for a in arrays]
-        results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor))
-        return [r.reshape(a.shape) for r, a in zip(results, arrays)]
-    reduced = _call(reduce, inputs, [t.dtype for t in inputs], [t.shape for t in inputs])
+    reduced = _differentiable_grouped_allreduce(inputs, op, name, prescale_factor, postscale_factor)
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
@@ -115,20 +258,32 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
                              prescale_factor, postscale_factor, name)[0]
 
 
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
+                      ignore_name_scope: bool = False) -> List[tf.Tensor]:
+    """Each tensor allgathered (see ``allgather``), submitted together."""
+    inputs = [_dense(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    return _differentiable_grouped_allgather(inputs, name) if inputs else []
+
+
 def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False) -> tf.Tensor:
     """Every rank's tensor concatenated along dimension 0 (first dimensions may differ)."""
-    tensor = _dense(tensor)
-    fn = lambda a: [rr.synchronize(rr.allgather_async(_c(a), name))]  # noqa: E731
-    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tf.TensorShape([None])
-    return _call(fn, [tensor], [tensor.dtype], [shape])[0]
+    return _differentiable_grouped_allgather([_dense(tensor)], name)[0]
 
 
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
               ignore_name_scope: bool = False) -> tf.Tensor:
     """``root_rank``'s value of ``tensor``, on every rank."""
-    tensor = _dense(tensor)
-    fn = lambda a: [rr.synchronize(rr.broadcast_async(_c(a), root_rank, name)).reshape(a.shape)]  # noqa: E731,E501
-    return _call(fn, [tensor], [tensor.dtype], [tensor.shape])[0]
+    @tf.custom_gradient
+    def send(x: tf.Tensor) -> Any:
+        output = _raw_broadcast(x, root_rank, name)
+
+        def grad(dy: Any) -> tf.Tensor:
+            # Horovod: the gradient averaged over ranks goes to the root; the others get zeros.
+            averaged = _raw_grouped_allreduce(_zeros_for_missing([dy], [output]), Average, _grad_name(name),
+                                              1.0, 1.0)[0]
+            return averaged if rr.rank() == root_rank else averaged * 0
+        return output, grad
+    return send(_dense(tensor))
 
 
 def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: Optional[str] = None) -> List[tf.Tensor]:
@@ -137,49 +292,116 @@ def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: Optional[
     return [v.read_value() for v in variables]
 
 
-def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int) -> None:
-    """Assign ``root_rank``'s value to every variable (model weights, optimizer slots, ...)."""
+def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int) -> Any:
+    """Assign ``root_rank``'s value to every variable (model weights, optimizer slots, ...).
+
+    In a TF1-style graph this returns the op that does it; eagerly it is done on return.
+    """
     variables = list(variables)
     if not variables:
-        return
+        return None if tf.executing_eagerly() else tf.no_op()
     values = [_dense(v, f"variables[{i}]") for i, v in enumerate(variables)]
 
     def fn(*arrays: np.ndarray) -> List[np.ndarray]:
         handles = [rr.broadcast_async(_c(a), root_rank, f"broadcast_variables.{i}")
                    for i, a in enumerate(arrays)]
         return [rr.synchronize(h).reshape(a.shape) for h, a in zip(handles, arrays)]
-    for variable, value in zip(variables, _call(fn, values, [v.dtype for v in values], [v.shape for v in values])):
-        variable.assign(value)
+    assigns = [variable.assign(value) for variable, value in
+               zip(variables, _call(fn, values, [v.dtype for v in values], [v.shape for v in values]))]
+    return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """TF1 graphs: the op that broadcasts every global variable from ``root_rank``."""
+    if tf.executing_eagerly():
+        raise RuntimeError("broadcast_global_variables() does not work eagerly (there are no global "
+                           "variables in TF2): use broadcast_variables(model.variables, root_rank) or "
+                           "the Keras BroadcastGlobalVariablesCallback instead")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[str] = None) -> Callable[[Any], Any]:
+    """A function that broadcasts its (picklable) argument from ``root_rank``."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name)
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: type = Compression.none,
+                          op: Any = Average, name: Optional[str] = None, ignore_name_scope: bool = False,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[tf.Tensor]:
+    """Each tensor reduce-scattered (see ``reducescatter``), submitted together."""
+    pairs = [compression.compress(_dense(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    if not pairs:
+        return []
+    scattered = _differentiable_grouped_reducescatter([t for t, _ in pairs], op, name, prescale_factor,
+                                                      postscale_factor)
+    return [compression.decompress(s, ctx) for s, (_, ctx) in zip(scattered, pairs)]
 
 
 def reducescatter(tensor: Any, device_dense: str = "", compression: type = Compression.none, op: Any = Average,
                   name: Optional[str] = None, ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce over ranks, keep this rank's rows (the first ``rows % size`` ranks get one extra)."""
-    compressed, ctx = compression.compress(_dense(tensor))
+    return grouped_reducescatter([tensor], device_dense, compression, op, name, ignore_name_scope,
+                                 prescale_factor, postscale_factor)[0]
 
-    def fn(a: np.ndarray) -> List[np.ndarray]:
-        a = _c(a) * np.asarray(prescale_factor, dtype=a.dtype) if prescale_factor != 1.0 \
-            else _c(a)
-        out = rr.synchronize(rr.reducescatter_async(a, op, name))
-        return [out * np.asarray(postscale_factor, dtype=out.dtype) if postscale_factor != 1.0 else out]
-    shape = tf.TensorShape([None]).concatenate(compressed.shape[1:]) if compressed.shape.rank else compressed.shape
-    return compression.decompress(_call(fn, [compressed], [compressed.dtype], [shape])[0], ctx)
+
+def _splits_tensor(splits: Any) -> tf.Tensor:
+    """Any integer sequence or tensor (int32 or int64, as Horovod's tests pass both) as int32."""
+    tensor = tf.convert_to_tensor(splits)
+    if not (tensor.dtype.is_integer or tensor.dtype == tf.bool):
+        raise TypeError(f"alltoall splits must be integers, got dtype {tensor.dtype.name}")
+    return tf.cast(tensor, tf.int32)
 
 
 def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore_name_scope: bool = False) -> Any:
     """Send ``splits[r]`` rows to rank r (equal shares if None). Returns the received tensor,
     plus the received splits when ``splits`` is given (as Horovod)."""
-    tensor = _dense(tensor)
     given = splits is not None
-    splits_tensor = tf.cast(tf.convert_to_tensor(splits if given else [], dtype=tf.int64), tf.int32)
+    splits_tensor = _splits_tensor(splits) if given else tf.zeros([0], tf.int32)
 
-    def fn(a: np.ndarray, s: np.ndarray) -> List[np.ndarray]:
-        received, received_splits = rr.synchronize(rr.alltoall_async(_c(a), s.tolist() if given else None, name))
-        return [received, np.asarray(received_splits, dtype=np.int32)]
-    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tensor.shape
-    received, received_splits = _call(fn, [tensor, splits_tensor], [tensor.dtype, tf.int32], [shape, [None]])
+    @tf.custom_gradient
+    def exchange(x: tf.Tensor, s: tf.Tensor) -> Any:
+        received, received_splits = _raw_alltoall(x, s, given, name)
+
+        def grad(dy: Any, d_splits: Any) -> Any:
+            # Horovod: send the gradient back the way the rows came.
+            back, _ = _raw_alltoall(_zeros_for_missing([dy], [received])[0], received_splits, True,
+                                    _grad_name(name))
+            return back, None
+        return (received, received_splits), grad
+    received, received_splits = exchange(_dense(tensor), splits_tensor)
     return (received, received_splits) if given else received
+
+
+def _int_op(value: Callable[[], int], name: Optional[str]) -> tf.Tensor:
+    """An int32 scalar read when the op runs (graph execution time, as Horovod's ``*_op``)."""
+    if tf.executing_eagerly():
+        return tf.constant(value(), tf.int32, name=name)
+    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True, name=name)
+    out.set_shape([])
+    return out
+
+
+def rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """This process's rank, as an int32 tensor."""
+    return _int_op(rr.rank, name)
+
+
+def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """This process's rank on its host, as an int32 tensor."""
+    return _int_op(rr.local_rank, name)
+
+
+def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """The number of ranks, as an int32 tensor."""
+    if process_set_id != 0:
+        raise NotImplementedError("process sets are not supported yet: only the global set (id 0)")
+    return _int_op(rr.size, name)
+
+
+def local_size_op(name: Optional[str] = None) -> tf.Tensor:
+    """The number of ranks on this host, as an int32 tensor."""
+    return _int_op(rr.local_size, name)
 
 
 # -- DistributedGradientTape ---------------------------------------------------
@@ -199,31 +421,111 @@ check_op = check_gradient_op  # the Keras wrapper imports it from here
 
 
 class _DistributedGradientTape(tf.GradientTape):
-    """A GradientTape whose ``gradient()`` returns gradients reduced over all ranks."""
+    """A GradientTape whose ``gradient()`` returns gradients reduced over all ranks.
+
+    Gradients of sources registered as local (``register_local_source``, or the
+    ``local_layers`` of ``PartialDistributedGradientTape``) are not reduced; with
+    ``scale_local_gradients`` they are divided by the number of ranks, as Horovod does.
+    """
+
+    def register_local_source(self, source: tf.Variable) -> None:
+        """Keep ``source``'s gradient on this rank (not reduced)."""
+        self._mtrain_local.add(_variable_key(source))
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
-        reduced = _reduce_gradients(flat_grads, flat_sources, self._mtrain_op, self._mtrain_predivide,
-                                    self._mtrain_compression, "DistributedGradientTape.gradients")
-        return tf.nest.pack_sequence_as(grads, reduced)
+        shared = [i for i, v in enumerate(flat_sources) if not self._is_local(v)]
+        reduced = _reduce_gradients([flat_grads[i] for i in shared], [flat_sources[i] for i in shared],
+                                    self._mtrain_op, self._mtrain_predivide, self._mtrain_compression,
+                                    "DistributedGradientTape.gradients") if shared else []
+        out = list(flat_grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if self._mtrain_scale_local:
+            for i, v in enumerate(flat_sources):
+                if self._is_local(v) and out[i] is not None:
+                    out[i] = out[i] / tf.cast(rr.size(), out[i].dtype)
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def _is_local(self, source: Any) -> bool:
+        return _variable_key(source) in self._mtrain_local
 
 
-def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
-                            compression: type = Compression.none, sparse_as_dense: bool = False,
-                            op: Any = Average, gradient_predivide_factor: float = 1.0,
-                            num_groups: int = 0, groups: Any = None) -> tf.GradientTape:
-    """Wrap a ``tf.GradientTape`` so that ``gradient()`` averages over all ranks.
+def _variable_key(variable: Any) -> Any:
+    """A hashable identity for a tf.Variable (its ``ref()``) or a Keras 3 Variable (the object)."""
+    return variable.ref() if hasattr(variable, "ref") else id(variable)
 
-    Gradients a rank did not produce (``None``) take part as zeros, so ranks never
-    disagree on what is reduced. ``device_*``, ``sparse_as_dense``, ``num_groups`` and
-    ``groups`` are accepted for Horovod compatibility: gradients are always dense and fused.
-    """
+
+def _local_refs(local_layers: Any) -> set:
+    """The keys (``_variable_key``) of every weight of ``local_layers`` (a layer or a list of layers)."""
+    if local_layers is None:
+        return set()
+    layers = local_layers if isinstance(local_layers, (list, tuple)) else [local_layers]
+    refs = set()
+    for layer in layers:
+        if not hasattr(layer, "weights"):
+            raise TypeError(f"local_layers must be Keras layers, got {type(layer).__name__}")
+        refs.update(_variable_key(w) for w in layer.weights)
+    return refs
+
+
+def _wrap_tape(gradtape: tf.GradientTape, op: Any, gradient_predivide_factor: float, compression: type,
+               local: set, scale_local_gradients: bool) -> tf.GradientTape:
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
     op = check_op(op, gradient_predivide_factor)
     tape = _DistributedGradientTape.__new__(_DistributedGradientTape)
     tape.__dict__.update(gradtape.__dict__)
     tape._mtrain_op, tape._mtrain_predivide, tape._mtrain_compression = op, gradient_predivide_factor, compression
+    tape._mtrain_local, tape._mtrain_scale_local = set(local), scale_local_gradients
     return tape
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                            compression: type = Compression.none, sparse_as_dense: bool = False,
+                            op: Any = Average, gradient_predivide_factor: float = 1.0,
+                            num_groups: int = 0, groups: Any = None,
+                            scale_local_gradients: bool = True) -> tf.GradientTape:
+    """Wrap a ``tf.GradientTape`` so that ``gradient()`` averages over all ranks.
+
+    Gradients a rank did not produce (``None``) take part as zeros, so ranks never
+    disagree on what is reduced. ``device_*``, ``sparse_as_dense``, ``num_groups`` and
+    ``groups`` are accepted for Horovod compatibility: gradients are always dense and fused.
+    """
+    return _wrap_tape(gradtape, op, gradient_predivide_factor, compression, set(), scale_local_gradients)
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                                   compression: type = Compression.none, sparse_as_dense: bool = False,
+                                   op: Any = Average, gradient_predivide_factor: float = 1.0,
+                                   local_layers: Any = None, groups: Any = None,
+                                   scale_local_gradients: bool = True) -> tf.GradientTape:
+    """A ``DistributedGradientTape`` that leaves the gradients of ``local_layers``' weights on each rank
+    (model parallelism); with ``scale_local_gradients`` those are divided by the number of ranks."""
+    return _wrap_tape(gradtape, op, gradient_predivide_factor, compression, _local_refs(local_layers),
+                      scale_local_gradients)
+
+
+def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking: bool = False,
+                         device_dense: str = "", device_sparse: str = "", compression: type = Compression.none,
+                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op: Any = Average,
+                         gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
+                         num_groups: int = 0, groups: Any = None) -> Any:
+    """Wrap a Keras optimizer so that gradients are averaged over all ranks (as Horovod does in TF2,
+    this is ``mtrain.tensorflow.keras.DistributedOptimizer``)."""
+    import keras
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.Optimizer), got "
+                        f"{type(optimizer).__name__}; TF1 tf.compat.v1.train optimizers are not supported: "
+                        "use a Keras optimizer or DistributedGradientTape")
+    from .keras import DistributedOptimizer as keras_distributed_optimizer
+    return keras_distributed_optimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+        sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups)
+
+
+from .sync_batch_norm import SyncBatchNormalization  # noqa: E402  (needs the collectives above)
