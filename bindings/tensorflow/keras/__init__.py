@@ -10,20 +10,25 @@ from typing import Any, Dict, Optional
 
 import keras
 
+import tensorflow as tf
+
+import mtrain.ringreduce as rr
+
 from .. import (  # noqa: F401  (re-exported: the Horovod API)
-    Adasum, Average, Compression, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp, Sum,
-    allgather, allgather_object, allreduce, alltoall, barrier, broadcast, broadcast_object,
-    broadcast_variables, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
+    Adasum, Average, Compression, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, Product,
+    ReduceOp, Sum, allgather, allgather_object, allreduce, alltoall, barrier, broadcast,
+    broadcast_global_variables, broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
     grouped_allreduce, init, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
     mpi_threads_supported, nccl_built, rank, reducescatter, rocm_built, shutdown, size,
 )
-from .. import _reduce_gradients, check_op
+from .. import _local_refs, _reduce_gradients, _variable_key, check_op
 from . import callbacks  # noqa: F401
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "MismatchError",
-    "NotInitializedError", "Product", "ReduceOp", "Sum", "allgather", "allgather_object", "allreduce",
-    "alltoall", "barrier", "broadcast", "broadcast_object", "broadcast_variables", "callbacks", "cross_rank",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+    "MismatchError", "NotInitializedError", "PartialDistributedOptimizer", "Product", "ReduceOp", "Sum",
+    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks", "cross_rank",
     "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank", "local_size",
     "mpi_threads_supported", "rank", "reducescatter", "shutdown", "size",
     "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
@@ -41,13 +46,39 @@ class _DistributedOptimizer:
         grads = [keras.ops.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
 
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient on this rank (not reduced over ranks)."""
+        self._mtrain_local.add(_variable_key(var))
+
+    def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
+        # Remember which variable each gradient belongs to: _clip_gradients only sees gradients.
+        self._mtrain_applying = list(trainable_variables)
+        try:
+            return super()._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
+        finally:
+            self._mtrain_applying = None
+
     def _clip_gradients(self, grads: Any) -> Any:
         # Keras calls this once per update, with the final (accumulated, unscaled) gradients,
         # before clipping: the one place where averaging over ranks belongs.
-        reduced = _reduce_gradients(grads, grads, self._mtrain_op, self._mtrain_predivide,
-                                    self._mtrain_compression, "DistributedOptimizer.gradients",
-                                    postscale=self._mtrain_postscale)
-        return super()._clip_gradients(reduced)  # type: ignore[misc]
+        grads = list(grads)
+        variables = getattr(self, "_mtrain_applying", None)
+        local = self._mtrain_local
+        if not local or variables is None or len(variables) != len(grads):
+            shared = list(range(len(grads)))
+        else:
+            shared = [i for i, v in enumerate(variables) if _variable_key(v) not in local]
+        reduced = _reduce_gradients([grads[i] for i in shared], [grads[i] for i in shared], self._mtrain_op,
+                                    self._mtrain_predivide, self._mtrain_compression,
+                                    "DistributedOptimizer.gradients", postscale=self._mtrain_postscale) \
+            if shared else []
+        out = list(grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if self._mtrain_scale_local and len(shared) != len(grads):
+            # Horovod divides the local gradients by the number of ranks.
+            out = [g if i in shared or g is None else g / tf.cast(rr.size(), g.dtype) for i, g in enumerate(out)]
+        return super()._clip_gradients(out)  # type: ignore[misc]
 
 
 _CLASSES: Dict[type, type] = {}
@@ -95,8 +126,28 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     wrapped._mtrain_compression = compression
     summed = backward_passes_per_step > 1 and not average_aggregated_gradients
     wrapped._mtrain_postscale = float(backward_passes_per_step) if summed else 1.0
+    wrapped._mtrain_local, wrapped._mtrain_scale_local = set(), True
     if optimizer.built:  # keep the state of an optimizer that has already stepped
         wrapped.build(optimizer._trainable_variables)
         for mine, theirs in zip(wrapped.variables, optimizer.variables):
             mine.assign(theirs)
+    return wrapped
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+                                device_dense: str = "", device_sparse: str = "",
+                                compression: type = Compression.none, sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: Any = Average,
+                                backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                                groups: Any = None, local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+    """A ``DistributedOptimizer`` that leaves the gradients of ``local_layers``' weights on each rank
+    (model parallelism); with ``scale_local_gradients`` those are divided by the number of ranks."""
+    wrapped = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+                                   compression=compression, sparse_as_dense=sparse_as_dense,
+                                   gradient_predivide_factor=gradient_predivide_factor, op=op,
+                                   backward_passes_per_step=backward_passes_per_step,
+                                   average_aggregated_gradients=average_aggregated_gradients, groups=groups)
+    wrapped._mtrain_local = _local_refs(local_layers)
+    wrapped._mtrain_scale_local = scale_local_gradients
     return wrapped

@@ -1,14 +1,14 @@
 """Keras 3 callbacks with Horovod's names and arguments."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import keras
 import numpy as np
 
 import mtrain.ringreduce as rr
 
-from .. import broadcast_variables
+from .. import _variable_key, broadcast_variables
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -16,17 +16,25 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     Unlike Horovod (after the first batch), this runs before the first batch, so
     the first step already starts from identical weights on every rank.
+    ``local_variables`` (variables or layers) keep each rank's own values.
     """
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        self.local_variables = set()
+        for item in local_variables or []:
+            for variable in getattr(item, "weights", [item]):
+                self.local_variables.add(_variable_key(variable))
+
+    def _shared(self, variables: Any) -> list:
+        return [v for v in variables if _variable_key(v) not in self.local_variables]
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         if self.broadcast_done:
             return
-        broadcast_variables(self.model.variables, self.root_rank)
+        broadcast_variables(self._shared(self.model.variables), self.root_rank)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
             if not optimizer.built:

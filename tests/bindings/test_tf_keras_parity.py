@@ -1,0 +1,138 @@
+"""Horovod 0.28 parity for the Keras side: SyncBatchNormalization, DistributedOptimizer in
+mtrain.tensorflow, PartialDistributedGradientTape / PartialDistributedOptimizer (local layers),
+BroadcastGlobalVariablesCallback(local_variables=...). Data distinct per rank and per element.
+"""
+import numpy as np
+import pytest
+
+from tests.bindings.requires import require
+from tests.mpi.harness import mpi_test
+
+require("tensorflow", "pip install '.[tensorflow]'")
+
+
+def _setup():
+    import os
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    keras.config.set_floatx("float64")
+    return tf, keras
+
+
+def _rows(r: int, count: int, width: int, salt: float = 0.0) -> np.ndarray:
+    values = np.arange(count * width, dtype=np.float64).reshape(count, width)
+    return np.sin(values * (r + 1.3) + salt) * (r + 2) + 0.1 * r
+
+
+def _model(keras, seed: int):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
+
+
+@mpi_test(nps=(2, 3), timeout=300)
+def test_sync_batch_norm_partial_optimizers_and_callback():
+    tf, keras = _setup()
+    import mtrain.keras as khvd
+    import mtrain.ringreduce as rr
+    import mtrain.tensorflow as hvd
+    import mtrain.tensorflow.keras as tkhvd
+    n, me, b = hvd.size(), hvd.rank(), 4
+
+    # SyncBatchNormalization on each rank's batch == BatchNormalization on the concatenated batch:
+    # outputs, moving statistics, and the input gradient of the summed loss (through the allreduce).
+    xs = [_rows(r, b, 3) for r in range(n)]
+    ws = [_rows(r, b, 3, salt=0.7) for r in range(n)]
+    gamma, beta = np.array([1.5, 0.5, 2.0]), np.array([0.1, -0.2, 0.3])
+    sync = hvd.SyncBatchNormalization(momentum=0.5)
+    reference = keras.layers.BatchNormalization(momentum=0.5)
+    for layer in (sync, reference):
+        layer.build((None, 3))
+        layer.gamma.assign(gamma)
+        layer.beta.assign(beta)
+    x = tf.constant(xs[me])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = sync(x, training=True)
+        loss = tf.reduce_sum(ws[me] * out)
+    grad = tape.gradient(loss, x)
+    x_all = tf.constant(np.concatenate(xs))
+    with tf.GradientTape() as tape:
+        tape.watch(x_all)
+        out_all = reference(x_all, training=True)
+        loss_all = tf.reduce_sum(np.concatenate(ws) * out_all)
+    grad_all = tape.gradient(loss_all, x_all)
+    mine = slice(me * b, (me + 1) * b)
+    assert np.allclose(out, out_all[mine], atol=1e-12), "SyncBatchNormalization output"
+    assert np.allclose(grad, grad_all[mine], atol=1e-12), "SyncBatchNormalization input gradient"
+    assert np.allclose(sync.moving_mean, reference.moving_mean, atol=1e-12), "moving_mean"
+    assert np.allclose(sync.moving_variance, reference.moving_variance, atol=1e-12), "moving_variance"
+    assert np.allclose(sync(x, training=False), reference(x, training=False), atol=1e-12), "inference"
+    with pytest.raises(ValueError, match="fused"):
+        hvd.SyncBatchNormalization(fused=True)
+
+    # mtrain.tensorflow.DistributedOptimizer takes a Keras optimizer (Horovod's TF2 behaviour).
+    model = _model(keras, 0)
+    before = [v.numpy() for v in model.trainable_variables]
+    grads = [_rows(me, int(np.prod(v.shape)), 1, salt=i).reshape(v.shape) for i, v in enumerate(before)]
+    everyone = hvd.allgather_object(grads)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    assert isinstance(opt, keras.optimizers.SGD)
+    opt.apply([tf.constant(g) for g in grads], model.trainable_variables)
+    for i, v in enumerate(model.trainable_variables):
+        assert np.allclose(v.numpy(), before[i] - np.mean([e[i] for e in everyone], 0)), f"tf DistributedOptimizer {i}"
+    with pytest.raises(TypeError, match="Keras"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+
+    # Local layers: shared gradients are averaged, a local layer's stay on the rank, divided by size
+    # (Horovod's scale_local_gradients=True), or unscaled with scale_local_gradients=False.
+    model = _model(keras, 10 + me)  # the local layer may differ per rank
+    local = model.layers[1]
+    x, y = tf.constant(_rows(me, b, 4)), tf.constant(_rows(me, b, 2, salt=2.0))
+    for scale in (True, False):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        plain = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+        partial = hvd.PartialDistributedGradientTape(tape, local_layers=[local], scale_local_gradients=scale)
+        got = partial.gradient(loss, model.trainable_variables)
+        shared = hvd.allgather_object(plain[:2])
+        for i in range(2):
+            assert np.allclose(got[i], np.mean([s[i] for s in shared], 0)), f"partial tape shared {i}"
+        for i in range(2, 4):
+            assert np.allclose(got[i], plain[i] / (n if scale else 1)), f"partial tape local {i} scale={scale}"
+    # The same rule in the Keras optimizer, eagerly and inside tf.function; register_local_var too.
+    for how in ("eager", "graph", "register_local_var"):
+        if how == "register_local_var":
+            opt = tkhvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+            for v in local.trainable_variables:
+                opt.register_local_var(v)
+        else:
+            opt = khvd.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=[local])
+        variables = model.trainable_variables
+        before = [v.numpy() for v in variables]
+        grads = [_rows(me, int(np.prod(v.shape)), 1, salt=3 + i).reshape(v.shape) for i, v in enumerate(before)]
+        everyone = hvd.allgather_object(grads)
+        step = lambda: opt.apply([tf.constant(g) for g in grads], variables)  # noqa: E731
+        tf.function(step)() if how == "graph" else step()
+        for i in range(2):
+            want = before[i] - np.mean([e[i] for e in everyone], 0)
+            assert np.allclose(variables[i].numpy(), want), f"{how}: shared {i}"
+        for i in range(2, 4):
+            assert np.allclose(variables[i].numpy(), before[i] - grads[i] / n), f"{how}: local {i}"
+
+    # BroadcastGlobalVariablesCallback(root_rank, local_variables=...): the local layer keeps its own values.
+    model = _model(keras, 20 + me)
+    own_local = [w.numpy() for w in model.layers[1].weights]
+    root_shared = hvd.broadcast_object([w.numpy() for w in model.layers[0].weights], root_rank=n - 1)
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
+    callback = khvd.callbacks.BroadcastGlobalVariablesCallback(n - 1, local_variables=model.layers[1].weights)
+    model.fit(_rows(me, b, 4), _rows(me, b, 2), batch_size=b, verbose=0, callbacks=[callback])
+    assert all(np.array_equal(w, r) for w, r in zip(model.layers[0].get_weights(), root_shared)), "shared"
+    assert all(np.array_equal(w, o) for w, o in zip(model.layers[1].get_weights(), own_local)), "local"
+
+    # Names.
+    assert khvd.HorovodInternalError is hvd.HorovodInternalError
+    if hasattr(rr, "HorovodInternalError"):
+        assert hvd.HorovodInternalError is rr.HorovodInternalError
