@@ -570,3 +570,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     wrapped._mtrain_setup(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor)
     return wrapped
+
+
+from mtrain.elastic import torch as elastic  # noqa: E402  (hvd.elastic)
