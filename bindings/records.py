@@ -385,6 +385,11 @@ RESET_EXIT_STATUS = 75   # every rank exits with it to ask the driver for the ne
 RESUME_MARKER = b"@@mtrain-elastic-resumed@@ "
 
 
+def updates_file(job_file: str) -> str:
+    """The host-update file template that goes with a job-file template."""
+    return job_file[:-len(".json")] + ".updates" if job_file.endswith(".json") else job_file + ".updates"
+
+
 def host_path(template: str, host: "str | None" = None) -> str:
     """A per-host path from one of the templates above ("{host}": this host's name)."""
     import socket

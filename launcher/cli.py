@@ -5,6 +5,7 @@ preflight exit 1; otherwise mtrain exits with the job's status (see supervise).
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
@@ -17,7 +18,7 @@ import click
 
 import mtrain
 from mtrain.launcher import hosts as hostlib
-from mtrain.launcher.config import LaunchConfig, SshOptions, check_env_item
+from mtrain.launcher.config import ElasticSettings, LaunchConfig, SshOptions, check_env_item
 
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
 
@@ -99,6 +100,21 @@ def main_group() -> None:
 @click.option("--one-gpu-per-rank", is_flag=True,
               help="Each rank sees only its own GPU (CUDA_VISIBLE_DEVICES=local rank), as tf.distribute "
                    "workers need; LOCAL_RANK stays the rank's index on its host.")
+@click.option("--min-np", "--min-num-proc", "min_np", type=click.IntRange(min=1), default=None,
+              help="Elastic: fewest ranks to go on training with (default: -np).")
+@click.option("--max-np", "--max-num-proc", "max_np", type=click.IntRange(min=1), default=None,
+              help="Elastic: most ranks to grow to (default: no limit).")
+@click.option("--host-discovery-script", type=click.Path(dir_okay=False), default=None,
+              help="Elastic: executable printing the available hosts, one `host` or `host:slots` a line.")
+@click.option("--slots-per-host", type=click.IntRange(min=1), default=None,
+              help="Elastic: slots of a discovered host printed without `:slots`.")
+@click.option("--elastic-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Elastic: seconds to wait for at least --min-np slots before giving up.")
+@click.option("--reset-limit", type=click.IntRange(min=0), default=None,
+              help="Elastic: most resets (host lost or host set changed) before the job ends.")
+@click.option("--blacklist-cooldown-range", "cooldown", type=click.IntRange(min=0), nargs=2, default=None,
+              help="Elastic: a failed host returns after MIN·n seconds for its n-th failure, at most MAX "
+                   "(default: never).")
 @click.option("--dry-run", is_flag=True, help="Print the host plan and the mpirun command; run nothing.")
 @click.option("--verbose", is_flag=True, help="Log each step.")
 @click.option("--disable-cache", is_flag=True, hidden=True, help="Accepted for horovodrun compatibility.")
@@ -107,6 +123,9 @@ def run(**options: Any) -> None:
     """Run COMMAND as NUM_PROC ranks across the hosts."""
     from mtrain.launcher.launch import launch  # deferred: keeps `mtrain --help` fast
     config, dry_run = build_config(options)
+    if config.elastic is not None and not dry_run:
+        from mtrain.launcher.elastic import run_elastic
+        sys.exit(run_elastic(config))
     sys.exit(launch(config, dry_run=dry_run))
 
 
@@ -120,22 +139,27 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
         raise click.UsageError(f"unknown option {command[0]}; mtrain's options go before the command")
     if options["host_list"] is not None and options["hostfile"] is not None:
         raise click.UsageError("give either -H or --hostfile, not both")
+    elastic = elastic_settings(options)
     try:
-        if options["host_list"] is not None:
+        if elastic is not None:
+            available = []  # the elastic driver plans each generation from what is there then
+        elif options["host_list"] is not None:
             available = options["host_list"]
         elif options["hostfile"] is not None:
             available = hostlib.read_hostfile(options["hostfile"])
         else:
             available = hostlib.slurm_hosts(os.environ)
         num_proc = options["num_proc"]
-        if available is None:
+        if elastic is not None:
+            pass
+        elif available is None:
             if num_proc is None:
                 raise click.UsageError("-np is required when no hosts are given (e.g. -np 2)")
             if num_proc < 1:
                 raise hostlib.HostSpecError(f"-np {num_proc}: need at least one process")
             available = [hostlib.HostSlots("localhost", num_proc)]
-        plan = hostlib.assign_slots(available, num_proc if num_proc is not None else
-                                    sum(h.slots for h in available))
+        plan = [] if elastic is not None else hostlib.assign_slots(
+            available, num_proc if num_proc is not None else sum(h.slots for h in available))
     except hostlib.HostSpecError as error:
         raise click.UsageError(str(error)) from None
     names = hostlib.local_names()
@@ -158,8 +182,73 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
         start_timeout=options["start_timeout"], network_interfaces=options["interfaces"] or (),
         output_dir=Path(options["output_dir"]).resolve() if options["output_dir"] else None,
         env_pass=tuple(options["env_items"]), mpi_args=mpi_args, verbose=options["verbose"],
-        master_port=options["master_port"], one_gpu_per_rank=options["one_gpu_per_rank"])
+        master_port=options["master_port"], one_gpu_per_rank=options["one_gpu_per_rank"], elastic=elastic)
+    if elastic is not None and options["dry_run"]:
+        config = _first_generation(config)
     return config, bool(options["dry_run"])
+
+
+_ELASTIC_ONLY = {"slots_per_host": "--slots-per-host", "reset_limit": "--reset-limit",
+                 "cooldown": "--blacklist-cooldown-range"}
+
+
+def elastic_settings(options: dict[str, Any]) -> ElasticSettings | None:
+    """Horovod's elastic flags, validated; None for a job of fixed size."""
+    script = options["host_discovery_script"]
+    if script is None and options["min_np"] is None and options["max_np"] is None:
+        for key, flag in _ELASTIC_ONLY.items():
+            if options[key] is not None:
+                raise click.UsageError(f"{flag} applies to elastic jobs only; give --host-discovery-script "
+                                       "or --min-np / --max-np too")
+        return None
+    initial = options["num_proc"]
+    if initial is None:
+        raise click.UsageError("an elastic job needs -np, the number of ranks to start with")
+    min_np = options["min_np"] if options["min_np"] is not None else initial
+    max_np = options["max_np"]
+    if min_np > initial:
+        raise click.UsageError(f"--min-np {min_np} is more than -np {initial}")
+    if max_np is not None and max_np < initial:
+        raise click.UsageError(f"--max-np {max_np} is less than -np {initial}")
+    fixed: tuple[hostlib.HostSlots, ...] = ()
+    if script is not None:
+        if options["host_list"] is not None or options["hostfile"] is not None:
+            raise click.UsageError("give either --host-discovery-script or -H / --hostfile, not both")
+        if not os.access(script, os.X_OK) or os.path.isdir(script):
+            raise click.UsageError(f"--host-discovery-script {script}: not an executable file "
+                                   f"(chmod +x {shlex.quote(script)}?)")
+    else:
+        try:
+            if options["host_list"] is not None:
+                fixed = tuple(options["host_list"])
+            elif options["hostfile"] is not None:
+                fixed = tuple(hostlib.read_hostfile(options["hostfile"]))
+        except hostlib.HostSpecError as error:
+            raise click.UsageError(str(error)) from None
+        if not fixed:
+            raise click.UsageError("an elastic job needs --host-discovery-script (or a fixed -H / --hostfile)")
+    cooldown = options["cooldown"]
+    if cooldown is not None and cooldown[0] > cooldown[1]:
+        raise click.UsageError(f"--blacklist-cooldown-range {cooldown[0]} {cooldown[1]}: MIN is more than MAX")
+    return ElasticSettings(initial_np=initial, min_np=min_np, max_np=max_np, discovery_script=script,
+                           fixed_hosts=fixed, slots_per_host=options["slots_per_host"],
+                           timeout=options["elastic_timeout"], reset_limit=options["reset_limit"],
+                           cooldown=(float(cooldown[0]), float(cooldown[1])) if cooldown else None)
+
+
+def _first_generation(config: LaunchConfig) -> LaunchConfig:
+    """For --dry-run of an elastic job: the plan its first generation would get now."""
+    from mtrain.launcher.elastic import Blacklist, DiscoveryError, plan_hosts, run_discovery
+    settings = config.elastic
+    try:
+        hosts = (run_discovery(settings.discovery_script, settings.slots_per_host)
+                 if settings.discovery_script else list(settings.fixed_hosts))
+    except DiscoveryError as error:
+        raise click.UsageError(str(error)) from None
+    plan = plan_hosts(hosts, Blacklist(None), 0.0, settings.initial_np)
+    names = hostlib.local_names()
+    return dataclasses.replace(config, plan=tuple(plan),
+                               remote_hosts=tuple(h.name for h in plan if not hostlib.is_local(h.name, names)))
 
 
 @main_group.command()

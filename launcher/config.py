@@ -41,6 +41,21 @@ class MpiLauncher:
 
 
 @dataclasses.dataclass(frozen=True)
+class ElasticSettings:
+    """Horovod's elastic flags, validated (see launcher/elastic.py)."""
+
+    initial_np: int                      # -np: ranks of the first generation
+    min_np: int                          # --min-np (default -np)
+    max_np: int | None                   # --max-np (default: no limit)
+    discovery_script: str | None         # --host-discovery-script
+    fixed_hosts: tuple[HostSlots, ...]   # -H / --hostfile when there is no script
+    slots_per_host: int | None = None    # --slots-per-host, for script lines without `:slots`
+    timeout: float = 600.0               # --elastic-timeout
+    reset_limit: int | None = None       # --reset-limit
+    cooldown: tuple[float, float] | None = None  # --blacklist-cooldown-range
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """One validated job: which hosts run how many ranks of which command."""
 
@@ -57,6 +72,7 @@ class LaunchConfig:
     verbose: bool = False
     master_port: int | None = None       # torch.distributed's MASTER_PORT (None: a free one, found)
     one_gpu_per_rank: bool = False       # each rank sees only its own GPU (CUDA_VISIBLE_DEVICES)
+    elastic: ElasticSettings | None = None  # an elastic job: the plan is made per generation
 
     @property
     def num_proc(self) -> int:

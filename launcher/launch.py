@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Callable
 
 import mtrain
 from mtrain.launcher import mpirun as mpilib
@@ -19,7 +20,8 @@ from mtrain.launcher.config import LaunchConfig, MpiKind
 from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
-from mtrain.records import ENV_JOB_FILE, Gate, JobLayout
+from mtrain.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, AgentEvent, ElasticResume,
+                            ExitRecord, Gate, HostUpdates, JobLayout, host_path, updates_file)
 
 # Where each host keeps the job's layout for its ranks: a path that exists on every Linux host.
 JOB_FILE_DIRECTORY = "/tmp"
@@ -49,12 +51,13 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
         as_root=os.geteuid() == 0, extra_args=config.mpi_args)
 
 
-def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str, job_file: str) -> list[str]:
+def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str, job_file: str,
+           updates: str | None) -> list[str]:
     """The remote-shell program handed to mpirun, with its settings written beside it."""
     config_path = os.path.join(directory, "agent.json")
     identity = os.path.abspath(config.ssh.identity_file) if config.ssh.identity_file else None
     options = dataclasses.replace(config.ssh, identity_file=identity, connect_timeout=config.start_timeout)
-    ssh_agent.write_config(config_path, options, sys.executable, events_path, gate, job_file)
+    ssh_agent.write_config(config_path, options, sys.executable, events_path, gate, job_file, updates)
     words = [sys.executable, "-m", "mtrain.launcher.ssh_agent", "--config", config_path]
     if config.mpi.kind is not MpiKind.MPICH:
         return words
@@ -76,7 +79,27 @@ def print_plan(config: LaunchConfig, argv: list[str]) -> None:
     print(shlex.join(argv))
 
 
-def launch(config: LaunchConfig, dry_run: bool = False) -> int:
+@dataclasses.dataclass
+class Generation:
+    """What an elastic driver (launcher/elastic.py) adds to one launch, and learns from it."""
+
+    env: tuple[str, ...] = ()   # extra `-x NAME=value` items for the ranks
+    on_resume: Callable[[ElasticResume], None] | None = None
+    job_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    # Filled in by launch(): where a new host-set version goes (this host's file for its ranks,
+    # and the file the SSH agents forward to their hosts), then how the job ended.
+    updates_paths: list[str] = dataclasses.field(default_factory=list)
+    records: list[ExitRecord] = dataclasses.field(default_factory=list)
+    host_problems: list[AgentEvent] = dataclasses.field(default_factory=list)
+    interrupted: bool = False
+
+    def notify(self, version: int) -> None:
+        """Tell every rank of this generation that the host set is now `version`."""
+        for path in self.updates_paths:
+            HostUpdates(version).write(path)
+
+
+def launch(config: LaunchConfig, dry_run: bool = False, generation: Generation | None = None) -> int:
     """Run the job described by `config`; return mtrain's exit status.
 
     With remote hosts, mpirun starts right away and its agents connect while
@@ -91,14 +114,20 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
         agent = None
         events_path = os.path.join(scratch, "events")
         gate = os.path.join(scratch, "gate")
-        job_file = os.path.join(JOB_FILE_DIRECTORY, f"mtrain-job-{uuid.uuid4().hex}-{{host}}.json")
+        job_id = generation.job_id if generation else uuid.uuid4().hex
+        job_file = os.path.join(JOB_FILE_DIRECTORY, f"mtrain-job-{job_id}-{{host}}.json")
+        agents_updates = os.path.join(scratch, "updates") if generation else None
+        if generation is not None:
+            config = dataclasses.replace(config, env_pass=config.env_pass + generation.env + (
+                f"{ENV_ELASTIC_UPDATES}={updates_file(job_file)}", f"{ENV_ELASTIC_VERSION}=0"))
+            generation.updates_paths = [host_path(updates_file(job_file)), agents_updates]
         if config.remote_hosts:
             if dry_run and config.mpi.kind is not MpiKind.MPICH:
                 # Printed for a human to rerun: no scratch config that vanishes when we exit
                 # (the agent then uses ~/.ssh/config and OpenSSH defaults).
                 agent = [sys.executable, "-m", "mtrain.launcher.ssh_agent"]
             else:
-                agent = _agent(config, scratch, events_path, gate, job_file)
+                agent = _agent(config, scratch, events_path, gate, job_file, agents_updates)
         subnets = _route_subnets(config) if config.remote_hosts and not config.network_interfaces else ()
         try:
             argv = build_job_argv(config, agent, subnets, job_file)
@@ -110,19 +139,27 @@ def launch(config: LaunchConfig, dry_run: bool = False) -> int:
             return 0
         if subnets:
             _log(config, f"hosts are reached through {', '.join(subnets)}")
-        local_file = job_file.format(host=socket.gethostname())
+        local_file = host_path(job_file)
         try:
             if config.remote_hosts:
                 preflight = lambda: _preflight(config, subnets, local_file)  # noqa: E731
             else:
                 preflight = None
                 _local_layout(config).write(local_file)
-            return supervise.run_job(argv, dict(os.environ), config.num_proc, config.output_dir,
-                                     config.verbose, events_path if agent else None, preflight=preflight,
-                                     gate=Gate(gate) if agent else None)
+            job = supervise.Job(argv, dict(os.environ), config.num_proc, config.output_dir, config.verbose,
+                                events_path if agent else None, preflight=preflight,
+                                gate=Gate(gate) if agent else None,
+                                on_resume=generation.on_resume if generation else None,
+                                report_failures=generation is None)
+            status = job.run()
+            if generation is not None:
+                generation.records, generation.host_problems = list(job.records), list(job.host_problems)
+                generation.interrupted = job.interrupted is not None
+            return status
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(local_file)
+            for path in (local_file, host_path(updates_file(job_file))):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def _local_layout(config: LaunchConfig) -> JobLayout:

@@ -29,7 +29,7 @@ import threading
 import time
 
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, signal_process
-from mtrain.records import JobLayout
+from mtrain.records import HostUpdates, JobLayout, host_path, updates_file
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -42,8 +42,11 @@ def _login_shell() -> str:
         return "/bin/sh"
 
 
-def _watch_stdin(stopped: threading.Event) -> str:
+def _watch_stdin(stopped: threading.Event, updates_path: str | None = None) -> str:
+    """Until the session ends or goes silent (then: why); heartbeats are lines, and a line
+    `update N` carries an elastic job's host-set version, left in `updates_path` for the ranks."""
     last = time.monotonic()
+    pending = b""
     while not stopped.is_set():
         readable, _, _ = select.select([0], [], [], 1.0)
         if readable:
@@ -54,6 +57,10 @@ def _watch_stdin(stopped: threading.Event) -> str:
             if not data:
                 return "session closed"
             last = time.monotonic()
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                if line.startswith(b"update ") and updates_path and line[7:].strip().isdigit():
+                    HostUpdates(int(line[7:])).write(updates_path)
         elif time.monotonic() - last > HEARTBEAT_TIMEOUT:
             return "no heartbeat"
     return ""
@@ -73,9 +80,11 @@ def end_tree(grace: float = TERM_GRACE) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    job_file, layout = None, None
+    job_file, layout, updates_path = None, None, None
     if argv[:1] == ["--job-file"] and len(argv) >= 4 and argv[2] == "--layout":
-        job_file, layout, argv = argv[1].format(host=socket.gethostname()), JobLayout.decode(argv[3]), argv[4:]
+        template = argv[1]
+        job_file, layout, argv = host_path(template), JobLayout.decode(argv[3]), argv[4:]
+        updates_path = host_path(updates_file(template))
     if len(argv) != 1:
         print("usage: python -m mtrain.launcher.remote_guard [--job-file PATH --layout JSON] 'COMMAND'",
               file=sys.stderr)
@@ -83,14 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     if job_file and layout:
         layout.write(job_file)
     try:
-        return _guard(argv[0])
+        return _guard(argv[0], updates_path)
     finally:
-        if job_file:
-            with contextlib.suppress(OSError):
-                os.unlink(job_file)
+        for path in (job_file, updates_path):
+            if path:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
-def _guard(command: str) -> int:
+def _guard(command: str, updates_path: str | None) -> int:
     become_subreaper()
     child = subprocess.Popen([_login_shell(), "-c", command], stdin=subprocess.DEVNULL)
     done = threading.Event()
@@ -104,7 +114,7 @@ def _guard(command: str) -> int:
             end_tree()
 
     def watchdog() -> None:
-        reason = _watch_stdin(done)
+        reason = _watch_stdin(done, updates_path)
         if reason:
             end_once(reason)
 

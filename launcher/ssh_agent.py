@@ -30,7 +30,7 @@ import time
 
 from mtrain.launcher.config import SshOptions
 from mtrain.launcher.process_tools import die_with_parent
-from mtrain.records import AgentEvent, AgentEventKind, Gate
+from mtrain.records import AgentEvent, AgentEventKind, Gate, HostUpdates
 
 HEARTBEAT_SECONDS = 1.0
 # ssh options MPI launchers may put before the host (hydra passes -x); ignored.
@@ -39,34 +39,36 @@ _WITH_VALUE = {"-o", "-l", "-p", "-i", "-F", "-E"}
 
 
 def write_config(path: str, options: SshOptions, python: str, events_path: str | None,
-                 gate: str | None = None, job_file: str | None = None) -> None:
+                 gate: str | None = None, job_file: str | None = None, updates: str | None = None) -> None:
     """Write the agent's settings for `--config` (done by the launcher before mpirun starts).
 
     With `gate` (a records.Gate path), the agent connects and authenticates at
     once but runs nothing until the supervisor opens the gate (closed: give up
     quietly); that lets mpirun and the SSH handshakes start while the preflight runs.
     The gate opens with the job's layout, which the remote guard leaves in
-    `job_file` (a template with "{host}") for the ranks on its host.
+    `job_file` (a template with "{host}") for the ranks on its host.  In an
+    elastic job, `updates` is the launcher's host-set version file: the agent
+    passes each new version to the guard, which leaves it for the ranks.
     """
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"port": options.port, "identity_file": options.identity_file,
                    "accept_new_hosts": options.accept_new_hosts,
                    "connect_timeout": options.connect_timeout, "python": python,
-                   "events": events_path, "gate": gate, "job_file": job_file}, handle)
+                   "events": events_path, "gate": gate, "job_file": job_file, "updates": updates}, handle)
 
 
-def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | None, str | None]:
-    """(SSH options, remote Python, events file, gate, job file) from a `--config` file;
-    defaults without one."""
+def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | None, str | None, str | None]:
+    """(SSH options, remote Python, events file, gate, job file, updates file) from a
+    `--config` file; defaults without one."""
     if not path:
-        return SshOptions(), sys.executable, None, None, None
+        return SshOptions(), sys.executable, None, None, None, None
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     options = SshOptions(port=data.get("port"), identity_file=data.get("identity_file"),
                          accept_new_hosts=bool(data.get("accept_new_hosts")),
                          connect_timeout=float(data.get("connect_timeout", 30)))
     return (options, data.get("python") or sys.executable, data.get("events"), data.get("gate"),
-            data.get("job_file"))
+            data.get("job_file"), data.get("updates"))
 
 
 def wait_for_gate(gate: str | None, timeout: float, stop: threading.Event) -> bool:
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         config_path, argv = argv[1], argv[2:]
     try:
         host, words, port = split_arguments(argv)
-        options, python, events_path, gate, job_file = read_config(config_path)
+        options, python, events_path, gate, job_file, updates = read_config(config_path)
     except (ValueError, OSError) as error:
         print(f"mtrain-agent: {error}; usage: python -m mtrain.launcher.ssh_agent [--config FILE] HOST COMMAND…",
               file=sys.stderr)
@@ -174,12 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         thread.start()
 
     def heartbeat() -> None:
-        # Keeps the guard's watchdog fed and gives TCP something to time out on.
+        # Keeps the guard's watchdog fed and gives TCP something to time out on; carries
+        # host-set versions of an elastic job to the guard.
+        sent = 0
         while not stop.is_set() and transport.is_active():
+            version = HostUpdates.read(updates) if updates else 0
             try:
-                channel.sendall(b"\n")
+                channel.sendall(f"update {version}\n".encode() if version > sent else b"\n")
             except Exception:
                 return
+            sent = max(sent, version)
             stop.wait(HEARTBEAT_SECONDS)
 
     threading.Thread(target=heartbeat, daemon=True).start()

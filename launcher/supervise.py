@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import IO, Callable, Sequence
 
 from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_name, signal_process
-from mtrain.records import (EXIT_MARKER, AgentEvent, AgentEventKind, AgentEventReader, ExitRecord, Gate,
-                            StopReason)
+from mtrain.records import (EXIT_MARKER, RESUME_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
+                            ElasticResume, ExitRecord, Gate, StopReason)
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
 LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead daemon: shorter wait
@@ -114,9 +114,13 @@ class Job:
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], ranks: int, output_dir: Path | None,
                  verbose: bool, events_path: str | None, preflight: Callable[[], str | None] | None = None,
-                 gate: Gate | None = None) -> None:
+                 gate: Gate | None = None, on_resume: Callable[[ElasticResume], None] | None = None,
+                 report_failures: bool = True) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
         self.events_path, self.preflight, self.gate = events_path, preflight, gate
+        # An elastic driver hears when a generation has resumed, and reports failures itself.
+        self.on_resume, self.report_failures = on_resume, report_failures
+        self.host_problems: list[AgentEvent] = []
         self.quiet = False
         self.sink = _OutputSink(output_dir, ranks, verbose)
         self.records: list[ExitRecord] = []
@@ -137,6 +141,11 @@ class Job:
                 if not before.strip():
                     continue
                 line = before + b"\n"
+            if is_stderr and RESUME_MARKER in line:
+                resumed = ElasticResume.decode(line.partition(RESUME_MARKER)[2])
+                if resumed is not None and self.on_resume is not None:
+                    self.on_resume(resumed)
+                continue
             if self.quiet:
                 continue
             if not _PREFIX.match(line):
@@ -223,6 +232,7 @@ class Job:
             thread.join(timeout=2.0)
         self.log("all processes of the job have ended")
         host_problems += reader.poll() if reader else []
+        self.host_problems = host_problems
         return self._outcome(process.returncode, host_problems)
 
     def _pass_gate(self, process: subprocess.Popen) -> bool:
@@ -250,16 +260,18 @@ class Job:
             return 128 + self.interrupted
         failure = first_failure(records)
         lost = [e for e in host_problems if e.kind is AgentEventKind.HOST_LOST]
+        say = self.report_failures
         if lost and (failure is None or failure.stopped or lost[0].time <= failure.time):
-            for event in lost:
+            for event in lost if say else ():
                 print(f"mtrain: {event.detail}; the job was stopped", file=sys.stderr)
             return 255
         if failure is not None:
-            self._report(failure, len(records))
+            if say:
+                print_failure_report(failure, records, self.verbose)
             return exit_code(failure.returncode) or 1
         unreachable = [e for e in host_problems if e.kind is AgentEventKind.CONNECT_FAILED]
         if unreachable:
-            for event in unreachable:
+            for event in unreachable if say else ():
                 print(f"mtrain: {event.detail}", file=sys.stderr)
             return 255
         if mpirun_status != 0:
@@ -273,21 +285,21 @@ class Job:
             return exit_code(mpirun_status) or 1
         return 0
 
-    def _report(self, failure: ExitRecord, reported: int) -> None:
-        print(f"mtrain: job failed; first failure: {failure.describe()}", file=sys.stderr)
-        # A reason in one line is enough (the full traceback is above, prefixed with the rank);
-        # without one, the rank's last words are the best clue (a signal, a silent exit).
-        if failure.stderr_tail and (self.verbose or not failure.reason):
-            print(f"mtrain: last stderr lines of rank {failure.rank}:", file=sys.stderr)
-            for line in failure.stderr_tail:
-                print(f"    {line}", file=sys.stderr)
-        others = sorted(r.rank for r in self.records if r.failed and r is not failure)
-        if len(others) == 1:
-            print(f"mtrain: rank {others[0]} was stopped or failed after it", file=sys.stderr)
-        elif others:
-            print(f"mtrain: ranks {', '.join(map(str, others))} were stopped or failed after it",
-                  file=sys.stderr)
-        sys.stderr.flush()
+def print_failure_report(failure: ExitRecord, records: Sequence[ExitRecord], verbose: bool) -> None:
+    """mtrain's report of a failed job: the first failure in one line, then what followed."""
+    print(f"mtrain: job failed; first failure: {failure.describe()}", file=sys.stderr)
+    # A reason in one line is enough (the full traceback is above, prefixed with the rank);
+    # without one, the rank's last words are the best clue (a signal, a silent exit).
+    if failure.stderr_tail and (verbose or not failure.reason):
+        print(f"mtrain: last stderr lines of rank {failure.rank}:", file=sys.stderr)
+        for line in failure.stderr_tail:
+            print(f"    {line}", file=sys.stderr)
+    others = sorted(r.rank for r in records if r.failed and r is not failure)
+    if len(others) == 1:
+        print(f"mtrain: rank {others[0]} was stopped or failed after it", file=sys.stderr)
+    elif others:
+        print(f"mtrain: ranks {', '.join(map(str, others))} were stopped or failed after it", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _mpirun_dies_with_us() -> None:
@@ -312,18 +324,6 @@ def wait_session_empty(session: int, timeout: float) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-def run_job(argv: Sequence[str], env: dict[str, str], ranks: int, output_dir: Path | None = None,
-            verbose: bool = False, events_path: str | None = None,
-            preflight: Callable[[], str | None] | None = None, gate: Gate | None = None) -> int:
-    """Run the launcher argv (a job of `ranks` ranks) under supervision; return mtrain's exit status.
-
-    `events_path` is the file the SSH agents report connection problems to;
-    `preflight` runs once mpirun has started; when it passes it returns the message the
-    agents' `gate` opens with (None: it failed, nothing runs).
-    """
-    return Job(argv, env, ranks, output_dir, verbose, events_path, preflight, gate).run()
 
 
 def _stamp() -> str:

@@ -66,9 +66,11 @@ class RunningJob:
         self.proc = proc
         self.lines: queue.Queue = queue.Queue()
         self.stderr_parts: list[str] = []
+        self.stdout_parts: list[str] = []  # everything, also what wait_for_lines consumed
 
         def pump_out() -> None:
             for line in proc.stdout:
+                self.stdout_parts.append(line)
                 self.lines.put(line)
             self.lines.put(None)
 
@@ -97,6 +99,14 @@ class RunningJob:
             if fragment in line:
                 found.append(line)
         return found
+
+    def wait_for_stderr(self, fragment: str, timeout: float) -> None:
+        """Wait until mtrain's stderr contains `fragment` (bounded)."""
+        deadline = time.monotonic() + timeout
+        while fragment not in "".join(self.stderr_parts):
+            if time.monotonic() > deadline or self.proc.poll() is not None and fragment not in "".join(self.stderr_parts):
+                raise AssertionError(f"no {fragment!r} on stderr: {''.join(self.stderr_parts)[-2000:]}")
+            time.sleep(0.1)
 
     def stop(self) -> str:
         """End mtrain politely (SIGTERM), then for sure; return its stderr."""

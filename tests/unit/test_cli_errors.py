@@ -102,3 +102,26 @@ def test_usage_errors_read_as_one_sentence_with_one_remark():
     done = mtrain("run", "-np", "2")
     assert_usage_error(done, "no command given")
     assert done.stderr.count("(") <= 1, done.stderr  # one parenthesised remark at most
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--min-np", "2", "-H", "a:2", "true"], "an elastic job needs -np"),
+    (["-np", "2", "--min-np", "3", "-H", "a:4", "true"], "--min-np 3 is more than -np 2"),
+    (["-np", "4", "--max-np", "3", "-H", "a:4", "true"], "--max-np 3 is less than -np 4"),
+    (["-np", "2", "--min-np", "1", "true"], "needs --host-discovery-script"),
+    (["-np", "2", "--host-discovery-script", "/nonexistent/discover.sh", "true"], "not an executable file"),
+    (["-np", "2", "--reset-limit", "3", "true"], "--reset-limit applies to elastic jobs only"),
+    (["-np", "2", "--min-np", "1", "-H", "a:2", "--blacklist-cooldown-range", "9", "3", "true"], "MIN is more than MAX"),
+])
+def test_elastic_usage_errors(args, fragment):
+    assert_usage_error(mtrain("run", *args), fragment)
+
+
+def test_elastic_script_and_fixed_hosts_are_exclusive(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    assert_usage_error(mtrain("run", "-np", "2", "--host-discovery-script", str(script), "-H", "a:2", "true"),
+                       "either --host-discovery-script or -H")
+    dry = mtrain("run", "-np", "2", "--min-np", "1", "--host-discovery-script", str(script), "--dry-run", "true")
+    assert dry.returncode == 0 and "host localhost: ranks 0-1 (local)" in dry.stdout, dry.stderr

@@ -36,10 +36,10 @@ def test_agent_command_drops_daemonize_and_quotes_for_the_guard():
 def test_agent_config_round_trip(tmp_path):
     path = str(tmp_path / "agent.json")
     write_config(path, SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events", "/tmp/gate",
-                 "/tmp/job-{host}.json")
+                 "/tmp/job-{host}.json", "/tmp/updates")
     assert read_config(path) == (SshOptions(2222, "/k/id", True, 5.0), "/env/python", "/tmp/events", "/tmp/gate",
-                                 "/tmp/job-{host}.json")
-    assert read_config(None)[2:] == (None, None, None)
+                                 "/tmp/job-{host}.json", "/tmp/updates")
+    assert read_config(None)[2:] == (None, None, None, None)
 
 
 def test_gate_opens_closes_and_times_out(tmp_path):

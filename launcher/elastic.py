@@ -1,0 +1,288 @@
+"""Elastic jobs (`--min-np`, `--max-np`, `--host-discovery-script`): generations of mpirun.
+
+An MPI world cannot shrink or grow, so an elastic job runs as a series of
+generations, one mpirun each, over the host set of the moment:
+
+    discover hosts ─▶ plan (≥ --min-np, ≤ --max-np, no blacklisted host) ─▶ run a generation
+         ▲                                                                        │
+         └── a host was lost (its ranks were killed, its link died): blacklist it ┤
+         └── the discovery script shows new or vanished hosts: the ranks are told ┘
+             (hvd.elastic raises HostsUpdatedInterrupt at their next commit and
+             every rank exits with RESET_EXIT_STATUS)
+
+The ranks keep each `state.commit()` in memory and in a snapshot on their host
+(MTRAIN_ELASTIC_STATE_DIR), so a new generation restores the newest commit any
+surviving rank holds and no committed work is lost.  A program error (an
+exception, a plain non-zero exit) is not a host problem: it ends the job with
+the usual report.  Every reset is logged in one line, once the new generation
+has said from which commit it resumed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from mtrain.launcher.config import ElasticSettings, LaunchConfig
+from mtrain.launcher.hosts import HostSlots, is_local, local_names
+from mtrain.launcher.supervise import first_failure, print_failure_report
+from mtrain.records import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_EXIT_STATUS, AgentEventKind,
+                            ElasticResume, ExitRecord)
+
+DISCOVERY_INTERVAL = 1.0      # seconds between runs of the discovery script while a generation runs
+DISCOVERY_TIMEOUT = 30.0      # one run of the script
+STATE_DIRECTORY = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+class DiscoveryError(Exception):
+    """The discovery script failed or printed something that is not a host list."""
+
+
+def parse_discovery_output(text: str, slots_per_host: int | None) -> list[HostSlots]:
+    """Hosts in the order printed: lines `host` or `host:slots` (blank lines are skipped)."""
+    hosts: list[HostSlots] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        name, colon, slots_text = line.partition(":")
+        if not name or any(c.isspace() for c in line) or (colon and not slots_text.isdigit()):
+            raise DiscoveryError(f"line {number}: {line[:60]!r} is not `host` or `host:slots`")
+        if colon:
+            slots = int(slots_text)
+        elif slots_per_host is not None:
+            slots = slots_per_host
+        else:
+            raise DiscoveryError(f"line {number}: host {name} has no slot count; print `{name}:N` "
+                                 "or give --slots-per-host")
+        if slots < 1:
+            raise DiscoveryError(f"line {number}: host {name} has {slots} slots; need at least 1")
+        if any(h.name == name for h in hosts):
+            raise DiscoveryError(f"line {number}: host {name} is listed twice")
+        hosts.append(HostSlots(name, slots))
+    return hosts
+
+
+def run_discovery(script: str, slots_per_host: int | None) -> list[HostSlots]:
+    """The hosts the script prints now; DiscoveryError says what went wrong, in one line."""
+    try:
+        done = subprocess.run([os.path.abspath(script) if os.path.exists(script) else script],
+                              capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise DiscoveryError(f"--host-discovery-script {script} did not finish within "
+                             f"{DISCOVERY_TIMEOUT:g} s") from None
+    except OSError as error:
+        raise DiscoveryError(f"--host-discovery-script {script}: cannot run it ({error.strerror}); "
+                             "it must be an executable file") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise DiscoveryError(f"--host-discovery-script {script} exited with status {done.returncode}: {last}")
+    try:
+        return parse_discovery_output(done.stdout, slots_per_host)
+    except DiscoveryError as error:
+        raise DiscoveryError(f"--host-discovery-script {script} printed garbage: {error}") from None
+
+
+class Blacklist:
+    """Hosts that failed; with a cooldown range (lo, hi) a host returns after lo·n seconds (capped
+    at hi) for its n-th failure, as Horovod's --blacklist-cooldown-range; without one, never."""
+
+    def __init__(self, cooldown: tuple[float, float] | None) -> None:
+        self.cooldown = cooldown
+        self.failures: dict[str, int] = {}
+        self.until: dict[str, float] = {}
+
+    def add(self, host: str, now: float) -> None:
+        count = self.failures[host] = self.failures.get(host, 0) + 1
+        if self.cooldown is None:
+            self.until[host] = math.inf
+        else:
+            low, high = self.cooldown
+            self.until[host] = now + min(low * count, high)
+
+    def allows(self, host: str, now: float) -> bool:
+        return self.until.get(host, -math.inf) <= now
+
+    def listed(self, now: float) -> list[str]:
+        return sorted(h for h in self.until if not self.allows(h, now))
+
+
+def plan_hosts(available: list[HostSlots], blacklist: Blacklist, now: float, limit: int | None) -> list[HostSlots]:
+    """Usable hosts in discovery order, slots trimmed so the total stays within `limit`."""
+    plan: list[HostSlots] = []
+    total = 0
+    for host in available:
+        if not blacklist.allows(host.name, now):
+            continue
+        slots = host.slots if limit is None else min(host.slots, limit - total)
+        if slots <= 0:
+            break
+        plan.append(HostSlots(host.name, slots))
+        total += slots
+    return plan
+
+
+@dataclasses.dataclass
+class _Reset:
+    """What ended a generation, for the one line logged once the next one has resumed."""
+
+    number: int
+    kind: str        # "failure" or "change": what the time in the log line is counted from
+    why: str
+    started: float   # wall-clock time the trouble began (a failure's own time, or the change seen)
+
+
+class ElasticDriver:
+    def __init__(self, config: LaunchConfig) -> None:
+        assert config.elastic is not None
+        self.config, self.settings = config, config.elastic
+        self.blacklist = Blacklist(self.settings.cooldown)
+        self.job_id = uuid.uuid4().hex
+        self.state_dir = os.path.join(STATE_DIRECTORY, f"mtrain-elastic-{self.job_id}")
+        self.resets = 0
+        self.pending: _Reset | None = None
+        self.discovery_problem = ""
+
+    # -- hosts ------------------------------------------------------------------------------
+    def discover(self) -> list[HostSlots]:
+        if self.settings.discovery_script is None:
+            return list(self.settings.fixed_hosts)
+        return run_discovery(self.settings.discovery_script, self.settings.slots_per_host)
+
+    def wait_for_plan(self, limit: int | None) -> list[HostSlots] | None:
+        """A plan with at least --min-np slots, waiting up to --elastic-timeout for one."""
+        deadline = time.monotonic() + self.settings.timeout
+        while True:
+            now = time.monotonic()
+            try:
+                available = self.discover()
+                problem = ""
+            except DiscoveryError as error:
+                available, problem = [], str(error)
+            plan = plan_hosts(available, self.blacklist, now, limit)
+            if sum(h.slots for h in plan) >= self.settings.min_np:
+                return plan
+            if now >= deadline:
+                listed = self.blacklist.listed(now)
+                detail = problem or (f"{sum(h.slots for h in plan)} slots on "
+                                     f"{', '.join(f'{h.name}:{h.slots}' for h in plan) or 'no host'}")
+                print(f"mtrain: elastic: below --min-np {self.settings.min_np} for --elastic-timeout "
+                      f"{self.settings.timeout:g} s ({detail}"
+                      + (f"; blacklisted: {', '.join(listed)}" if listed else "") + "); giving up",
+                      file=sys.stderr, flush=True)
+                return None
+            time.sleep(DISCOVERY_INTERVAL)
+
+    def watch(self, plan: list[HostSlots], generation, stop: threading.Event) -> None:
+        """While a generation runs: tell its ranks when the usable host set changes."""
+        running = {h.name: h.slots for h in plan}
+        limit = self.settings.max_np
+        while not stop.wait(DISCOVERY_INTERVAL):
+            try:
+                available = self.discover()
+            except DiscoveryError as error:
+                if str(error) != self.discovery_problem:  # say it once; the job goes on
+                    print(f"mtrain: warning: {error}; the job goes on with its hosts", file=sys.stderr, flush=True)
+                self.discovery_problem = str(error)
+                continue
+            self.discovery_problem = ""
+            wanted = plan_hosts(available, self.blacklist, time.monotonic(), limit)
+            names = {h.name for h in wanted}
+            gone = [name for name in running if name not in {h.name for h in available}]
+            grown = [h.name for h in wanted if h.name not in running]
+            if gone or (grown and sum(h.slots for h in wanted) > sum(running.values())):
+                why = "; ".join(part for part in (f"{', '.join(grown)} added" if grown and names else "",
+                                                   f"{', '.join(gone)} gone" if gone else "") if part)
+                self.pending = _Reset(self.resets + 1, "change", f"host set changed ({why})", time.time())
+                generation.notify(1)
+                return
+
+    # -- generations ------------------------------------------------------------------------
+    def run(self) -> int:
+        from mtrain.launcher.launch import Generation, launch
+        limit = self.settings.initial_np
+        try:
+            while True:
+                plan = self.wait_for_plan(limit)
+                if plan is None:
+                    return 1
+                limit = self.settings.max_np  # after the first generation, grow to what is there
+                names = local_names()
+                config = dataclasses.replace(self.config, plan=tuple(plan), remote_hosts=tuple(
+                    h.name for h in plan if not is_local(h.name, names)))
+                generation = Generation(env=(f"{ENV_ELASTIC}=1",
+                                             f"{ENV_ELASTIC_STATE_DIR}={self.state_dir}/{{host}}"),
+                                        on_resume=self._resumed(plan))
+                stop = threading.Event()
+                watcher = threading.Thread(target=self.watch, args=(plan, generation, stop), daemon=True)
+                watcher.start()
+                try:
+                    status = launch(config, generation=generation)
+                finally:
+                    stop.set()
+                    watcher.join(timeout=DISCOVERY_TIMEOUT + 2)
+                if status == 0 or generation.interrupted:
+                    return status
+                decision = self._after(generation, status)
+                if decision is not None:
+                    return decision
+        finally:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def _after(self, generation, status: int) -> int | None:
+        """None to go on with the next generation, else mtrain's exit status."""
+        now, wall = time.monotonic(), time.time()
+        records = generation.records
+        failure = first_failure(records)
+        lost = sorted({e.host for e in generation.host_problems
+                       if e.kind in (AgentEventKind.HOST_LOST, AgentEventKind.CONNECT_FAILED)})
+        if records and all(r.returncode == RESET_EXIT_STATUS for r in records):
+            if self.pending is None:
+                self.pending = _Reset(self.resets + 1, "change", "the ranks asked for a new host set", wall)
+        elif lost:
+            for host in lost:
+                self.blacklist.add(host, now)
+            began = min((e.time for e in generation.host_problems), default=wall)
+            self.pending = _Reset(self.resets + 1, "failure", f"host {', '.join(lost)} lost", began)
+        elif failure is not None and _host_failure(failure):
+            self.blacklist.add(failure.host, now)
+            self.pending = _Reset(self.resets + 1, "failure", f"host {failure.host} failed ({failure.describe()})",
+                                  failure.time)
+        else:
+            if failure is not None:  # the program's own error: not something a new host fixes
+                print_failure_report(failure, records, self.config.verbose)
+            return status or 1
+        self.resets += 1
+        limit = self.settings.reset_limit
+        if limit is not None and self.resets > limit:
+            print(f"mtrain: elastic: {self.pending.why}, but the job was already reset {limit} times "
+                  f"(--reset-limit {limit}); giving up", file=sys.stderr, flush=True)
+            return 1
+        return None
+
+    def _resumed(self, plan: list[HostSlots]):
+        def say(resumed: ElasticResume) -> None:
+            reset, self.pending = self.pending, None
+            if reset is None:
+                return  # the first generation: nothing was reset
+            where = ", ".join(f"{h.name}:{h.slots}" for h in plan)
+            commit = f"commit {resumed.commit}" if resumed.commit >= 0 else "the start (no commit yet)"
+            print(f"mtrain: elastic reset {reset.number}: {reset.why}; now {resumed.size} ranks on {where}; "
+                  f"resumed from {commit} {time.time() - reset.started:.1f} s after the {reset.kind}",
+                  file=sys.stderr, flush=True)
+        return say
+
+
+def _host_failure(record: ExitRecord) -> bool:
+    """Killed by a signal or aborted inside MPI without an exception of its own: the host, not the program."""
+    return record.returncode < 0 and not record.report
+
+
+def run_elastic(config: LaunchConfig) -> int:
+    return ElasticDriver(config).run()

@@ -1,0 +1,155 @@
+"""Elastic training on the namespace cluster: hosts lost and added mid-training, --min-np, Ctrl-C."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import PYTHON, assert_no_leftovers, start_mtrain
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+HERE = Path(__file__).resolve().parent
+EPOCHS, BATCHES = 2, 12
+ALL_BATCHES = [[epoch, batch] for epoch in range(EPOCHS) for batch in range(BATCHES)]
+
+
+def discovery(tmp_path: Path, hosts: str) -> Path:
+    """A discovery script printing the hosts file, which the test rewrites to add or drop hosts."""
+    (tmp_path / "hosts.txt").write_text(hosts)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts.txt'}\n")
+    script.chmod(0o755)
+    return script
+
+
+def start(cluster, tmp_path, token, *flags, pause="0.25"):
+    return start_mtrain(cluster, *flags, PYTHON, str(HERE / "elastic_train.py"), str(EPOCHS), str(BATCHES),
+                        pause, token, cwd=tmp_path)
+
+
+def progress(job, count: int, timeout: float = 90) -> list[tuple[int, str, int]]:
+    """(rank, host, pid) of the first `count` progress lines."""
+    lines = job.wait_for_lines("progress", count, timeout=timeout)
+    found = []
+    for line in lines:
+        words = line.split(">:", 1)[1].split()
+        found.append((int(words[1]), words[2], int(words[5])))
+    return found
+
+
+def results(stdout: str) -> dict[int, dict]:
+    found = {}
+    for line in stdout.splitlines():
+        _, _, rest = line.partition(">:")
+        if rest.startswith("{"):
+            data = json.loads(rest)
+            found[data["rank"]] = data
+    return found
+
+
+def assert_trained_exactly_once(final: dict[int, dict], size: int) -> None:
+    assert sorted(final) == list(range(size)), final
+    for data in final.values():
+        assert data["size"] == size
+        # Every optimizer step of the committed history is counted once; no committed batch lost or repeated.
+        assert data["steps"] == EPOCHS * BATCHES
+        assert data["done"] == ALL_BATCHES
+        assert data["params"] == final[0]["params"]  # identical replicas
+
+
+def test_losing_a_host_mid_training_finishes_at_the_smaller_size(cluster, tmp_path, token):
+    script = discovery(tmp_path, "mtr-a:2\nmtr-b:2\n")
+    job = start(cluster, tmp_path, token, "-np", "4", "--min-np", "2", "--host-discovery-script", str(script))
+    try:
+        seen = progress(job, 4 * 5)
+        victims = {pid for rank, host, pid in seen if host == "mtr-b"}
+        assert len(victims) == 2, seen
+        for pid in victims:  # every rank on mtr-b dies at once, as when the host goes
+            os.kill(pid, signal.SIGKILL)
+        job.proc.wait(timeout=200)
+    finally:
+        err = job.stop()
+    out = "".join(job.stdout_parts)
+    assert job.proc.returncode == 0, err
+    line = re.search(r"mtrain: elastic reset 1: host mtr-b failed \(rank [23] on mtr-b: killed by SIGKILL\); "
+                     r"now 2 ranks on mtr-a:2; resumed from commit (\d+) ([\d.]+) s after the failure", err)
+    assert line, err
+    assert_trained_exactly_once(results(out), 2)
+    assert_no_leftovers(cluster, token, within=10)
+
+
+def test_a_host_added_by_the_discovery_script_joins(cluster, tmp_path, token):
+    script = discovery(tmp_path, "mtr-a:2\n")
+    job = start(cluster, tmp_path, token, "-np", "2", "--min-np", "2", "--max-np", "4",
+                "--host-discovery-script", str(script))
+    try:
+        progress(job, 2 * 3)
+        (tmp_path / "hosts.txt").write_text("mtr-a:2\nmtr-b:2\n")
+        job.proc.wait(timeout=200)
+    finally:
+        err = job.stop()
+    out = "".join(job.stdout_parts)
+    assert job.proc.returncode == 0, err
+    assert re.search(r"mtrain: elastic reset 1: host set changed \(mtr-b added\); now 4 ranks on mtr-a:2, mtr-b:2; "
+                     r"resumed from commit \d+ [\d.]+ s after the change", err), err
+    final = results(out)
+    assert_trained_exactly_once(final, 4)
+    assert {data["host"] for data in final.values()} == {"mtr-a", "mtr-b"}
+    assert_no_leftovers(cluster, token, within=10)
+
+
+def test_below_min_np_ends_with_a_clear_error_within_the_timeout(cluster, tmp_path, token):
+    script = discovery(tmp_path, "mtr-a:2\nmtr-b:2\n")
+    job = start(cluster, tmp_path, token, "-np", "4", "--min-np", "4", "--elastic-timeout", "4",
+                "--host-discovery-script", str(script))
+    try:
+        seen = progress(job, 4 * 2)
+        for pid in {pid for rank, host, pid in seen if host == "mtr-b"}:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        job.proc.wait(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        err = job.stop()
+    assert job.proc.returncode == 1, err
+    assert "mtrain: elastic: below --min-np 4 for --elastic-timeout 4 s (2 slots on mtr-a:2; blacklisted: mtr-b)" in err
+    assert elapsed < 4 + 20, elapsed
+    assert_no_leftovers(cluster, token, within=10)
+
+
+def test_discovery_script_failing_or_printing_garbage_does_not_kill_the_job(cluster, tmp_path, token):
+    script = discovery(tmp_path, "mtr-a:2\n")
+    job = start(cluster, tmp_path, token, "-np", "2", "--host-discovery-script", str(script), pause="0.1")
+    try:
+        progress(job, 2)
+        (tmp_path / "hosts.txt").write_text("mtr-a:2\nthis is not a host line\n")
+        job.wait_for_stderr("printed garbage", timeout=30)
+        job.proc.wait(timeout=120)
+    finally:
+        err = job.stop()
+    assert job.proc.returncode == 0, err
+    assert "mtrain: warning: --host-discovery-script" in err and "the job goes on with its hosts" in err
+    assert_trained_exactly_once(results("".join(job.stdout_parts)), 2)
+
+
+def test_ctrl_c_during_a_reset_leaves_nothing(cluster, tmp_path, token):
+    script = discovery(tmp_path, "mtr-a:2\nmtr-b:2\n")
+    job = start(cluster, tmp_path, token, "-np", "4", "--min-np", "4", "--elastic-timeout", "60",
+                "--host-discovery-script", str(script))
+    try:
+        seen = progress(job, 4 * 2)
+        for pid in {pid for rank, host, pid in seen if host == "mtr-b"}:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(4)  # the generation has ended; the driver waits for enough hosts
+        job.proc.send_signal(signal.SIGINT)
+        job.proc.wait(timeout=20)
+    finally:
+        err = job.stop()
+    assert job.proc.returncode == 130, err
+    assert_no_leftovers(cluster, token, within=10)

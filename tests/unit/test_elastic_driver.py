@@ -1,0 +1,48 @@
+"""The elastic driver's pure parts: discovery output, the blacklist and its cooldown, plans."""
+import math
+
+import pytest
+
+from mtrain.launcher.elastic import Blacklist, DiscoveryError, parse_discovery_output, plan_hosts
+from mtrain.launcher.hosts import HostSlots
+
+
+def test_discovery_lines_with_and_without_slots():
+    assert parse_discovery_output("a:2\n\nb\n  c:1  \n", 4) == [HostSlots("a", 2), HostSlots("b", 4), HostSlots("c", 1)]
+    assert parse_discovery_output("", None) == []
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("a:2\nthis is garbage\n", "line 2: 'this is garbage' is not `host` or `host:slots`"),
+    ("a:x\n", "line 1"),
+    ("a\n", "host a has no slot count; print `a:N` or give --slots-per-host"),
+    ("a:0\n", "host a has 0 slots"),
+    ("a:1\na:2\n", "host a is listed twice"),
+    (":3\n", "line 1"),
+])
+def test_discovery_garbage_is_a_clear_error(text, fragment):
+    with pytest.raises(DiscoveryError) as caught:
+        parse_discovery_output(text, None)
+    assert fragment in str(caught.value)
+
+
+def test_blacklist_without_cooldown_is_forever_and_with_one_grows_to_its_cap():
+    forever = Blacklist(None)
+    forever.add("a", 10.0)
+    assert not forever.allows("a", 1e9) and forever.allows("b", 10.0) and forever.until["a"] == math.inf
+    cooling = Blacklist((10.0, 25.0))
+    cooling.add("a", 0.0)
+    assert not cooling.allows("a", 9.9) and cooling.allows("a", 10.0)
+    cooling.add("a", 100.0)
+    assert not cooling.allows("a", 119.0) and cooling.allows("a", 120.0)  # 2nd failure: 20 s
+    cooling.add("a", 200.0)
+    assert cooling.allows("a", 225.0) and cooling.listed(224.0) == ["a"]  # 3rd: capped at 25 s
+
+
+def test_plan_skips_blacklisted_hosts_and_trims_to_the_limit():
+    hosts = [HostSlots("a", 2), HostSlots("b", 3), HostSlots("c", 2)]
+    blacklist = Blacklist(None)
+    blacklist.add("b", 0.0)
+    assert plan_hosts(hosts, blacklist, 1.0, None) == [HostSlots("a", 2), HostSlots("c", 2)]
+    assert plan_hosts(hosts, Blacklist(None), 1.0, 4) == [HostSlots("a", 2), HostSlots("b", 2)]
+    assert plan_hosts(hosts, Blacklist(None), 1.0, 2) == [HostSlots("a", 2)]
