@@ -50,8 +50,10 @@ def _reduce(xp: Any, dst: Any, src: Any, op: ReduceOp) -> None:
 
 
 def _scale(xp: Any, buf: Any, factor: float) -> None:
+    # Integers as in Horovod: scaled in float64, then cast back truncating toward zero
+    # (-37 * 0.5 -> -18, not the floor -19).
     if buf.dtype.kind in "iu":
-        buf[...] = xp.floor(buf * np.float64(factor)).astype(buf.dtype)
+        buf[...] = xp.trunc(buf * np.float64(factor)).astype(buf.dtype)
     else:
         xp.multiply(buf, buf.dtype.type(factor), out=buf)
 
@@ -61,7 +63,7 @@ def _scale_device(xp: Any, buf: Any, factor: float) -> None:
     NumPy scalars by value (NumPy 1 rules), so ``int8_array * np.float64(f)`` is computed
     in float16 there, and the device result would differ from the host's (float64)."""
     if buf.dtype.kind in "iu":
-        buf[...] = xp.floor(buf.astype(np.float64) * np.float64(factor)).astype(buf.dtype)
+        buf[...] = xp.trunc(buf.astype(np.float64) * np.float64(factor)).astype(buf.dtype)
     else:
         xp.multiply(buf, buf.dtype.type(factor), out=buf)
 
@@ -115,7 +117,7 @@ class NumpyBackend:
         _REDUCERS[op](dst, src, out=dst)
 
     def scale(self, buf: np.ndarray, factor: float) -> None:
-        """buf *= factor in place; integers are scaled in float64 and floored."""
+        """buf *= factor in place; integers are scaled in float64 and truncated toward zero."""
         if factor == 1.0 or buf.size == 0:
             return
         _scale(np, buf, factor)

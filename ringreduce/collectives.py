@@ -53,11 +53,13 @@ class Executor:
                        self.segment_bytes, self.small_bytes, postscale_factor)
 
     # -- reduce-scatter -----------------------------------------------------
-    def reducescatter(self, array: np.ndarray, op: ReduceOp) -> np.ndarray:
+    def reducescatter(self, array: np.ndarray, op: ReduceOp, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> np.ndarray:
         """Reduce across ranks, then rank r keeps rows r of the first dimension split N ways
-        (the first ``rows % N`` ranks get one extra row)."""
+        (the first ``rows % N`` ranks get one extra row). Scaling as for all-reduce."""
         backend = backend_for(array)
         work = array.copy(order="C").reshape(-1)
+        backend.scale(work, prescale_factor)
         row = math.prod(array.shape[1:])
         # Chunks fall on row boundaries: rank r's chunk is its share of the rows.
         row_bounds = ring.even_bounds(array.shape[0], self.size)
@@ -67,6 +69,7 @@ class Executor:
         result = work[lo * row:hi * row].reshape((hi - lo,) + array.shape[1:]).copy()
         if op == ReduceOp.Average:
             backend.divide(result.reshape(-1), self.size)
+        backend.scale(result.reshape(-1), postscale_factor)
         return result
 
     # -- all-gather ---------------------------------------------------------

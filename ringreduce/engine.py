@@ -37,7 +37,7 @@ from mtrain.records import FailureCause, report_error
 from . import cuda, fusion
 from .backend import NumpyBackend, backend_for
 from .collectives import Executor, Kind
-from .errors import EngineError, ShutdownError, Verdict
+from .errors import EngineError, InvalidArgumentError, ShutdownError, Verdict
 from .negotiation import (CONTROL_SHUTDOWN, CONTROL_STALL_CHECK, CONTROL_UNREPORTED, Coordinator,
                           RequestState, ResponseCache, bits_of, set_bit)
 from .ops import ReduceOp, dtype_code
@@ -206,6 +206,7 @@ class Engine:
         self._finished_any = False
         self._shutdown_error = ShutdownError("mtrain shut down while this op was in flight")
         self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
+        self._mark_cycles = False
         # The GPU init() bound in this thread; a new thread starts on GPU 0, so the engine
         # thread adopts it before its first device op (None: no CuPy in use).
         self._gpu = cuda.current_device()
@@ -227,7 +228,7 @@ class Engine:
             taken = [n for n in names if n in self._in_flight]
             if taken or len(set(names)) != len(names):
                 dup = taken[0] if taken else next(n for n in names if names.count(n) > 1)
-                raise ValueError(f"an op named {dup!r} is already in flight on this rank; synchronize it "
+                raise InvalidArgumentError(f"an op named {dup!r} is already in flight on this rank; synchronize it "
                                  f"before submitting that name again, or give the new op another name")
             for request in requests:
                 request.submitted = now
@@ -247,10 +248,27 @@ class Engine:
         if self._thread.is_alive():
             sys.stderr.write("mtrain: the engine did not stop within "
                              f"{timeout:g}s (another rank may be frozen); exiting without it\n")
-        if self._timeline is not None:
-            self._timeline.close()
+        timeline = self._timeline
+        if timeline is not None:
+            timeline.close()
         if not self._thread.is_alive():
             self._control.Free()
+
+    def start_timeline(self, path: str, mark_cycles: bool) -> None:
+        """Write the timeline to ``path`` from now on (rank 0 only; others ignore it)."""
+        if self._rank != 0:
+            return
+        old, self._timeline = self._timeline, Timeline(path)
+        self._mark_cycles = mark_cycles
+        if old is not None:
+            old.close()
+
+    def stop_timeline(self) -> None:
+        # The engine thread may still hold the old object for a moment: a closed timeline
+        # ignores late events.
+        old, self._timeline = self._timeline, None
+        if old is not None:
+            old.close()
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -386,9 +404,12 @@ class Engine:
     # -- execution ------------------------------------------------------------
     def _execute(self, ready: "list[Request]") -> None:
         start = time.monotonic()
-        if self._timeline is not None:
+        timeline = self._timeline
+        if timeline is not None and self._mark_cycles:
+            timeline.mark("CYCLE_START")
+        if timeline is not None:
             for request in ready:
-                self._timeline.span(request.name, "NEGOTIATE", request.submitted, start)
+                timeline.span(request.name, "NEGOTIATE", request.submitted, start)
         allreduces = [r for r in ready if r.kind is Kind.ALLREDUCE]
         for request in ready:
             if request.kind is not Kind.ALLREDUCE:
@@ -409,7 +430,7 @@ class Engine:
         elif kind is Kind.BROADCAST:
             result = ex.broadcast(request.array, request.root, request.array if request.in_place else None)
         elif kind is Kind.REDUCESCATTER:
-            result = ex.reducescatter(request.array, request.op)
+            result = ex.reducescatter(request.array, request.op, request.prescale, request.postscale)
         elif kind is Kind.ALLTOALL:
             result = ex.alltoall(request.array, request.splits)
         elif kind is Kind.BARRIER:
@@ -420,8 +441,9 @@ class Engine:
             result = ex.allgather_bytes(request.obj)
         else:  # pragma: no cover - every kind is listed above
             raise AssertionError(kind)
-        if self._timeline is not None:
-            self._timeline.span(request.name, kind.name, begin, time.monotonic())
+        timeline = self._timeline  # read once: stop_timeline() may clear it from a user thread
+        if timeline is not None:
+            timeline.span(request.name, kind.name, begin, time.monotonic())
         self._finish(request, result)
 
     def _allreduce_group(self, group: "list[Request]") -> None:
@@ -476,14 +498,15 @@ class Engine:
             if was_copied:
                 backend.copy(out, flat.reshape(out.shape))
             results.append(out)
-        if self._timeline is not None:
+        timeline = self._timeline  # read once: stop_timeline() may clear it from a user thread
+        if timeline is not None:
             ring_ops = len(batch) + len(alone)
             for request in batch:
-                self._timeline.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
-                self._timeline.span(request.name, "ALLREDUCE", t1, t2, fused_bytes=nbytes, ring_ops=ring_ops)
-                self._timeline.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
+                timeline.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
+                timeline.span(request.name, "ALLREDUCE", t1, t2, fused_bytes=nbytes, ring_ops=ring_ops)
+                timeline.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
             for request in alone:
-                self._timeline.span(request.name, "ALLREDUCE", t1, t2, bytes=request.nbytes, ring_ops=ring_ops)
+                timeline.span(request.name, "ALLREDUCE", t1, t2, bytes=request.nbytes, ring_ops=ring_ops)
         for request, result in zip(batch + alone, results):
             self._finish(request, result)
 

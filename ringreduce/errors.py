@@ -9,15 +9,31 @@ import enum
 from typing import Sequence
 
 
-class MismatchError(ValueError):
-    """Ranks passed incompatible arguments to the same collective."""
+class HorovodInternalError(RuntimeError):
+    """A collective failed (as ``horovod.common.exceptions.HorovodInternalError``).
+
+    The base of every error an op ends with: ``except RuntimeError`` (or this
+    class) catches each of them, as it does in Horovod.
+    """
 
 
-class StallError(RuntimeError):
+class MismatchError(HorovodInternalError, ValueError):
+    """Ranks passed incompatible arguments to the same collective.
+
+    Also a ValueError (what mtrain raised before it matched Horovod's RuntimeError).
+    """
+
+
+class InvalidArgumentError(RuntimeError, ValueError):
+    """An op was refused at submission (Horovod raises these as RuntimeError);
+    also a ValueError, what mtrain raised before."""
+
+
+class StallError(HorovodInternalError):
     """Some ranks never submitted an op the others are waiting on."""
 
 
-class ShutdownError(RuntimeError):
+class ShutdownError(HorovodInternalError):
     """The runtime shut down (here or on another rank) while the op was in flight.
 
     ``peers`` lists the other ranks whose leaving caused it (empty: this rank's own shutdown).
@@ -28,7 +44,7 @@ class ShutdownError(RuntimeError):
         self.peers = list(peers)
 
 
-class EngineError(RuntimeError):
+class EngineError(HorovodInternalError):
     """The background engine failed; the message carries the original error."""
 
 

@@ -11,6 +11,7 @@ from . import cuda, exits, ring
 from .backend import is_device_array
 from .collectives import Executor, Kind
 from .engine import Engine, EngineConfig, Handle, env_number, make_request
+from .errors import InvalidArgumentError
 from .ops import Average, ReduceOp, check_op, check_reducible
 
 
@@ -26,6 +27,7 @@ class _Runtime:
         self.rank, self.size = comms.world.Get_rank(), comms.world.Get_size()
         self.local_rank, self.local_size = comms.local.Get_rank(), comms.local.Get_size()
         self.cross_rank, self.cross_size = comms.cross.Get_rank(), comms.cross.Get_size()
+        self.homogeneous = True  # every host runs the same number of ranks; set by init()
 
 
 _runtime: "_Runtime | None" = None
@@ -51,8 +53,11 @@ def init(comm: Any = None) -> None:
     comms = comm_module.create(comm)
     # One GPU per rank: local_rank % count; nothing at all without CuPy and a GPU.
     cuda.bind_device(comms.local.Get_rank())
+    # Asked once here, before the engine thread owns MPI: ranks per host, on every host.
+    homogeneous = len(set(comms.world.allgather(comms.local.Get_size()))) == 1
     engine = Engine(Executor(comms.world, segment, small), comms.world.Dup(), config)
     _runtime = _Runtime(comms, engine)
+    _runtime.homogeneous = homogeneous
     comm_module.install_abort_on_exception()
     exits.install(shutdown)
 
@@ -102,6 +107,24 @@ def cross_size() -> int:
     return _rt().cross_size
 
 
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks (Horovod's ``is_homogeneous``)."""
+    return _rt().homogeneous
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing the Chrome-trace timeline to ``file_path`` (rank 0 writes it; the call
+    is local, every rank may make it). Replaces a timeline already being written."""
+    if not isinstance(file_path, str) or not file_path:
+        raise ValueError(f"start_timeline needs a file path, got {file_path!r}")
+    _rt().engine.start_timeline(file_path, bool(mark_cycles))
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline and close its file (a valid JSON array). No-op when none runs."""
+    _rt().engine.stop_timeline()
+
+
 def mpi_threads_supported() -> bool:
     _rt()
     return comm_module.threading_level_ok()
@@ -145,7 +168,7 @@ def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | Non
 def _check_root(root_rank: int) -> int:
     size_ = _rt().size
     if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < size_:
-        raise ValueError(f"root_rank must be an integer in [0, {size_}); got {root_rank!r}")
+        raise InvalidArgumentError(f"root_rank must be an integer in [0, {size_}); got {root_rank!r}")
     return int(root_rank)
 
 
@@ -196,6 +219,11 @@ def allgather_async(array: np.ndarray, name: "str | None" = None) -> Handle:
     return _submit(Kind.ALLGATHER, [_array(array)], name)
 
 
+def grouped_allgather_async(arrays: "Sequence[np.ndarray]", name: "str | None" = None) -> Handle:
+    """Start all-gathers of several arrays as one unit; ``synchronize`` returns a list."""
+    return _submit(Kind.ALLGATHER, [_array(a) for a in arrays], name, grouped=True)
+
+
 def broadcast_async(array: np.ndarray, root_rank: int, name: "str | None" = None) -> Handle:
     return _submit(Kind.BROADCAST, [_array(array)], name, root=_check_root(root_rank))
 
@@ -204,13 +232,32 @@ def broadcast_async_(array: np.ndarray, root_rank: int, name: "str | None" = Non
     return _submit(Kind.BROADCAST, [_array(array)], name, root=_check_root(root_rank), in_place=True)
 
 
-def reducescatter_async(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None) -> Handle:
+def reducescatter_async(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reduce-scatter; ``synchronize`` returns this rank's rows of the reduction."""
     array = _array(array)
     op = check_op(op)
     check_reducible(array.dtype, op)
     if array.ndim == 0:
-        raise ValueError("reducescatter needs an array with at least one dimension to split")
-    return _submit(Kind.REDUCESCATTER, [array], name, op=op)
+        raise InvalidArgumentError("reducescatter needs an array with at least one dimension to split; "
+                                   "got a scalar (0-d): reshape it to (1,) or use allreduce")
+    return _submit(Kind.REDUCESCATTER, [array], name, op=op,
+                   prescale=float(prescale_factor), postscale=float(postscale_factor))
+
+
+def grouped_reducescatter_async(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average,
+                                name: "str | None" = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """Start reduce-scatters of several arrays as one unit; ``synchronize`` returns a list."""
+    op = check_op(op)
+    arrays = [_array(a) for a in arrays]
+    for index, array in enumerate(arrays):
+        check_reducible(array.dtype, op)
+        if array.ndim == 0:
+            raise InvalidArgumentError(f"reducescatter needs arrays with at least one dimension to split; "
+                                       f"arrays[{index}] is a scalar (0-d): reshape it to (1,)")
+    return _submit(Kind.REDUCESCATTER, arrays, name, grouped=True, op=op,
+                   prescale=float(prescale_factor), postscale=float(postscale_factor))
 
 
 def alltoall_async(array: np.ndarray, splits: "Sequence[int] | None" = None,
@@ -268,6 +315,15 @@ def allgather(array: np.ndarray, name: "str | None" = None) -> np.ndarray:
     return synchronize(allgather_async(array, name))
 
 
+def grouped_allgather(arrays: "Sequence[np.ndarray]", name: "str | None" = None) -> list:
+    return synchronize(grouped_allgather_async(arrays, name))
+
+
+def grouped_reducescatter(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average, name: "str | None" = None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    return synchronize(grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor))
+
+
 def broadcast(array: np.ndarray, root_rank: int, name: "str | None" = None) -> np.ndarray:
     """A new array holding ``root_rank``'s values."""
     return synchronize(broadcast_async(array, root_rank, name))
@@ -278,9 +334,10 @@ def broadcast_(array: np.ndarray, root_rank: int, name: "str | None" = None) -> 
     return synchronize(broadcast_async_(array, root_rank, name))
 
 
-def reducescatter(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None) -> np.ndarray:
+def reducescatter(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
     """Reduce over ranks, then keep this rank's share of the first dimension."""
-    return synchronize(reducescatter_async(array, op, name))
+    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor))
 
 
 def alltoall(array: np.ndarray, splits: "Sequence[int] | None" = None, name: "str | None" = None):

@@ -1,4 +1,5 @@
-"""Chrome-trace timeline of every op (``MTRAIN_TIMELINE=path``), written by rank 0.
+"""Chrome-trace timeline of every op (``MTRAIN_TIMELINE=path``, or ``start_timeline(path)``
+and ``stop_timeline()`` at run time), written by rank 0.
 
 Open the file in chrome://tracing or ui.perfetto.dev: one row per op name,
 with its NEGOTIATE, MEMCPY_IN_FUSION_BUFFER, ALLREDUCE (the ring) and
@@ -37,9 +38,19 @@ class Timeline:
     def span(self, name: str, phase: str, start: float, end: float, **args: object) -> None:
         """One phase of op ``name`` from ``start`` to ``end`` (time.monotonic() seconds)."""
         with self._lock:
+            if self._file.closed:  # stopped (stop_timeline) while the engine was mid-op
+                return
             self._write({"name": phase, "ph": "X", "pid": self._pid, "tid": self._row(name),
                          "ts": round((start - self._origin) * 1e6, 1),
                          "dur": round(max(end - start, 0.0) * 1e6, 1), "args": args})
+
+    def mark(self, label: str) -> None:
+        """An instant event across every row (``mark_cycles``: one per engine cycle that ran ops)."""
+        with self._lock:
+            if self._file.closed:
+                return
+            self._write({"name": label, "ph": "i", "pid": self._pid, "tid": 0,
+                         "ts": round((time.monotonic() - self._origin) * 1e6, 1), "s": "g"})
 
     def close(self) -> None:
         with self._lock:
