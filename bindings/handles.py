@@ -30,6 +30,29 @@ class Handle:
         return self._result
 
 
+class DeferredHandle(Handle):
+    """Several handles whose results one function combines (e.g. a sparse all-reduce: an
+    all-gather of indices and one of values). Callable too, as Horovod's sparse handle is."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: "list[Handle]", finish: Callable[..., Any]) -> None:
+        super().__init__(None, finish)
+        self._parts = parts
+
+    def poll(self) -> bool:
+        return self._done or all(part.poll() for part in self._parts)
+
+    def wait(self) -> Any:
+        if not self._done:
+            result = self._finish(*[part.wait() for part in self._parts])
+            self._done, self._result, self._parts = True, result, []
+        return self._result
+
+    def __call__(self) -> Any:
+        return self.wait()
+
+
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle``'s op and return its result; raises the op's error."""
     if not isinstance(handle, Handle):

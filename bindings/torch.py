@@ -11,6 +11,7 @@ the legacy stream, so torch side streams are ordered too.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -19,27 +20,38 @@ import torch
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import cuda as _cuda
 from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
-    Adasum, Average, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp, Sum,
-    allgather_object, barrier, broadcast_object, cross_rank, cross_size, init, is_initialized,
-    local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
+    Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp,
+    Sum, allgather_object, barrier, broadcast_object, cross_rank, cross_size, init, is_homogeneous,
+    is_initialized, local_rank, local_size, mpi_threads_supported, rank, shutdown, size, start_timeline,
+    stop_timeline,
 )
 
 from .build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from . import compression as _compression
 from .gradient_op import check_gradient_op, resolve_op
-from .handles import Handle, poll, synchronize  # noqa: F401
+from .handles import DeferredHandle, Handle, poll, synchronize  # noqa: F401
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "MismatchError",
-    "NotInitializedError", "Product", "ReduceOp", "Sum", "allgather", "allgather_async",
-    "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
-    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank", "cross_size",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "init", "is_initialized", "local_rank", "local_size", "mpi_threads_supported", "poll", "rank",
-    "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+    "MismatchError", "NotInitializedError", "Product", "ReduceOp", "Sum",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
+    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "local_rank", "local_size",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
+    "reducescatter_async", "rocm_built", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
+    "SyncBatchNorm",
+    "stop_timeline", "synchronize",
 ]
+
+
+def __dir__() -> List[str]:
+    """The Horovod API only: no private helpers or imported modules (``dir(hvd)``)."""
+    return sorted(__all__)
 
 
 class Compression:
@@ -220,9 +232,29 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """New tensors: each of ``tensors`` reduced over all ranks, as one fused unit."""
     compressed = [compression.compress(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    reduced = synchronize(grouped_allreduce_async([t for t, _ in compressed], average, name, op,
-                                                  prescale_factor, postscale_factor))
+    inputs = [t for t, _ in compressed]
+    op = resolve_op(average, op)
+    if _wants_grad(inputs):
+        reduced = list(_GroupedAllreduceFunction.apply(op, name, prescale_factor, postscale_factor, *inputs))
+    else:
+        reduced = synchronize(grouped_allreduce_async(inputs, None, name, op, prescale_factor, postscale_factor))
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
+
+
+class _GroupedAllreduceFunction(torch.autograd.Function):
+    """Grouped all-reduce whose gradients are the same grouped all-reduce of the incoming ones."""
+
+    @staticmethod
+    def forward(ctx, op, name, prescale_factor, postscale_factor, *tensors):  # type: ignore[override]
+        ctx.args = (op, prescale_factor, postscale_factor)
+        return tuple(synchronize(grouped_allreduce_async(tensors, None, name, op, prescale_factor,
+                                                         postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        op, pre, post = ctx.args
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, pre, post))
+        return (None, None, None, None, *reduced)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -232,14 +264,72 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 
 
 # -- other collectives --------------------------------------------------------
+# Each public op runs an autograd Function only when its input needs a gradient; a
+# tensor without requires_grad takes the plain path (no per-op autograd work).
+
+def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
     return Handle(rr.allgather_async(_numpy_view(_check_tensor(tensor)), name), _from_numpy)
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
-    """Every rank's tensor concatenated along dimension 0 (first dimensions may differ)."""
+    """Every rank's tensor concatenated along dimension 0 (first dimensions may differ). Differentiable."""
+    if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
+        return _AllgatherFunction.apply(_check_tensor(tensor), name)
     return synchronize(allgather_async(tensor, name))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None) -> Handle:
+    """Start all-gathers of several tensors as one unit; ``synchronize`` returns a list."""
+    arrays = [_numpy_view(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    return Handle(rr.grouped_allgather_async(arrays, name), lambda results: [_from_numpy(r) for r in results])
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None) -> List[torch.Tensor]:
+    """``allgather`` of each tensor, as one unit. Differentiable."""
+    tensors = list(tensors)
+    if _wants_grad(tensors):
+        return list(_GroupedAllgatherFunction.apply(name, *tensors))
+    return synchronize(grouped_allgather_async(tensors, name))
+
+
+def _slice_of_summed_gradient(grad: torch.Tensor, rows: int, shape: torch.Size) -> torch.Tensor:
+    """Backward of an all-gather: this rank's rows of the gradient summed over ranks (as Horovod)."""
+    return _gathered_slices([grad], [rows], [shape])[0]
+
+
+def _gathered_slices(grads: Sequence[torch.Tensor], rows: Sequence[int],
+                     shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
+    summed = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=Sum))
+    every_rows = synchronize(allgather_async(torch.tensor([list(rows)], dtype=torch.int64)))  # size x k
+    offsets = every_rows[:rank()].sum(dim=0).tolist()
+    return [s.narrow(0, int(o), r).reshape(shape) for s, o, r, shape in zip(summed, offsets, rows, shapes)]
+
+
+class _AllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name):  # type: ignore[override]
+        ctx.rows, ctx.shape = (tensor.shape[0] if tensor.dim() else 1), tensor.shape
+        return synchronize(allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _slice_of_summed_gradient(grad, ctx.rows, ctx.shape), None
+
+
+class _GroupedAllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, *tensors):  # type: ignore[override]
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.shapes = [t.shape for t in tensors]
+        return tuple(synchronize(grouped_allgather_async(tensors, name)))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, *_gathered_slices(grads, ctx.rows, ctx.shapes))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
@@ -253,8 +343,26 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
-    """A new tensor holding ``root_rank``'s values."""
+    """A new tensor holding ``root_rank``'s values. Differentiable."""
+    if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
+        return _BroadcastFunction.apply(_check_tensor(tensor), root_rank, name)
     return synchronize(broadcast_async(tensor, root_rank, name))
+
+
+class _BroadcastFunction(torch.autograd.Function):
+    """Backward as Horovod: the gradient summed over ranks lands on the root; other ranks get zeros."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):  # type: ignore[override]
+        ctx.root_rank = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum))
+        if rank() != ctx.root_rank:
+            summed = torch.zeros_like(summed)
+        return summed, None, None
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
@@ -264,38 +372,89 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None)
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    tensor = _check_tensor(tensor)
-    if tensor.is_cuda:
-        # Scaled by torch on its current stream (CuPy takes no NumPy 0-d array operand), the
-        # factor cast to the tensor's dtype first, as for CPU tensors below.
-        def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
-            return t * torch.tensor(factor, dtype=t.dtype) if factor != 1.0 else t
-        array = _numpy_view(scaled(tensor.detach(), prescale_factor))
-        return Handle(rr.reducescatter_async(array, op, name),
-                      lambda result: scaled(_from_numpy(result), postscale_factor))
-    array = _numpy_view(tensor)
-    if prescale_factor != 1.0:
-        array = array * np.asarray(prescale_factor, dtype=array.dtype)
-
-    def finish(result: np.ndarray) -> torch.Tensor:
-        if postscale_factor != 1.0:
-            result = result * np.asarray(postscale_factor, dtype=result.dtype)
-        return _from_numpy(result)
-    return Handle(rr.reducescatter_async(array, op, name), finish)
+    array = _numpy_view(_check_tensor(tensor))
+    return Handle(rr.reducescatter_async(array, op, name, prescale_factor, postscale_factor), _from_numpy)
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: type = Compression.none,
                   op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce over ranks, keep this rank's rows (the first ``rows % size`` ranks get one extra)."""
+    """Reduce over ranks, keep this rank's rows (the first ``rows % size`` ranks get one extra).
+    Differentiable."""
     compressed, ctx = compression.compress(_check_tensor(tensor))
-    reduced = synchronize(reducescatter_async(compressed, name, op, prescale_factor, postscale_factor))
+    if tensor.requires_grad and torch.is_grad_enabled():
+        reduced = _ReducescatterFunction.apply(compressed, name, op, prescale_factor, postscale_factor)
+    else:
+        reduced = synchronize(reducescatter_async(compressed, name, op, prescale_factor, postscale_factor))
     return compression.decompress(reduced, ctx)
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Handle:
-    if isinstance(splits, torch.Tensor):
-        splits = splits.tolist()
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: Any = Average,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start reduce-scatters of several tensors as one unit; ``synchronize`` returns a list."""
+    arrays = [_numpy_view(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    inner = rr.grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor)
+    return Handle(inner, lambda results: [_from_numpy(r) for r in results])
 
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: type = Compression.none, op: Any = Average,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """``reducescatter`` of each tensor, as one unit. Differentiable."""
+    compressed = [compression.compress(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    inputs = [t for t, _ in compressed]
+    if _wants_grad(inputs):
+        reduced = list(_GroupedReducescatterFunction.apply(name, op, prescale_factor, postscale_factor, *inputs))
+    else:
+        reduced = synchronize(grouped_reducescatter_async(inputs, name, op, prescale_factor, postscale_factor))
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
+
+
+def _reducescatter_backward(grads: Sequence[torch.Tensor], op: Any, pre: float, post: float) -> List[torch.Tensor]:
+    """All-gather of the gradients (as Horovod), divided by size for Average, times the scaling."""
+    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads]))
+    factor = pre * post / (size() if op == Average else 1)
+    return [g * factor if factor != 1.0 else g for g in gathered]
+
+
+class _ReducescatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):  # type: ignore[override]
+        ctx.args = (op, prescale_factor, postscale_factor)
+        return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _reducescatter_backward([grad], *ctx.args)[0], None, None, None, None
+
+
+class _GroupedReducescatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):  # type: ignore[override]
+        ctx.args = (op, prescale_factor, postscale_factor)
+        return tuple(synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
+                                                             postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, None, None, None, *_reducescatter_backward(grads, *ctx.args))
+
+
+def _check_splits_dtype(splits: Any) -> Any:
+    """Horovod refuses a splits tensor that is not of an integer type (by dtype, whatever its values)."""
+    if isinstance(splits, torch.Tensor):
+        if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
+            raise ValueError(f"alltoall splits must be an integer tensor (e.g. torch.int32), got dtype "
+                             f"{splits.dtype}; convert with splits.int()")
+        return splits.tolist()
+    if splits is not None:
+        kind = np.asarray(splits).dtype.kind
+        if kind not in "iu" and len(splits):
+            raise ValueError(f"alltoall splits must be integers, got {list(splits)!r}")
+    return splits
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Handle:
+    splits = _check_splits_dtype(splits)
     tensor = _check_tensor(tensor)
     device = tensor.device if tensor.is_cuda else None
     if device is not None:  # the runtime's all-to-all moves host memory only: stage through it
@@ -311,9 +470,51 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Any:
     """Send ``splits[r]`` rows to rank r (equal shares if None). Returns the received tensor,
-    plus the received splits when ``splits`` is given (as Horovod)."""
-    received, received_splits = synchronize(alltoall_async(tensor, splits, name))
+    plus the received splits when ``splits`` is given (as Horovod). Differentiable."""
+    if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
+        received, received_splits = _AlltoallFunction.apply(_check_tensor(tensor), splits, name)
+    else:
+        received, received_splits = synchronize(alltoall_async(tensor, splits, name))
     return received if splits is None else (received, received_splits)
+
+
+class _AlltoallFunction(torch.autograd.Function):
+    """Backward as Horovod: the gradient goes back by an all-to-all with the received splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name):  # type: ignore[override]
+        received, received_splits = synchronize(alltoall_async(tensor, splits, name))
+        ctx.received_splits = received_splits
+        ctx.mark_non_differentiable(received_splits)
+        return received, received_splits
+
+    @staticmethod
+    def backward(ctx, grad, _):  # type: ignore[override]
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received_splits))
+        return back, None, None
+
+
+# -- sparse ---------------------------------------------------------------------
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average) -> DeferredHandle:
+    """Start an all-reduce of a sparse COO tensor, as Horovod does it: all-gather every rank's
+    indices and values, then coalesce (duplicates summed); Average divides by size.
+    ``synchronize(handle)`` (or ``handle()``) returns the reduced sparse tensor."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError("sparse_allreduce_async takes a sparse COO tensor; use allreduce_async for dense ones")
+    op = resolve_op(None, op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse all-reduce supports op=Average or op=Sum, got {op!r}")
+    # Indices are (ndim, nnz): gathered along nnz, so sent transposed and turned back after.
+    indices = allgather_async(tensor._indices().t().contiguous(), None if name is None else f"{name}.indices")
+    values = allgather_async(tensor._values().contiguous(), None if name is None else f"{name}.values")
+    shape, n = tensor.shape, size()
+
+    def finish(all_indices: torch.Tensor, all_values: torch.Tensor) -> torch.Tensor:
+        if op == Average:
+            all_values = all_values / n if all_values.is_floating_point() else all_values // n
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, shape, check_invariants=False).coalesce()
+    return DeferredHandle([indices, values], finish)
 
 
 # -- model and optimizer state -----------------------------------------------
@@ -398,11 +599,12 @@ class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's own class (see ``DistributedOptimizer``)."""
 
     def _mtrain_setup(self, named_parameters: Any, compression: type, backward_passes_per_step: int,
-                      op: Any, gradient_predivide_factor: float) -> None:
+                      op: Any, gradient_predivide_factor: float, sparse_as_dense: bool = False) -> None:
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = bool(sparse_as_dense)
         params = [p for group in self.param_groups for p in group["params"]]
         self._parameter_names = _parameter_names(named_parameters, params)
         self._requires_update = [p for p in dict.fromkeys(params) if p.requires_grad]
@@ -438,12 +640,16 @@ class _DistributedOptimizer:
     def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Handle, Any]:
         if p.grad is None:  # no gradient on this rank this step: take part with zeros
             p.grad = torch.zeros_like(p)
+        name = f"DistributedOptimizer.{self._parameter_names[p]}"
+        if p.grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
+            if not self.sparse_as_dense:  # as Horovod: gather indices and values, no compression
+                return sparse_allreduce_async(p.grad, name=name, op=self.op), None
+            p.grad = p.grad.to_dense()
         compressed, ctx = self._compression.compress(p.grad)
         pre, post = 1.0, 1.0
         if self.op == Average:  # the runtime divides by size after the postscale
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        handle = allreduce_async_(compressed, name=f"DistributedOptimizer.{self._parameter_names[p]}",
-                                  op=self.op, prescale_factor=pre, postscale_factor=post)
+        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post)
         return handle, ctx
 
     def synchronize(self) -> None:
@@ -454,7 +660,9 @@ class _DistributedOptimizer:
                     self._handles[p] = self._allreduce_grad_async(p)
             for p, (handle, ctx) in self._handles.items():
                 reduced = self._compression.decompress(handle.wait(), ctx)
-                if reduced is not p.grad:
+                if reduced.is_sparse:
+                    p.grad = reduced
+                elif reduced is not p.grad:
                     with torch.no_grad():
                         p.grad.copy_(reduced)
         finally:
@@ -477,9 +685,16 @@ class _DistributedOptimizer:
         if closure is not None:  # backward inside the closure must finish before we average
             with torch.enable_grad():
                 loss = closure()
-        # After an explicit synchronize() the gradients are already averaged: no second round.
-        if self._should_synchronize and not self._synchronized:
-            self.synchronize()
+        # After an explicit synchronize() the gradients are already averaged: no second round
+        # (Horovod would reduce them again); warn as Horovod does, with the remedy.
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() was called after optimizer.synchronize() outside an "
+                              "optimizer.skip_synchronize() context; this can slow training down. When you "
+                              "call optimizer.synchronize() yourself, call step() inside "
+                              "`with optimizer.skip_synchronize():`", UserWarning, stacklevel=2)
+            else:
+                self.synchronize()
         self._synchronized = False
         super().step()  # type: ignore[misc]
         return loss
@@ -550,6 +765,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     The result is an instance of the optimizer's own class (``isinstance`` holds)
     sharing its hyperparameters and state. ``num_groups``/``groups`` are
     accepted for Horovod compatibility; the runtime fuses small gradients itself.
+    Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as Horovod does:
+    by ``sparse_allreduce_async`` (all-gather of indices and values), or densified
+    first and all-reduced when ``sparse_as_dense=True``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -568,8 +786,55 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     # bypass the averaging; schedulers must be built on the wrapped optimizer (as with Horovod).
     wrapped.__dict__.pop("step", None)
     wrapped._mtrain_setup(named_parameters, compression, backward_passes_per_step, op,
-                          gradient_predivide_factor)
+                          gradient_predivide_factor, sparse_as_dense)
     return wrapped
+
+
+# -- SyncBatchNorm ---------------------------------------------------------------
+
+class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """Batch normalization over the batch of every rank together (drop-in for
+    ``torch.nn.SyncBatchNorm`` / Horovod's ``hvd.SyncBatchNorm``).
+
+    In training each rank's per-channel sum, sum of squares and count are summed
+    over ranks by one all-reduce; the gradient flows back through that (differentiable)
+    all-reduce, so every rank's input gradient is that of the whole batch. In eval
+    mode (with running statistics) it is a plain local batch norm.
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (batch, channels, ...), got {input.dim()}D input")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        use_batch_stats = self.training or not self.track_running_stats
+        if not use_batch_stats:
+            return torch.nn.functional.batch_norm(input, self.running_mean, self.running_var, self.weight,
+                                                  self.bias, False, 0.0, self.eps)
+        channels = input.shape[1]
+        work = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
+        dims = [d for d in range(work.dim()) if d != 1]
+        local_count = torch.full((1,), work.numel() // channels, dtype=work.dtype, device=work.device)
+        stats = torch.cat([work.sum(dims), (work * work).sum(dims), local_count])
+        total = allreduce(stats, op=Sum, name=None)
+        count = total[-1]
+        mean = total[:channels] / count
+        var = (total[channels:2 * channels] / count - mean * mean).clamp_min(0)  # rounding can go below 0
+        if self.training and self.track_running_stats:
+            with torch.no_grad():
+                unbiased = var * (count / (count - 1)) if float(count) > 1 else var
+                self.running_mean.mul_(1 - momentum).add_(mean.detach().to(self.running_mean.dtype) * momentum)
+                self.running_var.mul_(1 - momentum).add_(unbiased.detach().to(self.running_var.dtype) * momentum)
+        shape = [1, channels] + [1] * (work.dim() - 2)
+        out = (work - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + self.eps)
+        if self.affine:
+            out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
+        return out.to(input.dtype)
 
 
 from mtrain.elastic import torch as elastic  # noqa: E402  (hvd.elastic)
