@@ -205,8 +205,14 @@ def _raw_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optio
                                postscale: float) -> List[tf.Tensor]:
     def scatter(*arrays: np.ndarray) -> List[np.ndarray]:
         names = [name if name is None or len(arrays) == 1 else f"{name}.{i}" for i in range(len(arrays))]
-        handles = [rr.reducescatter_async(_scaled(_c(a), prescale), op, n) for a, n in zip(arrays, names)]
-        return [_scaled(rr.synchronize(h), postscale) for h in handles]
+        handles, posts = [], []
+        for a, n in zip(arrays, names):
+            # Integers averaged as in Horovod: summed, then one float64 scaling by postscale / size
+            # (dividing first and scaling after would round twice).
+            integer_average = op == Average and a.dtype.kind in "iu"
+            handles.append(rr.reducescatter_async(_scaled(_c(a), prescale), Sum if integer_average else op, n))
+            posts.append(postscale / rr.size() if integer_average else postscale)
+        return [_scaled(rr.synchronize(h), post) for h, post in zip(handles, posts)]
     return _call(scatter, inputs, [t.dtype for t in inputs], [_first_dim_unknown(t) for t in inputs])
 
 

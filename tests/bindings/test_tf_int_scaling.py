@@ -1,0 +1,36 @@
+"""Integer tensors with prescale/postscale factors, through mtrain.tensorflow: as Horovod, the
+factor is applied in float64 and the result cast back truncating toward zero (-7 * 0.5 -> -3);
+Average is a sum scaled once by postscale / size."""
+import numpy as np
+
+from tests.bindings.requires import require
+from tests.mpi.harness import mpi_test
+
+require("tensorflow", "pip install '.[tensorflow]'")
+
+
+def _setup():
+    import os
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import mtrain.tensorflow as hvd
+    n, me = hvd.size(), hvd.rank()
+    mine = lambda r: np.arange(-7, 7).reshape(7, 2) * (r + 1) + 3 * r  # noqa: E731  (odd and negative values)
+    trunc = lambda a, f: np.trunc(a.astype(np.float64) * f).astype(np.int64)  # noqa: E731
+    summed = sum(trunc(mine(r), 0.5) for r in range(n))
+    return tf, hvd, n, me, mine, trunc, summed
+
+
+@mpi_test(nps=(2, 3), timeout=180)
+def test_reducescatter_integer_scaling_truncates_toward_zero():
+    tf, hvd, n, me, mine, trunc, summed = _setup()
+    lo = 7 // n * me + min(me, 7 % n)
+    rows = slice(lo, lo + 7 // n + (1 if me < 7 % n else 0))
+    for dtype in (tf.int32, tf.int64):
+        x = tf.constant(mine(me), dtype)
+        for op, post, factor in ((hvd.Sum, -0.5, -0.5), (hvd.Average, 3.0, 3.0 / n), (hvd.Average, 1.0, 1.0 / n)):
+            got = hvd.reducescatter(x, op=op, prescale_factor=0.5, postscale_factor=post)
+            assert got.dtype == dtype and np.array_equal(got, trunc(summed, factor)[rows]), \
+                f"reducescatter {op} post={post} {dtype}: {got} != {trunc(summed, factor)[rows]}"
+        got = tf.function(lambda t: hvd.grouped_reducescatter([t], op=hvd.Average, prescale_factor=0.5))(x)[0]
+        assert np.array_equal(got, trunc(summed, 1.0 / n)[rows]), f"grouped_reducescatter in a graph {dtype}"
