@@ -155,8 +155,9 @@ class ElasticDriver:
             return list(self.settings.fixed_hosts)
         return run_discovery(self.settings.discovery_script, self.settings.slots_per_host)
 
-    def wait_for_plan(self, limit: int | None) -> list[HostSlots] | None:
-        """A plan with at least --min-np slots, waiting up to --elastic-timeout for one."""
+    def wait_for_plan(self, limit: int | None) -> tuple[list[HostSlots], set[str]] | None:
+        """A plan with at least --min-np slots, waiting up to --elastic-timeout for one, and the
+        names of the hosts usable then (a host not among them joins later as an added host)."""
         deadline = time.monotonic() + self.settings.timeout
         while True:
             now = time.monotonic()
@@ -167,7 +168,7 @@ class ElasticDriver:
                 available, problem = [], str(error)
             plan = plan_hosts(available, self.blacklist, now, limit)
             if sum(h.slots for h in plan) >= self.settings.min_np:
-                return plan
+                return plan, {h.name for h in available if self.blacklist.allows(h.name, now)}
             if now >= deadline:
                 listed = self.blacklist.listed(now)
                 detail = problem or (f"{sum(h.slots for h in plan)} slots on "
@@ -179,8 +180,9 @@ class ElasticDriver:
                 return None
             time.sleep(DISCOVERY_INTERVAL)
 
-    def watch(self, plan: list[HostSlots], generation, stop: threading.Event) -> None:
-        """While a generation runs: tell its ranks when the usable host set changes."""
+    def watch(self, plan: list[HostSlots], known: set[str], generation, stop: threading.Event) -> None:
+        """While a generation runs: tell its ranks when a running host vanishes from discovery, or
+        when hosts appear that were not there when it started and there is room to grow."""
         running = {h.name: h.slots for h in plan}
         limit = self.settings.max_np
         while not stop.wait(DISCOVERY_INTERVAL):
@@ -193,11 +195,10 @@ class ElasticDriver:
                 continue
             self.discovery_problem = ""
             wanted = plan_hosts(available, self.blacklist, time.monotonic(), limit)
-            names = {h.name for h in wanted}
             gone = [name for name in running if name not in {h.name for h in available}]
-            grown = [h.name for h in wanted if h.name not in running]
+            grown = [h.name for h in wanted if h.name not in running and h.name not in known]
             if gone or (grown and sum(h.slots for h in wanted) > sum(running.values())):
-                why = "; ".join(part for part in (f"{', '.join(grown)} added" if grown and names else "",
+                why = "; ".join(part for part in (f"{', '.join(grown)} added" if grown else "",
                                                    f"{', '.join(gone)} gone" if gone else "") if part)
                 self.pending = _Reset(self.resets + 1, "change", f"host set changed ({why})", time.time())
                 generation.notify(1)
@@ -209,9 +210,10 @@ class ElasticDriver:
         limit = self.settings.initial_np
         try:
             while True:
-                plan = self.wait_for_plan(limit)
-                if plan is None:
+                found = self.wait_for_plan(limit)
+                if found is None:
                     return 1
+                plan, known = found
                 limit = self.settings.max_np  # after the first generation, grow to what is there
                 names = local_names()
                 config = dataclasses.replace(self.config, plan=tuple(plan), remote_hosts=tuple(
@@ -220,7 +222,7 @@ class ElasticDriver:
                                              f"{ENV_ELASTIC_STATE_DIR}={self.state_dir}/{{host}}"),
                                         on_resume=self._resumed(plan))
                 stop = threading.Event()
-                watcher = threading.Thread(target=self.watch, args=(plan, generation, stop), daemon=True)
+                watcher = threading.Thread(target=self.watch, args=(plan, known, generation, stop), daemon=True)
                 watcher.start()
                 try:
                     status = launch(config, generation=generation)
