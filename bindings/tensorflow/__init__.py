@@ -146,8 +146,25 @@ def _raw_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[
                            postscale: float) -> List[tf.Tensor]:
     def reduce(*arrays: np.ndarray) -> List[np.ndarray]:
         arrays = [_c(a) for a in arrays]
-        results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale, postscale))
-        return [r.reshape(a.shape) for r, a in zip(results, arrays)]
+        integers = [i for i, a in enumerate(arrays) if a.dtype.kind in "iu"] if op == Average else []
+        if not integers:
+            results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale, postscale))
+            return [r.reshape(a.shape) for r, a in zip(results, arrays)]
+        # Integers averaged as in Horovod: a sum scaled once by postscale / size (in float64,
+        # truncated toward zero), not divided and then scaled (which would round twice).
+        others = [i for i in range(len(arrays)) if i not in integers]
+        handles = []
+        if others:
+            handles.append((others, rr.grouped_allreduce_async([arrays[i] for i in others], op, name,
+                                                               prescale, postscale)))
+        handles.append((integers, rr.grouped_allreduce_async(
+            [arrays[i] for i in integers], Sum, name if not others or name is None else f"{name}.integers",
+            prescale, postscale / rr.size())))
+        results: List[Any] = [None] * len(arrays)
+        for indices, handle in handles:
+            for i, r in zip(indices, rr.synchronize(handle)):
+                results[i] = r.reshape(arrays[i].shape)
+        return results
     return _call(reduce, inputs, [t.dtype for t in inputs], [t.shape for t in inputs])
 
 

@@ -34,3 +34,21 @@ def test_reducescatter_integer_scaling_truncates_toward_zero():
                 f"reducescatter {op} post={post} {dtype}: {got} != {trunc(summed, factor)[rows]}"
         got = tf.function(lambda t: hvd.grouped_reducescatter([t], op=hvd.Average, prescale_factor=0.5))(x)[0]
         assert np.array_equal(got, trunc(summed, 1.0 / n)[rows]), f"grouped_reducescatter in a graph {dtype}"
+
+
+@mpi_test(nps=(2, 3), timeout=180)
+def test_allreduce_integer_average_is_one_scaling():
+    tf, hvd, n, me, _, trunc, _ = _setup()
+    # Non-negative values here: how the runtime rounds a negative scaled integer is its own test.
+    mine = lambda r: np.arange(14).reshape(7, 2) * (r + 1) + 3 * r  # noqa: E731
+    summed = sum(trunc(mine(r), 0.5) for r in range(n))
+    for dtype in (tf.int32, tf.int64):
+        x = tf.constant(mine(me), dtype)
+        for post in (1.0, 3.0, 0.7):
+            got = hvd.allreduce(x, op=hvd.Average, prescale_factor=0.5, postscale_factor=post)
+            assert got.dtype == dtype and np.array_equal(got, trunc(summed, post / n)), f"allreduce {post} {dtype}"
+        floats = tf.constant(mine(me) + 0.25)
+        got = tf.function(lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Average, prescale_factor=0.5,
+                                                             name="int_scaling.mixed"))(x, floats)
+        assert np.array_equal(got[0], trunc(summed, 1.0 / n)), f"grouped_allreduce mixed, integers {dtype}"
+        assert np.allclose(got[1], sum(0.5 * (mine(r) + 0.25) for r in range(n)) / n), "mixed, floats"
