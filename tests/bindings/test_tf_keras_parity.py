@@ -132,6 +132,26 @@ def test_sync_batch_norm_partial_optimizers_and_callback():
     assert all(np.array_equal(w, r) for w, r in zip(model.layers[0].get_weights(), root_shared)), "shared"
     assert all(np.array_equal(w, o) for w, o in zip(model.layers[1].get_weights(), own_local)), "local"
 
+    # A local layer whose shape differs per rank (model parallelism), with Adam: its moments stay local too.
+    keras.utils.set_random_seed(30 + me)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="shared"),
+                              keras.layers.Dense(2 + me, name="local")])
+    model.compile(optimizer=khvd.PartialDistributedOptimizer(keras.optimizers.Adam(0.0), local_layers=[model.layers[1]]),
+                  loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    for v in model.optimizer.variables:
+        if v.name != "iteration":
+            v.assign(tf.ones_like(v) * (me + 1))
+    root_shared = hvd.broadcast_object([w.numpy() for w in model.layers[0].weights], root_rank=0)
+    callback = khvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[model.layers[1]])
+    callback.set_model(model)
+    callback.on_train_begin()
+    assert all(np.array_equal(w, r) for w, r in zip(model.layers[0].get_weights(), root_shared)), "shared (Adam)"
+    slots = {v.name: float(np.ravel(v.numpy())[0]) for v in model.optimizer.variables if v.name != "iteration"}
+    for name, value in slots.items():
+        want = float(me + 1) if "local" in name else 1.0
+        assert value == want, f"optimizer slot {name}: {value} != {want}"
+
     # Names.
     assert khvd.HorovodInternalError is hvd.HorovodInternalError
     if hasattr(rr, "HorovodInternalError"):

@@ -24,12 +24,19 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.root_rank = root_rank
         self.broadcast_done = False
         self.local_variables = set()
+        self._local_slot_prefixes = []
         for item in local_variables or []:
             for variable in getattr(item, "weights", [item]):
                 self.local_variables.add(_variable_key(variable))
+                if hasattr(variable, "path"):  # Keras 3 names a slot "<variable path with _>_<slot>"
+                    self._local_slot_prefixes.append(variable.path.replace("/", "_") + "_")
 
     def _shared(self, variables: Any) -> list:
         return [v for v in variables if _variable_key(v) not in self.local_variables]
+
+    def _shared_slots(self, variables: Any) -> list:
+        prefixes = tuple(self._local_slot_prefixes)
+        return [v for v in variables if not (prefixes and str(v.name).startswith(prefixes))]
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         if self.broadcast_done:
@@ -39,7 +46,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if optimizer is not None:
             if not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
-            broadcast_variables(optimizer.variables, self.root_rank)
+            # The optimizer state of local variables (Adam's moments, ...) stays local too.
+            broadcast_variables(self._shared_slots(optimizer.variables), self.root_rank)
         self.broadcast_done = True
 
 
