@@ -1,8 +1,10 @@
 """TensorFlow adapter: ``import mtrain.tensorflow as hvd`` in place of ``import horovod.tensorflow as hvd``.
 
 Ops take ``tf.Tensor``/``tf.Variable`` values, eagerly or inside ``tf.function``
-(there they run as ``tf.numpy_function`` calls into the runtime). Keras lives
-in ``mtrain.tensorflow.keras``.
+(there they run as ``tf.numpy_function`` calls into the runtime). Every collective
+is differentiable with Horovod's backward rule (see "the collectives" below), and
+ranks that disagree raise ``tf.errors.FailedPreconditionError`` eagerly (see
+``_call`` for graphs). Keras lives in ``mtrain.tensorflow.keras``.
 """
 from __future__ import annotations
 
@@ -187,14 +189,16 @@ def _raw_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str]) -> 
         names = [None if name is None else f"{name}.{i}" for i in range(len(arrays))]
         handles = [rr.allgather_async(_c(a), n) for a, n in zip(arrays, names)]
         return [rr.synchronize(h) for h in handles]
-    return _call(gather, inputs, [t.dtype for t in inputs], [_first_dim_unknown(t) for t in inputs])
+    shapes = [_first_dim_unknown(t) if t.shape.rank != 0 else tf.TensorShape([None]) for t in inputs]
+    return _call(gather, inputs, [t.dtype for t in inputs], shapes)  # a scalar is gathered as one row
 
 
 def _my_rows(grad: tf.Tensor, x: tf.Tensor, name: Optional[str]) -> tf.Tensor:
     """This rank's block of rows of an allgathered tensor's gradient."""
-    counts = _raw_grouped_allgather([tf.shape(x, out_type=tf.int64)[:1]], name)[0]
+    rows = tf.reshape(x, [-1]) if x.shape.rank == 0 else x  # a scalar was gathered as one row
+    counts = _raw_grouped_allgather([tf.shape(rows, out_type=tf.int64)[:1]], name)[0]
     start = tf.reduce_sum(counts[:rr.rank()])
-    return grad[start:start + counts[rr.rank()]]
+    return tf.reshape(grad[start:start + counts[rr.rank()]], tf.shape(x))
 
 
 def _differentiable_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str]) -> List[tf.Tensor]:

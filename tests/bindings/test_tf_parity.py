@@ -64,6 +64,9 @@ def _check_gradients(tf, hvd, graph: bool) -> None:
     assert np.allclose(grad, np.mean(ws, 0)[offsets[me]:offsets[me + 1]]), f"{tag} allgather"
     grad, ws = grad_of(lambda t: hvd.grouped_allgather([3 * t, t])[0], mine)
     assert np.allclose(grad, 3 * np.mean(ws, 0)[offsets[me]:offsets[me + 1]]), f"{tag} grouped_allgather"
+    scalar = np.float64(me + 0.5)
+    grad, ws = grad_of(lambda t: tf.reshape(hvd.allgather(t), [-1, 1]), scalar)  # a scalar is one row
+    assert np.allclose(grad, np.mean(ws, 0)[me, 0]), f"{tag} allgather of a scalar"
     # broadcast: the averaged gradient on the root, zeros elsewhere.
     root = n - 1
     grad, ws = grad_of(lambda t: hvd.broadcast(t, root_rank=root), x)
