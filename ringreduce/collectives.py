@@ -67,9 +67,12 @@ class Executor:
                             [(lo * row, hi * row) for lo, hi in row_bounds])
         lo, hi = row_bounds[self.rank]
         result = work[lo * row:hi * row].reshape((hi - lo,) + array.shape[1:]).copy()
-        if op == ReduceOp.Average:
-            backend.divide(result.reshape(-1), self.size)
-        backend.scale(result.reshape(-1), postscale_factor)
+        if op == ReduceOp.Average and array.dtype.kind in "iu":  # one scaling, as in ring.allreduce
+            backend.scale(result.reshape(-1), postscale_factor / self.size)
+        else:
+            if op == ReduceOp.Average:
+                backend.divide(result.reshape(-1), self.size)
+            backend.scale(result.reshape(-1), postscale_factor)
         return result
 
     # -- all-gather ---------------------------------------------------------

@@ -119,7 +119,7 @@ def allreduce(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Bac
               segment_bytes: int = DEFAULT_SEGMENT_BYTES,
               small_bytes: int = DEFAULT_SMALL_BYTES, postscale: float = 1.0) -> None:
     """Reduce ``buf`` (1-D and contiguous, or a Layout of such) in place across ``comm``;
-    Average divides by N, then ``postscale`` multiplies.
+    Average divides by N, then ``postscale`` multiplies (integers: one scaling by postscale / N).
 
     Both finishing steps run on each segment of the rank's own chunk right after its
     last reduction, while it is still in cache, instead of as extra passes over the
@@ -130,7 +130,14 @@ def allreduce(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Bac
     if layout.size == 0:
         return
 
+    integer = layout.dtype.kind in "iu"
+
     def finish(piece: Buffer) -> None:
+        if op == Average and integer:
+            # As Horovod: an integer average is one float64 scaling by postscale / N,
+            # truncated toward zero (not a floor division followed by a second scaling).
+            backend.scale(piece, postscale / size)
+            return
         if op == Average:
             backend.divide(piece, size)
         backend.scale(piece, postscale)

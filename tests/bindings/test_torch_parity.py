@@ -123,6 +123,11 @@ def test_integer_scaling_truncates_toward_zero_as_horovod():
         a, b = mine.clone(), (mine * 3).clone()
         hvd.grouped_allreduce_([a, b], op=hvd.Sum, prescale_factor=0.5)
         assert b.tolist() == sum(torch.trunc(e.double() * 1.5).long() for e in every).tolist()
+        # Average is a sum scaled once by postscale / size, truncated (not floor-divided, then scaled).
+        for post in (1.0, 3.0):
+            got = hvd.allreduce(mine, op=hvd.Average, postscale_factor=post)
+            want = torch.trunc(sum(e.long() for e in every).double() * (post / n)).long()
+            assert got.tolist() == want.tolist(), (dtype, post, got, want)
     # The Horovod example itself, on one element.
     single = hvd.allreduce(torch.tensor([-37]), op=hvd.Sum, prescale_factor=0.5, postscale_factor=1.0 / n)
     assert single.tolist() == [int(np.trunc(n * -18 / n))]
@@ -386,6 +391,7 @@ def test_timeline_homogeneous_build_queries_and_public_names():
     for wanted in ("allreduce", "HorovodInternalError", "start_timeline", "is_homogeneous", "grouped_allgather",
                    "sparse_allreduce_async", "nccl_built", "DistributedOptimizer", "Compression"):
         assert wanted in names, wanted
+    assert "elastic" in names  # Horovod's hvd.elastic
     namespace: dict = {}
     exec("from mtrain.torch import *", namespace)
     imported = set(namespace) - {"__builtins__"}

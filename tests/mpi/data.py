@@ -41,8 +41,10 @@ def reference(inputs: "list[np.ndarray]", op) -> np.ndarray:
         if op == Average:
             if wide is np.float64:
                 out = out / len(inputs)
-            else:  # integers: the sum wraps in the dtype first, then divides (floor)
-                out = np.floor_divide(out.astype(dtype), len(inputs)).astype(np.int64)
+            else:  # integers: the sum wraps in the dtype first, then is scaled by 1/N in float64 and
+                # truncated toward zero (Horovod's average: a postscale of 1/N)
+                wrapped = out.astype(dtype).astype(np.float64)
+                out = np.trunc(wrapped * np.float64(1.0 / len(inputs))).astype(np.int64)
     elif op == Min:
         out = stack.min(axis=0)
     elif op == Max:
