@@ -50,8 +50,9 @@ __all__ = [
 
 
 def __dir__() -> List[str]:
-    """The Horovod API only: no private helpers or imported modules (``dir(hvd)``)."""
-    return sorted(__all__)
+    """The Horovod API only: no private helpers or imported modules (``dir(hvd)``), but the
+    ``hvd.elastic`` namespace, as Horovod's subpackage."""
+    return sorted(__all__ + [name for name in ("elastic",) if name in globals()])
 
 
 class Compression:
