@@ -52,3 +52,16 @@ def test_allreduce_integer_average_is_one_scaling():
                                                              name="int_scaling.mixed"))(x, floats)
         assert np.array_equal(got[0], trunc(summed, 1.0 / n)), f"grouped_allreduce mixed, integers {dtype}"
         assert np.allclose(got[1], sum(0.5 * (mine(r) + 0.25) for r in range(n)) / n), "mixed, floats"
+
+
+@mpi_test(nps=(2, 3), timeout=180)
+def test_allreduce_negative_integers_truncate_toward_zero():
+    tf, hvd, n, me, mine, trunc, summed = _setup()
+    for dtype in (tf.int32, tf.int64):
+        x = tf.constant(mine(me), dtype)
+        got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=-0.5)
+        assert got.dtype == dtype and np.array_equal(got, trunc(summed, -0.5)), f"allreduce Sum {dtype}"
+        got = hvd.grouped_allreduce([x], op=hvd.Average, prescale_factor=0.5, postscale_factor=3.0)[0]
+        assert np.array_equal(got, trunc(summed, 3.0 / n)), f"grouped_allreduce Average {dtype}"
+        got = tf.function(lambda t: hvd.allreduce(t, op=hvd.Average, prescale_factor=0.5))(x)
+        assert np.array_equal(got, trunc(summed, 1.0 / n)), f"allreduce Average in a graph {dtype}"
