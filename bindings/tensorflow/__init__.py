@@ -38,7 +38,7 @@ __all__ = [
     "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "broadcast_variables",
     "cross_rank", "cross_size", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init",
     "is_initialized", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_threads_supported",
-    "rank", "rank_op", "reducescatter", "shutdown", "size", "size_op",
+    "rank", "rank_op", "reducescatter", "shutdown", "size", "size_op", "elastic",
 ]
 
 
@@ -556,3 +556,4 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
 
 
 from .sync_batch_norm import SyncBatchNormalization  # noqa: E402  (needs the collectives above)
+from mtrain.elastic import tensorflow as elastic  # noqa: E402  (hvd.elastic)

@@ -32,7 +32,7 @@ __all__ = [
     "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank", "local_size",
     "mpi_threads_supported", "rank", "reducescatter", "shutdown", "size",
     "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
-    "nccl_built", "rocm_built",
+    "nccl_built", "rocm_built", "elastic",
 ]
 
 
@@ -151,3 +151,6 @@ def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Opt
     wrapped._mtrain_local = _local_refs(local_layers)
     wrapped._mtrain_scale_local = scale_local_gradients
     return wrapped
+
+
+from mtrain.elastic import tensorflow as elastic  # noqa: E402  (hvd.elastic)
