@@ -11,6 +11,8 @@ guards alike.
     AgentEvent      the SSH agents                   the supervisor
     Gate            the supervisor                   the SSH agents
     JobLayout       the launcher (through the gate)  the rank wrapper on every host
+    HostUpdates     the launcher (through the agents) hvd.elastic in the ranks (host-set version)
+    ElasticResume   rank 0 of an elastic generation  the supervisor (the reset's log line)
     StopReason      the supervisor (why it stopped a job; logged and used for its grace period)
 """
 from __future__ import annotations

@@ -513,7 +513,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op:
 
     def finish(all_indices: torch.Tensor, all_values: torch.Tensor) -> torch.Tensor:
         if op == Average:
-            all_values = all_values / n if all_values.is_floating_point() else all_values // n
+            all_values = (all_values / n if all_values.is_floating_point()
+                          else torch.div(all_values, n, rounding_mode="trunc"))  # toward zero, as dense ints
         return torch.sparse_coo_tensor(all_indices.t(), all_values, shape, check_invariants=False).coalesce()
     return DeferredHandle([indices, values], finish)
 

@@ -188,6 +188,8 @@ class ElasticDriver:
         while not stop.wait(DISCOVERY_INTERVAL):
             try:
                 available = self.discover()
+                if stop.is_set():
+                    return  # the generation ended while the script ran: _after() decides now
             except DiscoveryError as error:
                 if str(error) != self.discovery_problem:  # say it once; the job goes on
                     print(f"mtrain: warning: {error}; the job goes on with its hosts", file=sys.stderr, flush=True)
@@ -282,7 +284,7 @@ class ElasticDriver:
 
 
 def _host_failure(record: ExitRecord) -> bool:
-    """Killed by a signal or aborted inside MPI without an exception of its own: the host, not the program."""
+    """Killed by a signal, with no exception of its own: the host's doing, not the program's."""
     return record.returncode < 0 and not record.report
 
 

@@ -96,7 +96,8 @@ class Generation:
     def notify(self, version: int) -> None:
         """Tell every rank of this generation that the host set is now `version`."""
         for path in self.updates_paths:
-            HostUpdates(version).write(path)
+            with contextlib.suppress(OSError):  # the generation may be ending as we speak
+                HostUpdates(version).write(path)
 
 
 def launch(config: LaunchConfig, dry_run: bool = False, generation: Generation | None = None) -> int:

@@ -24,10 +24,14 @@ try:
     import mtrain
     from mtrain.launcher.capabilities import gpu_count
     from mtrain.launcher.netif import free_ports, interface_addresses
-    found = {"version": mtrain.__version__, "gpus": gpu_count(), "addresses": interface_addresses(),
-             "ports": free_ports(int(sys.argv[1]))}
 except Exception:
     found = {"version": None}
+else:
+    try:
+        found = {"version": mtrain.__version__, "gpus": gpu_count(), "addresses": interface_addresses(),
+                 "ports": free_ports(int(sys.argv[1]))}
+    except Exception as error:
+        found = {"version": mtrain.__version__, "error": f"{type(error).__name__}: {error}"}
 print(json.dumps(found))
 """
 
@@ -68,6 +72,8 @@ def probe_host(host: str, options: SshOptions, python: str, version: str, timeou
     except (ValueError, IndexError):
         last = (err.strip().splitlines() or ["no output"])[-1]
         return HostReport(host, f"host {host}: probe with {python} failed: {last}")
+    if found.get("error"):
+        return HostReport(host, f"host {host}: the probe failed there: {found['error']}")
     if found.get("version") is None:
         return HostReport(host, f"host {host}: mtrain is not installed for {python} there")
     if found["version"] != version:

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_name, signal_process
+from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_process
 from mtrain.records import (EXIT_MARKER, RESUME_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
+                            signal_name,
                             ElasticResume, ExitRecord, Gate, StopReason)
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
@@ -230,6 +233,7 @@ class Job:
             wait_session_empty(process.pid, 1.0)
         for thread in readers:
             thread.join(timeout=2.0)
+        remove_session_directory(process.pid)
         self.log("all processes of the job have ended")
         host_problems += reader.poll() if reader else []
         self.host_problems = host_problems
@@ -305,6 +309,17 @@ def print_failure_report(failure: ExitRecord, records: Sequence[ExitRecord], ver
 def _mpirun_dies_with_us() -> None:
     # Runs in the child before exec: even `kill -9 mtrain` makes mpirun stop the job.
     die_with_parent(signal.SIGTERM)
+
+
+def remove_session_directory(pid: int) -> None:
+    """Remove what a killed Open MPI launcher left in the temporary folder (`ompi.<its pid>`).
+
+    It holds PMIx's rendezvous sockets; once the process ids wrap around, a later mpirun
+    with the same pid finds them and fails ("The PMIx server's listener thread failed to
+    start").  A launcher that exits normally removes it itself.
+    """
+    for base in {tempfile.gettempdir(), "/tmp"}:
+        shutil.rmtree(os.path.join(base, f"ompi.{pid}"), ignore_errors=True)
 
 
 def session_members(session: int) -> list[int]:

@@ -16,18 +16,23 @@ forever, and the launcher would never see its status.  So, at exit:
 
 The interpreter does not tell exit handlers its exit status, so ``sys.exit``
 (and the ``exit``/``quit`` builtins) are wrapped to note the status asked for
-before raising ``SystemExit`` as always.  An uncaught exception never gets
-here: the abort hook in ``comm.py`` ends the job first.
+in the main thread before raising ``SystemExit`` as always.  A program that
+catches that SystemExit and goes on (argparse errors inside ``try``) has the
+note forgotten at its next ``init()`` or collective; ``raise SystemExit(n)``
+written out is not seen and leaves like status 0.  An uncaught exception never
+gets here: the abort hook in ``comm.py`` ends the job first.
 """
 from __future__ import annotations
 
 import atexit
 import builtins
+import os
 import signal
 import sys
+import threading
 from typing import Any, Callable
 
-from mtrain.records import RESET_EXIT_STATUS
+from mtrain.records import ENV_ELASTIC, RESET_EXIT_STATUS
 
 _requested: "int | None" = None   # the status sys.exit() was last asked for
 _installed = False
@@ -47,9 +52,17 @@ def note_status(status: int) -> None:
     _requested = status
 
 
+def forget_status() -> None:
+    """The program went on (it caught the SystemExit): the status noted is not its exit status."""
+    global _requested
+    _requested = None
+
+
 def _noting(original: Callable[..., Any]) -> Callable[..., Any]:
     def leave(code: Any = None) -> Any:
-        note_status(status_of(code))
+        # Only the main thread's SystemExit ends the process (a worker thread's ends that thread).
+        if threading.current_thread() is threading.main_thread():
+            note_status(status_of(code))
         return original(code)
 
     leave.__wrapped__ = original  # type: ignore[attr-defined]
@@ -60,6 +73,7 @@ def _noting(original: Callable[..., Any]) -> Callable[..., Any]:
 def install(shutdown: Callable[[], None]) -> None:
     """Track exit statuses and run `leave` at exit (once per process)."""
     global _installed
+    forget_status()
     if _installed:
         return
     _installed = True
@@ -74,7 +88,7 @@ def leave(shutdown: Callable[[], None]) -> None:
     """The exit handler: an error status ends the whole job; status 0 leaves politely."""
     status = _requested
     # Every rank of an elastic job leaves together with RESET_EXIT_STATUS: not a failure.
-    if status and status != RESET_EXIT_STATUS:
+    if status and not (status == RESET_EXIT_STATUS and os.environ.get(ENV_ELASTIC)):
         from mpi4py import MPI
         # mpi4py calls MPI_Abort(status) instead of MPI_Finalize when the interpreter ends.
         MPI._set_abort_status(status)

@@ -144,6 +144,7 @@ def _array(value: Any) -> np.ndarray:
 def _submit(kind: Kind, arrays: "Sequence[np.ndarray | None]", name: "str | None", grouped: bool = False,
             **fields: Any) -> Handle:
     engine = _rt().engine
+    exits.forget_status()  # still submitting: any SystemExit noted before was caught, not an exit
     handle = Handle(len(arrays), grouped, engine.done_cv)
     if grouped:
         base = name or engine.auto_name()

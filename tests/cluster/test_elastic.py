@@ -141,12 +141,13 @@ def test_discovery_script_failing_or_printing_garbage_does_not_kill_the_job(clus
 def test_ctrl_c_during_a_reset_leaves_nothing(cluster, tmp_path, token):
     script = discovery(tmp_path, "mtr-a:2\nmtr-b:2\n")
     job = start(cluster, tmp_path, token, "-np", "4", "--min-np", "4", "--elastic-timeout", "60",
-                "--host-discovery-script", str(script))
+                "--host-discovery-script", str(script), "--verbose")
     try:
         seen = progress(job, 4 * 2)
         for pid in {pid for rank, host, pid in seen if host == "mtr-b"}:
             os.kill(pid, signal.SIGKILL)
-        time.sleep(4)  # the generation has ended; the driver waits for enough hosts
+        # The generation has ended; the driver now waits for enough hosts.
+        job.wait_for_stderr("all processes of the job have ended", timeout=60)
         job.proc.send_signal(signal.SIGINT)
         job.proc.wait(timeout=20)
     finally:

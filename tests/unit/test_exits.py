@@ -29,3 +29,33 @@ def test_sys_exit_and_builtins_note_the_status_and_still_exit():
         done = subprocess.run([sys.executable, "-c", code.format(call=call)], capture_output=True, text=True)
         assert f"noted {status}" in done.stdout, (call, done.stdout, done.stderr)
         assert done.returncode == (status or 0), call
+
+
+def test_only_the_main_threads_exit_and_not_a_caught_one_is_noted():
+    code = ("import threading, sys\n"
+            "from mtrain.ringreduce import exits\n"
+            "exits.install(lambda: None)\n"
+            "import atexit\n"
+            "atexit.unregister(exits.leave)\n"
+            "worker = threading.Thread(target=sys.exit, args=(5,)); worker.start(); worker.join()\n"
+            "print('after thread', exits._requested)\n"
+            "try:\n    sys.exit(2)\nexcept SystemExit:\n    pass\n"
+            "print('caught', exits._requested)\n"
+            "exits.forget_status()  # what init() and every submit do: the program went on\n"
+            "print('going on', exits._requested)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["after thread None", "caught 2", "going on None"]
+
+
+def test_a_killed_launchers_session_directory_is_removed(tmp_path, monkeypatch):
+    import tempfile
+    from mtrain.launcher.supervise import remove_session_directory
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = tmp_path / "ompi.4242"
+    (stale / "0").mkdir(parents=True)
+    (stale / "pmix.vm.tool.4242").write_text("x")
+    other = tmp_path / "ompi.4243"
+    other.mkdir()
+    remove_session_directory(4242)
+    assert not stale.exists() and other.exists()
