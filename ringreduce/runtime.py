@@ -355,10 +355,30 @@ def barrier() -> None:
 def broadcast_object(obj: Any, root_rank: int = 0, name: "str | None" = None) -> Any:
     """``root_rank``'s picklable object, on every rank."""
     root = _check_root(root_rank)
-    # Pickled and unpickled here, in the caller's thread: the engine moves bytes only, and an
-    # object that cannot be pickled fails this call at once.
-    payload = pickle.dumps(obj) if root == _rt().rank else None
-    return pickle.loads(synchronize(_submit(Kind.BROADCAST_OBJECT, [None], name, root=root, obj=payload)))
+    # Pickled and unpickled here, in the caller's thread: the engine moves bytes only.  A root
+    # that cannot pickle its object still takes part, sending word of its failure, so the
+    # other ranks raise too instead of waiting for an op the root never submits.
+    payload, failure = None, None
+    if root == _rt().rank:
+        try:
+            payload = pickle.dumps(obj)
+        except Exception as error:
+            failure = error
+            payload = pickle.dumps(_RootCannotPickle(f"{type(error).__name__}: {error}"))
+    value = pickle.loads(synchronize(_submit(Kind.BROADCAST_OBJECT, [None], name, root=root, obj=payload)))
+    if failure is not None:
+        raise failure
+    if isinstance(value, _RootCannotPickle):
+        raise pickle.PicklingError(f"broadcast_object: root rank {root} could not pickle its object "
+                                   f"({value.message}); broadcast only picklable objects")
+    return value
+
+
+class _RootCannotPickle:
+    """What a broadcast_object root sends when its object cannot be pickled."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 def allgather_object(obj: Any, name: "str | None" = None) -> list:

@@ -97,6 +97,15 @@ def test_bad_arguments_raise_type_and_value_errors():
     _raises(lambda: rr.allgather_object(lambda: rr.rank()), (pickle.PicklingError, AttributeError, TypeError))
     # Every rank raised before submitting anything, so the runtime is still in step.
     assert rr.allgather_object(rr.rank() + 7) == [r + 7 for r in range(rr.size())]
+    # Only the root holds the unpicklable object: every rank still fails, none waits forever.
+    root = rr.size() - 1
+    payload = (lambda: rr.rank()) if rr.rank() == root else None
+    if rr.rank() == root:
+        _raises(lambda: rr.broadcast_object(payload, root_rank=root), (pickle.PicklingError, AttributeError, TypeError))
+    else:
+        _raises(lambda: rr.broadcast_object(payload, root_rank=root), pickle.PicklingError,
+                f"root rank {root} could not pickle its object")
+    assert rr.broadcast_object([rr.rank(), 3], root_rank=root) == [root, 3]
 
 
 ABORT_SCRIPT = """
