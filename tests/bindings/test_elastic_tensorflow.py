@@ -9,19 +9,13 @@ import tempfile
 import numpy as np
 
 from tests.bindings.requires import require
+from tests.bindings.tf_setup import setup_tensorflow
 from tests.mpi.harness import mpi_test
 
 require("tensorflow", "pip install '.[tensorflow]'")
 
 
-def _setup():
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import keras
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
-    keras.config.set_floatx("float64")
-    return tf, keras
+_setup = setup_tensorflow
 
 
 def _model(keras, seed: int):
