@@ -105,7 +105,7 @@ class Evidence(enum.IntEnum):
     """How surely a failure began in the rank that reports it (lower is surer)."""
 
     SURE = 0       # the runtime's own account, or a signal nobody in the job sent (kill -9, OOM, SEGV)
-    EXIT = 1       # a plain non-zero exit status
+    EXIT = 1       # a plain non-zero exit status, or an abort() of the rank's own
     DOUBTFUL = 2   # it aborted inside MPI: a peer's death or a lost link is the usual reason
 
 
@@ -131,7 +131,9 @@ class ExitRecord:
 
     @property
     def evidence(self) -> Evidence:
-        if self.report or self.returncode < 0:
+        # SIGABRT is a process aborting itself, often a library reacting to a peer's death
+        # (gloo's "Connection closed by peer", then std::terminate): no surer than an exit status.
+        if self.report or (self.returncode < 0 and self.returncode != -signal.SIGABRT):
             return Evidence.SURE
         return Evidence.DOUBTFUL if self.mpi_abort else Evidence.EXIT
 

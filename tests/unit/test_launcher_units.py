@@ -160,6 +160,9 @@ def test_first_failure_weighs_evidence_when_failures_are_too_close_for_clocks():
     assert first_failure([_exit(0, 14, False, 10.0, mpi_abort=True), _exit(2, 7, False, 10.3)]).rank == 2
     # The runtime's own account (an exception) beats a plain exit status.
     assert first_failure([_exit(1, 7, False, 10.0), _exit(2, 1, False, 10.2, "RuntimeError: x")]).rank == 2
+    # A rank that aborts itself (gloo's std::terminate after its peer died) does not outrank the peer.
+    assert first_failure([_exit(1, 1, False, 10.0), _exit(2, -6, False, 10.05)]).rank == 1
+    assert first_failure([_exit(1, 1, False, 10.0), _exit(2, -11, False, 10.05)]).rank == 2
     # Far apart in time, the clock decides whatever the evidence.
     assert first_failure([_exit(0, 14, False, 10.0, mpi_abort=True), _exit(3, -9, False, 12.0)]).rank == 0
     # Equal evidence: earlier first, then lower rank.
