@@ -36,8 +36,13 @@ class Kind(enum.IntEnum):
 class Executor:
     """Runs collectives on a communicator. One instance per initialised runtime."""
 
-    def __init__(self, comm: MPI.Comm, segment_bytes: int, small_bytes: int) -> None:
+    def __init__(self, comm: MPI.Comm, segment_bytes: int, small_bytes: int,
+                 local: "MPI.Comm | None" = None, cross: "MPI.Comm | None" = None) -> None:
         self.comm = comm
+        # ``comm`` split by host (``local``) and by local rank across hosts (``cross``); None
+        # when the caller has no such split (then every collective runs on ``comm`` alone).
+        self.local = local
+        self.cross = cross
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.segment_bytes = segment_bytes

@@ -55,7 +55,7 @@ def init(comm: Any = None) -> None:
     cuda.bind_device(comms.local.Get_rank())
     # Asked once here, before the engine thread owns MPI: ranks per host, on every host.
     homogeneous = len(set(comms.world.allgather(comms.local.Get_size()))) == 1
-    engine = Engine(Executor(comms.world, segment, small), comms.world.Dup(), config)
+    engine = Engine(Executor(comms.world, segment, small, comms.local, comms.cross), comms.world.Dup(), config)
     _runtime = _Runtime(comms, engine)
     _runtime.homogeneous = homogeneous
     comm_module.install_abort_on_exception()
