@@ -1,9 +1,12 @@
 """ringreduce: the collective runtime inside every mtrain rank."""
 from .engine import Handle
 from .errors import EngineError, HorovodInternalError, InvalidArgumentError, MismatchError, ShutdownError, StallError
+from .process_sets import ProcessSet, global_process_set
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
     NotInitializedError,
+    add_process_set,
+    remove_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -54,6 +57,7 @@ __all__ = [
     "broadcast_async", "broadcast_async_", "broadcast_object", "cross_rank", "cross_size",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "is_homogeneous", "start_timeline", "stop_timeline",
+    "ProcessSet", "add_process_set", "global_process_set", "remove_process_set",
     "init", "is_initialized", "local_rank", "local_size", "mpi_threads_supported", "poll", "rank",
     "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
 ]

@@ -181,11 +181,15 @@ _PLACEHOLDER = np.empty(0, dtype=np.uint8)
 
 
 class Engine:
-    def __init__(self, executor: Executor, control: MPI.Comm, config: EngineConfig) -> None:
+    def __init__(self, executor: Executor, control: MPI.Comm, config: EngineConfig,
+                 members: "Sequence[int] | None" = None) -> None:
         self.executor = executor
         self.config = config
         self._control = control  # negotiation traffic only, apart from the data rings
         self._rank, self._size = control.Get_rank(), control.Get_size()
+        # The job's rank of each rank of ``control`` (a process set's engine runs on a subset),
+        # so that messages name the ranks users know.
+        self._members = list(members) if members is not None else list(range(self._size))
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self.done_cv = threading.Condition()  # handles wait here; notified after each batch
@@ -200,8 +204,8 @@ class Engine:
         # Engine-thread state.
         self._pending: "dict[str, Request]" = {}
         self._cache = ResponseCache()
-        self._coordinator = (Coordinator(self._size, config.stall_warning_s, config.stall_shutdown_s)
-                             if self._rank == 0 else None)
+        self._coordinator = (Coordinator(self._size, config.stall_warning_s, config.stall_shutdown_s,
+                                         self._members) if self._rank == 0 else None)
         self._stall_check_next = False
         self._finished_any = False
         self._shutdown_error = ShutdownError("mtrain shut down while this op was in flight")
@@ -357,12 +361,15 @@ class Engine:
 
     def _note_shutdown(self, leaving: "list[int]", busy: "list[int]") -> None:
         """Say who left while whose ops were in flight: in errors, and to the launcher."""
+        me = self._members[self._rank]
+        leaving = [self._members[r] for r in leaving]
+        busy = [self._members[r] for r in busy]
         stranded = [r for r in busy if r not in leaving]
-        others = [r for r in leaving if r != self._rank]
-        if self._rank in leaving:
+        others = [r for r in leaving if r != me]
+        if me in leaving:
             message = "mtrain shut down on this rank while this op was in flight; synchronize every op first"
             if stranded:
-                report_error(f"rank {self._rank} left the job (shutdown() or process exit) while "
+                report_error(f"rank {me} left the job (shutdown() or process exit) while "
                              f"rank(s) {stranded} still had ops in flight", FailureCause.OWN)
             self._shutdown_error = ShutdownError(message)
         else:

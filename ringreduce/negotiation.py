@@ -97,8 +97,10 @@ def bits_of(words: np.ndarray) -> "list[int]":
 class Coordinator:
     """Rank 0's bookkeeping: who reported which op, and since when."""
 
-    def __init__(self, size: int, warn_seconds: float, shutdown_seconds: float) -> None:
+    def __init__(self, size: int, warn_seconds: float, shutdown_seconds: float,
+                 members: "Sequence[int] | None" = None) -> None:
         self.size = size
+        self.members = list(members) if members is not None else list(range(size))  # names in messages
         self.warn_seconds = warn_seconds
         self.shutdown_seconds = shutdown_seconds
         self.reported: "dict[str, dict[int, tuple[Any, str]]]" = {}
@@ -155,7 +157,7 @@ class Coordinator:
                     bit = -1
                 responses.append(Response(Verdict.READY, name, bit, metas[0]))
             else:
-                lines = "; ".join(f"rank {r}: {by_rank[r][1]}" for r in range(self.size))
+                lines = "; ".join(f"rank {self.members[r]}: {by_rank[r][1]}" for r in range(self.size))
                 responses.append(Response(Verdict.MISMATCH, name, message=(
                     f"ranks submitted op {name!r} with different arguments ({lines}); every rank must "
                     f"submit the same dtype, shape, op and root for the same name")))
@@ -174,7 +176,8 @@ class Coordinator:
             if len(ranks) == self.size:
                 continue
             age = now - self.first_seen.get(name, now)
-            missing = [r for r in range(self.size) if r not in ranks]
+            missing = [self.members[r] for r in range(self.size) if r not in ranks]
+            ranks = [self.members[r] for r in ranks]
             text = (f"op {name!r} was submitted by rank(s) {ranks} {age:.0f}s ago but not yet by "
                     f"rank(s) {missing}")
             if self.shutdown_seconds > 0 and age > self.shutdown_seconds:

@@ -1,26 +1,59 @@
 """Process-wide runtime state and the public functions of ``ringreduce``."""
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Any, Sequence
 
 import numpy as np
+from mpi4py import MPI
 
 from . import comm as comm_module
-from . import cuda, exits, ring
+from . import cuda, exits, process_sets as _ps, ring
 from .backend import is_device_array
 from .collectives import Executor, Kind
 from .engine import Engine, EngineConfig, Handle, env_number, make_request
 from .errors import InvalidArgumentError
 from .ops import Average, ReduceOp, check_op, check_reducible
+from .process_sets import ProcessSet, global_process_set
 
 
 class NotInitializedError(ValueError):
     """A collective was called before ``init()`` (a ValueError, as in Horovod)."""
 
 
+@dataclasses.dataclass
+class _SetState:
+    """One registered process set, as this rank sees it."""
+
+    id: int
+    ranks: "list[int]"  # global ranks, sorted
+    global_rank: int
+    comms: "comm_module.Communicators | None" = None  # None on ranks outside the set
+    engine: "Engine | None" = None
+
+    @property
+    def rank(self) -> int:
+        """Rank within the set; -1 outside it."""
+        return self.ranks.index(self.global_rank) if self.global_rank in self.ranks else -1
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def set_rank_of(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            if not self.engine.alive() and self.comms is not None:
+                self.comms.free()
+        self.engine, self.comms = None, None
+
+
 class _Runtime:
-    def __init__(self, comms: comm_module.Communicators, engine: Engine) -> None:
+    def __init__(self, comms: comm_module.Communicators, engine: Engine, make_engine: Any) -> None:
         self.comms = comms
         self.engine = engine
         # Cached so that user threads never call into MPI while the engine thread does.
@@ -28,25 +61,136 @@ class _Runtime:
         self.local_rank, self.local_size = comms.local.Get_rank(), comms.local.Get_size()
         self.cross_rank, self.cross_size = comms.cross.Get_rank(), comms.cross.Get_size()
         self.homogeneous = True  # every host runs the same number of ranks; set by init()
+        # Process sets: id -> state; set 0 is every rank, on the main engine.
+        self.sets: "dict[int, _SetState]" = {
+            0: _SetState(0, list(range(self.size)), self.rank, comms, engine)}
+        self.next_set_id = 1
+        self._make_engine = make_engine
+        # Set management runs in user threads, on its own communicator: never the engines'.
+        self.admin = comms.world.Dup()
+
+    # -- process sets -------------------------------------------------------
+    def state(self, process_set: ProcessSet) -> _SetState:
+        if not isinstance(process_set, ProcessSet):
+            raise InvalidArgumentError(f"process_set must be an mtrain ProcessSet, got {type(process_set).__name__}")
+        state = self.sets.get(process_set.process_set_id) if process_set.process_set_id is not None else None
+        if state is None:
+            raise InvalidArgumentError(f"{process_set} is not registered: pass it to init(process_sets=[...]) "
+                                       "or add_process_set() on every rank first")
+        return state
+
+    def member(self, process_set: ProcessSet) -> _SetState:
+        """The set's state on a rank that belongs to it; a clear error otherwise."""
+        state = self.state(process_set)
+        if state.engine is None:
+            raise InvalidArgumentError(
+                f"rank {self.rank} is not part of process set {state.id} (ranks {state.ranks}); only those "
+                "ranks may call its ops: check process_set.included() first")
+        return state
+
+    def ranks_of(self, process_set: ProcessSet) -> "list[int]":
+        if process_set.mpi_comm is None:
+            return list(process_set.ranks or [])
+        comm = process_set.mpi_comm
+        if comm == MPI.COMM_NULL:
+            return []
+        world_group = self.comms.world.Get_group()
+        ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world_group)
+        if any(r == MPI.UNDEFINED for r in ranks):
+            raise InvalidArgumentError("a ProcessSet's communicator must hold only ranks of the job's communicator")
+        return sorted(int(r) for r in ranks)
+
+    def register(self, wanted: "list[ProcessSet]") -> "list[_SetState]":
+        """Register ``wanted`` on every rank at once (a collective of all ranks): each rank passes
+        its own list, and the sets are the union, in rank order. Returns each one's state."""
+        mine = []
+        for process_set in wanted:
+            ranks = self.ranks_of(process_set)
+            bad = [r for r in ranks if not 0 <= r < self.size]
+            if bad:
+                raise InvalidArgumentError(f"ProcessSet ranks {bad} are out of range: the job has ranks 0..{self.size - 1}")
+            if not ranks and process_set.mpi_comm is None:
+                raise InvalidArgumentError("a ProcessSet needs at least one rank")
+            mine.append(tuple(ranks))
+        everyone = self.admin.allgather(mine)
+        union: "list[tuple[int, ...]]" = []
+        for lists in everyone:
+            for ranks in lists:
+                if ranks and ranks not in union:
+                    union.append(ranks)
+        by_ranks = {tuple(s.ranks): s for s in self.sets.values()}
+        states: "dict[tuple[int, ...], _SetState]" = {}
+        for ranks in union:
+            if ranks in by_ranks:
+                states[ranks] = by_ranks[ranks]
+                continue
+            if len(ranks) == self.size:  # every rank: the global set itself
+                states[ranks] = self.sets[0]
+                continue
+            state = _SetState(self.next_set_id, list(ranks), self.rank)
+            self.next_set_id += 1
+            # MPI_Comm_create_group: collective over the members only, matched by tag.
+            if self.rank in ranks:
+                group = self.comms.world.Get_group().Incl(list(ranks))
+                subcomm = self.comms.world.Create_group(group, tag=state.id)
+                group.Free()
+                state.comms = comm_module.create(subcomm)
+                subcomm.Free()
+                state.engine = self._make_engine(state.comms)
+            self.sets[state.id] = state
+            states[ranks] = state
+        result = []
+        for process_set, ranks in zip(wanted, mine):
+            state = states.get(ranks) if ranks else None
+            if state is None:  # a communicator this rank is outside of (COMM_NULL)
+                continue
+            process_set.process_set_id = state.id
+            process_set.ranks = list(state.ranks)
+            result.append(state)
+        return result
+
+    def stop_all(self) -> None:
+        for set_id in sorted(self.sets, reverse=True):
+            if set_id != 0:
+                self.sets[set_id].stop()
+        self.engine.shutdown()
+        if not self.engine.alive():
+            self.admin.Free()
+            self.comms.free()
 
 
 _runtime: "_Runtime | None" = None
 
 
-def init(comm: Any = None) -> None:
+def _live_runtime() -> _Runtime:
+    return _rt()
+
+
+_ps._registry_of = _live_runtime
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start the runtime on ``comm`` (an mpi4py communicator; default COMM_WORLD).
+
+    ``process_sets``: a list of ``ProcessSet`` to register (every rank passes the same list),
+    or ``"dynamic"`` (accepted for Horovod; sets may always be added later).
 
     Safe to call more than once. Installs abort-on-uncaught-exception so one
     failing rank ends the job instead of blocking the others.
     """
     global _runtime
+    wanted = _check_process_sets_argument(process_sets)
     if _runtime is not None:
         if _runtime.engine.alive():
+            if wanted:
+                _runtime.register(wanted)
             return
         shutdown()  # another rank shut the job's engine down: start afresh, together
     if not comm_module.threading_level_ok():
         raise RuntimeError("MPI was initialized without thread support; mtrain's background engine needs "
                            "MPI_THREAD_SERIALIZED or higher: leave mpi4py.rc.thread_level at its default")
+    if isinstance(comm, (list, tuple)):  # Horovod also takes a list of ranks here
+        comm = _comm_of_ranks(list(comm))
     segment = int(env_number("MTRAIN_RING_SEGMENT_BYTES", ring.DEFAULT_SEGMENT_BYTES)) or ring.DEFAULT_SEGMENT_BYTES
     small = int(env_number("MTRAIN_SMALL_ALLREDUCE_BYTES", ring.DEFAULT_SMALL_BYTES))
     config = EngineConfig.from_environment()
@@ -55,11 +199,88 @@ def init(comm: Any = None) -> None:
     cuda.bind_device(comms.local.Get_rank())
     # Asked once here, before the engine thread owns MPI: ranks per host, on every host.
     homogeneous = len(set(comms.world.allgather(comms.local.Get_size()))) == 1
-    engine = Engine(Executor(comms.world, segment, small, comms.local, comms.cross), comms.world.Dup(), config)
-    _runtime = _Runtime(comms, engine)
+    world_ranks = list(range(comms.world.Get_size()))
+
+    def make_engine(set_comms: comm_module.Communicators, ranks: "list[int] | None" = None) -> Engine:
+        # A set's engine names global ranks in its messages, and only the global set keeps a timeline.
+        set_config = config if set_comms is comms else dataclasses.replace(config, timeline_path=None)
+        members = ranks
+        if members is None:
+            members = [int(r) for r in MPI.Group.Translate_ranks(
+                set_comms.world.Get_group(), list(range(set_comms.world.Get_size())), comms.world.Get_group())]
+        return Engine(Executor(set_comms.world, segment, small, set_comms.local, set_comms.cross),
+                      set_comms.world.Dup(), set_config, members)
+
+    engine = make_engine(comms, world_ranks)
+    _runtime = _Runtime(comms, engine, make_engine)
     _runtime.homogeneous = homogeneous
     comm_module.install_abort_on_exception()
     exits.install(shutdown)
+    if wanted:
+        _runtime.register(wanted)
+
+
+def _check_process_sets_argument(process_sets: Any) -> "list[ProcessSet]":
+    if process_sets is None or process_sets == "dynamic":
+        return []
+    if isinstance(process_sets, ProcessSet):
+        process_sets = [process_sets]
+    try:
+        wanted = list(process_sets)
+    except TypeError:
+        raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', got {process_sets!r}") from None
+    if not all(isinstance(p, ProcessSet) for p in wanted):
+        raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', got {process_sets!r}")
+    return wanted
+
+
+def _comm_of_ranks(ranks: "list[int]") -> MPI.Comm:
+    world = MPI.COMM_WORLD
+    if sorted(set(ranks)) != sorted(ranks) or any(not 0 <= r < world.Get_size() for r in ranks):
+        raise ValueError(f"init(comm=[...]) takes distinct ranks of the job (0..{world.Get_size() - 1}); got {ranks}")
+    if world.Get_rank() not in ranks:
+        raise ValueError(f"rank {world.Get_rank()} is not in init(comm={ranks}): every rank that calls init() "
+                         "must be in its list")
+    group = world.Get_group().Incl(sorted(ranks))
+    comm = world.Create_group(group, tag=9001)
+    group.Free()
+    return comm
+
+
+def add_process_set(process_set: "ProcessSet | Sequence[int]") -> ProcessSet:
+    """Register a process set after ``init()``; every rank makes the same call, member or not.
+    Returns the registered ``ProcessSet``."""
+    runtime = _rt()
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if process_set.ranks is None:
+        raise NotImplementedError("add_process_set takes a list of ranks; a communicator-based ProcessSet "
+                                  "goes to init(process_sets=[...])")
+    existing = [s for s in runtime.sets.values() if s.ranks == process_set.ranks]
+    if existing and process_set.process_set_id != existing[0].id:
+        raise ValueError(f"a process set with ranks {process_set.ranks} exists already "
+                         f"(process_set_id={existing[0].id})")
+    everyone = runtime.admin.allgather(list(process_set.ranks))
+    if any(ranks != process_set.ranks for ranks in everyone):
+        raise InvalidArgumentError("add_process_set was called with different ranks on different ranks ("
+                                   + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
+                                   + "); every rank must add the same set, in the same order")
+    runtime.register([process_set])
+    return process_set
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister ``process_set`` (every rank makes the same call). Its ops still in flight
+    end with an error. Returns False for the global set, which stays."""
+    runtime = _rt()
+    state = runtime.state(process_set)
+    if state.id == 0:
+        return False
+    runtime.admin.Barrier()  # every rank agrees before the members stop the set's engine
+    state.stop()
+    del runtime.sets[state.id]
+    process_set._invalidate()
+    return True
 
 
 def shutdown() -> None:
@@ -67,9 +288,7 @@ def shutdown() -> None:
     global _runtime
     runtime, _runtime = _runtime, None
     if runtime is not None:
-        runtime.engine.shutdown()
-        if not runtime.engine.alive():
-            runtime.comms.free()
+        runtime.stop_all()
 
 
 def is_initialized() -> bool:
@@ -142,8 +361,8 @@ def _array(value: Any) -> np.ndarray:
 
 
 def _submit(kind: Kind, arrays: "Sequence[np.ndarray | None]", name: "str | None", grouped: bool = False,
-            **fields: Any) -> Handle:
-    engine = _rt().engine
+            process_set: ProcessSet = global_process_set, **fields: Any) -> Handle:
+    engine = _rt().member(process_set).engine
     exits.forget_status()  # still submitting: any SystemExit noted before was caught, not an exit
     handle = Handle(len(arrays), grouped, engine.done_cv)
     if grouped:
@@ -158,19 +377,24 @@ def _submit(kind: Kind, arrays: "Sequence[np.ndarray | None]", name: "str | None
 
 
 def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | None", prescale_factor: float,
-                      postscale_factor: float, in_place: bool, grouped: bool) -> Handle:
+                      postscale_factor: float, in_place: bool, grouped: bool,
+                      process_set: ProcessSet = global_process_set) -> Handle:
     op = check_op(op)
     for array in arrays:
         check_reducible(array.dtype, op)
-    return _submit(Kind.ALLREDUCE, arrays, name, grouped, op=op, in_place=in_place,
+    return _submit(Kind.ALLREDUCE, arrays, name, grouped, process_set, op=op, in_place=in_place,
                    prescale=float(prescale_factor), postscale=float(postscale_factor))
 
 
-def _check_root(root_rank: int) -> int:
-    size_ = _rt().size
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < size_:
-        raise InvalidArgumentError(f"root_rank must be an integer in [0, {size_}); got {root_rank!r}")
-    return int(root_rank)
+def _check_root(root_rank: int, process_set: ProcessSet = global_process_set) -> int:
+    """``root_rank`` (a global rank, as in Horovod) as a rank within ``process_set``."""
+    state = _rt().member(process_set)
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < _rt().size:
+        raise InvalidArgumentError(f"root_rank must be an integer in [0, {_rt().size}); got {root_rank!r}")
+    if int(root_rank) not in state.ranks:
+        raise InvalidArgumentError(f"root_rank {int(root_rank)} is not part of process set {state.id} "
+                                   f"(ranks {state.ranks}); give a root from the set (a global rank)")
+    return state.set_rank_of(int(root_rank))
 
 
 # -- asynchronous API -------------------------------------------------------
@@ -190,51 +414,53 @@ def synchronize(handle: Handle) -> Any:
 
 
 def allreduce_async(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an all-reduce into a new array; ``synchronize`` returns it."""
-    return _submit_allreduce([_array(array)], op, name, prescale_factor, postscale_factor, False, False)
+    return _submit_allreduce([_array(array)], op, name, prescale_factor, postscale_factor, False, False, process_set)
 
 
 def allreduce_async_(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce of ``array``; ``synchronize`` returns ``array``."""
-    return _submit_allreduce([_array(array)], op, name, prescale_factor, postscale_factor, True, False)
+    return _submit_allreduce([_array(array)], op, name, prescale_factor, postscale_factor, True, False, process_set)
 
 
 def grouped_allreduce_async(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average, name: "str | None" = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start all-reduces of several arrays as one unit; ``synchronize`` returns a list of new arrays."""
     return _submit_allreduce([_array(a) for a in arrays], op, name, prescale_factor, postscale_factor,
-                             False, True)
+                             False, True, process_set)
 
 
 def grouped_allreduce_async_(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average,
                              name: "str | None" = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> Handle:
+                             postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """In-place grouped all-reduce; ``synchronize`` returns the list of the same arrays."""
     return _submit_allreduce([_array(a) for a in arrays], op, name, prescale_factor, postscale_factor,
-                             True, True)
+                             True, True, process_set)
 
 
-def allgather_async(array: np.ndarray, name: "str | None" = None) -> Handle:
-    return _submit(Kind.ALLGATHER, [_array(array)], name)
+def allgather_async(array: np.ndarray, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
+    return _submit(Kind.ALLGATHER, [_array(array)], name, process_set=process_set)
 
 
-def grouped_allgather_async(arrays: "Sequence[np.ndarray]", name: "str | None" = None) -> Handle:
+def grouped_allgather_async(arrays: "Sequence[np.ndarray]", name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
     """Start all-gathers of several arrays as one unit; ``synchronize`` returns a list."""
-    return _submit(Kind.ALLGATHER, [_array(a) for a in arrays], name, grouped=True)
+    return _submit(Kind.ALLGATHER, [_array(a) for a in arrays], name, grouped=True, process_set=process_set)
 
 
-def broadcast_async(array: np.ndarray, root_rank: int, name: "str | None" = None) -> Handle:
-    return _submit(Kind.BROADCAST, [_array(array)], name, root=_check_root(root_rank))
+def broadcast_async(array: np.ndarray, root_rank: int, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
+    return _submit(Kind.BROADCAST, [_array(array)], name, process_set=process_set,
+                   root=_check_root(root_rank, process_set))
 
 
-def broadcast_async_(array: np.ndarray, root_rank: int, name: "str | None" = None) -> Handle:
-    return _submit(Kind.BROADCAST, [_array(array)], name, root=_check_root(root_rank), in_place=True)
+def broadcast_async_(array: np.ndarray, root_rank: int, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
+    return _submit(Kind.BROADCAST, [_array(array)], name, process_set=process_set,
+                   root=_check_root(root_rank, process_set), in_place=True)
 
 
 def reducescatter_async(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start a reduce-scatter; ``synchronize`` returns this rank's rows of the reduction."""
     array = _array(array)
     op = check_op(op)
@@ -242,13 +468,13 @@ def reducescatter_async(array: np.ndarray, op: ReduceOp = Average, name: "str | 
     if array.ndim == 0:
         raise InvalidArgumentError("reducescatter needs an array with at least one dimension to split; "
                                    "got a scalar (0-d): reshape it to (1,) or use allreduce")
-    return _submit(Kind.REDUCESCATTER, [array], name, op=op,
+    return _submit(Kind.REDUCESCATTER, [array], name, process_set=process_set, op=op,
                    prescale=float(prescale_factor), postscale=float(postscale_factor))
 
 
 def grouped_reducescatter_async(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average,
                                 name: "str | None" = None, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Handle:
+                                postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start reduce-scatters of several arrays as one unit; ``synchronize`` returns a list."""
     op = check_op(op)
     arrays = [_array(a) for a in arrays]
@@ -257,22 +483,24 @@ def grouped_reducescatter_async(arrays: "Sequence[np.ndarray]", op: ReduceOp = A
         if array.ndim == 0:
             raise InvalidArgumentError(f"reducescatter needs arrays with at least one dimension to split; "
                                        f"arrays[{index}] is a scalar (0-d): reshape it to (1,)")
-    return _submit(Kind.REDUCESCATTER, arrays, name, grouped=True, op=op,
+    return _submit(Kind.REDUCESCATTER, arrays, name, grouped=True, process_set=process_set, op=op,
                    prescale=float(prescale_factor), postscale=float(postscale_factor))
 
 
 def alltoall_async(array: np.ndarray, splits: "Sequence[int] | None" = None,
-                   name: "str | None" = None) -> Handle:
+                   name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an all-to-all; ``synchronize`` returns ``(received, received_splits)``."""
     array = _array(array)
     if array.ndim == 0:
         raise ValueError("alltoall needs an array with at least one dimension to split")
-    return _submit(Kind.ALLTOALL, [array], name, splits=_check_splits(splits, array.shape[0]))
+    return _submit(Kind.ALLTOALL, [array], name, process_set=process_set,
+                   splits=_check_splits(splits, array.shape[0], process_set))
 
 
-def _check_splits(splits: "Sequence[int] | None", first: int) -> "list[int]":
-    """Rows to send to each rank: ``splits``, or equal shares when None."""
-    size_ = _rt().size
+def _check_splits(splits: "Sequence[int] | None", first: int,
+                  process_set: ProcessSet = global_process_set) -> "list[int]":
+    """Rows to send to each rank of the set: ``splits``, or equal shares when None."""
+    size_ = _rt().member(process_set).size
     if splits is None:
         if first % size_:
             raise ValueError(f"alltoall without splits needs the first dimension ({first}) to be "
@@ -290,86 +518,87 @@ def _check_splits(splits: "Sequence[int] | None", first: int) -> "list[int]":
 
 
 def allreduce(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """A new array: the elementwise reduction of ``array`` over all ranks (default Average)."""
-    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor, process_set))
 
 
 def allreduce_(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """In-place all-reduce: ``array`` is overwritten with the result and returned."""
-    return synchronize(allreduce_async_(array, op, name, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(array, op, name, prescale_factor, postscale_factor, process_set))
 
 
 def grouped_allreduce(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average, name: "str | None" = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor))
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
+    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, process_set))
 
 
 def grouped_allreduce_(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average, name: "str | None" = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    return synchronize(grouped_allreduce_async_(arrays, op, name, prescale_factor, postscale_factor))
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
+    return synchronize(grouped_allreduce_async_(arrays, op, name, prescale_factor, postscale_factor, process_set))
 
 
-def allgather(array: np.ndarray, name: "str | None" = None) -> np.ndarray:
+def allgather(array: np.ndarray, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Every rank's array concatenated along the first dimension, in rank order."""
-    return synchronize(allgather_async(array, name))
+    return synchronize(allgather_async(array, name, process_set))
 
 
-def grouped_allgather(arrays: "Sequence[np.ndarray]", name: "str | None" = None) -> list:
-    return synchronize(grouped_allgather_async(arrays, name))
+def grouped_allgather(arrays: "Sequence[np.ndarray]", name: "str | None" = None, process_set: ProcessSet = global_process_set) -> list:
+    return synchronize(grouped_allgather_async(arrays, name, process_set))
 
 
 def grouped_reducescatter(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average, name: "str | None" = None,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    return synchronize(grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor))
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
+    return synchronize(grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor, process_set))
 
 
-def broadcast(array: np.ndarray, root_rank: int, name: "str | None" = None) -> np.ndarray:
+def broadcast(array: np.ndarray, root_rank: int, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """A new array holding ``root_rank``'s values."""
-    return synchronize(broadcast_async(array, root_rank, name))
+    return synchronize(broadcast_async(array, root_rank, name, process_set))
 
 
-def broadcast_(array: np.ndarray, root_rank: int, name: "str | None" = None) -> np.ndarray:
+def broadcast_(array: np.ndarray, root_rank: int, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """In-place broadcast: ``array`` is overwritten with ``root_rank``'s values."""
-    return synchronize(broadcast_async_(array, root_rank, name))
+    return synchronize(broadcast_async_(array, root_rank, name, process_set))
 
 
 def reducescatter(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce over ranks, then keep this rank's share of the first dimension."""
-    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor))
+    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor, process_set))
 
 
-def alltoall(array: np.ndarray, splits: "Sequence[int] | None" = None, name: "str | None" = None):
+def alltoall(array: np.ndarray, splits: "Sequence[int] | None" = None, name: "str | None" = None, process_set: ProcessSet = global_process_set):
     """Scatter rows to every rank and gather theirs. Returns the received array, or
     ``(received, received_splits)`` when ``splits`` is given (as Horovod does)."""
-    received, received_splits = synchronize(alltoall_async(array, splits, name))
+    received, received_splits = synchronize(alltoall_async(array, splits, name, process_set))
     return received if splits is None else (received, received_splits)
 
 
-def barrier() -> None:
-    synchronize(_submit(Kind.BARRIER, [None], None))
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank of ``process_set`` reaches the barrier."""
+    synchronize(_submit(Kind.BARRIER, [None], None, process_set=process_set))
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: "str | None" = None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s picklable object, on every rank."""
-    root = _check_root(root_rank)
+    root = _check_root(root_rank, process_set)
     # Pickled and unpickled here, in the caller's thread: the engine moves bytes only.  A root
     # that cannot pickle its object still takes part, sending word of its failure, so the
     # other ranks raise too instead of waiting for an op the root never submits.
     payload, failure = None, None
-    if root == _rt().rank:
+    if root == _rt().member(process_set).rank:
         try:
             payload = pickle.dumps(obj)
         except Exception as error:
             failure = error
             payload = pickle.dumps(_RootCannotPickle(f"{type(error).__name__}: {error}"))
-    value = pickle.loads(synchronize(_submit(Kind.BROADCAST_OBJECT, [None], name, root=root, obj=payload)))
+    value = pickle.loads(synchronize(_submit(Kind.BROADCAST_OBJECT, [None], name, process_set=process_set, root=root, obj=payload)))
     if failure is not None:
         raise failure
     if isinstance(value, _RootCannotPickle):
-        raise pickle.PicklingError(f"broadcast_object: root rank {root} could not pickle its object "
+        raise pickle.PicklingError(f"broadcast_object: root rank {root_rank} could not pickle its object "
                                    f"({value.message}); broadcast only picklable objects")
     return value
 
@@ -381,7 +610,7 @@ class _RootCannotPickle:
         self.message = message
 
 
-def allgather_object(obj: Any, name: "str | None" = None) -> list:
+def allgather_object(obj: Any, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> list:
     """A list of every rank's picklable object, in rank order."""
-    payloads = synchronize(_submit(Kind.ALLGATHER_OBJECT, [None], name, obj=pickle.dumps(obj)))
+    payloads = synchronize(_submit(Kind.ALLGATHER_OBJECT, [None], name, process_set=process_set, obj=pickle.dumps(obj)))
     return [pickle.loads(payload) for payload in payloads]
