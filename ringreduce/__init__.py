@@ -1,6 +1,6 @@
 """ringreduce: the collective runtime inside every mtrain rank."""
 from .engine import Handle
-from .errors import EngineError, HorovodInternalError, InvalidArgumentError, MismatchError, ShutdownError, StallError
+from .errors import EngineError, HorovodInternalError, InvalidArgumentError, JoinedError, MismatchError, ShutdownError, StallError
 from .process_sets import ProcessSet, global_process_set
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
@@ -35,6 +35,7 @@ from .runtime import (
     is_homogeneous,
     init,
     is_initialized,
+    join,
     local_rank,
     local_size,
     mpi_threads_supported,
@@ -51,13 +52,13 @@ from .runtime import (
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum",
-    "EngineError", "Handle", "HorovodInternalError", "InvalidArgumentError", "MismatchError", "NotInitializedError", "ShutdownError", "StallError",
+    "EngineError", "Handle", "HorovodInternalError", "InvalidArgumentError", "JoinedError", "MismatchError", "NotInitializedError", "ShutdownError", "StallError",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "cross_rank", "cross_size",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "is_homogeneous", "start_timeline", "stop_timeline",
     "ProcessSet", "add_process_set", "global_process_set", "remove_process_set",
-    "init", "is_initialized", "local_rank", "local_size", "mpi_threads_supported", "poll", "rank",
+    "init", "is_initialized", "join", "local_rank", "local_size", "mpi_threads_supported", "poll", "rank",
     "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
 ]

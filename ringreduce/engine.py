@@ -37,10 +37,10 @@ from mtrain.records import FailureCause, report_error
 from . import cuda, fusion
 from .backend import NumpyBackend, backend_for
 from .collectives import Executor, Kind
-from .errors import EngineError, InvalidArgumentError, ShutdownError, Verdict
+from .errors import EngineError, InvalidArgumentError, JoinedError, ShutdownError, Verdict
 from .negotiation import (CONTROL_SHUTDOWN, CONTROL_STALL_CHECK, CONTROL_UNREPORTED, Coordinator,
                           RequestState, ResponseCache, bits_of, set_bit)
-from .ops import ReduceOp, dtype_code
+from .ops import ReduceOp, dtype_code, dtype_from_code
 from .timeline import Timeline
 
 # Chosen by measurement on the 2-core development VM (benchmarks/fusion.py):
@@ -208,6 +208,11 @@ class Engine:
                                          self._members) if self._rank == 0 else None)
         self._stall_check_next = False
         self._finished_any = False
+        # join(): set by the user thread; the rest is the engine thread's.
+        self._join_handle: "Handle | None" = None
+        self._joined = False
+        self._joined_seen: "set[int]" = set()
+        self._last_joined = -1
         self._shutdown_error = ShutdownError("mtrain shut down while this op was in flight")
         self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
         self._mark_cycles = False
@@ -302,11 +307,14 @@ class Engine:
 
     def _cycle(self) -> bool:
         closing = self._take_incoming()
-        # The vector: cache bits | control word | "rank r is leaving" | "rank r has ops pending".
+        if self._join_handle is not None and not self._joined:
+            self._joined = True  # from now on this rank stands in for every op with zeros
+        # The vector: cache bits | control word | "rank r is leaving" | "rank r has ops pending"
+        # | "rank r has joined".
         words = self._cache.words
         rank_words = (self._size + 63) // 64
-        leaving_at, busy_at = words + 1, words + 1 + rank_words
-        mine = np.zeros(words + 1 + 2 * rank_words, dtype=np.uint64)
+        leaving_at, busy_at, joined_at = words + 1, words + 1 + rank_words, words + 1 + 2 * rank_words
+        mine = np.zeros(words + 1 + 3 * rank_words, dtype=np.uint64)
         control = 0
         for request in self._pending.values():
             if request.state is RequestState.UNREPORTED:
@@ -326,22 +334,37 @@ class Engine:
         if closing:
             set_bit(mine[leaving_at:busy_at], self._rank)
         if self._pending:
-            set_bit(mine[busy_at:], self._rank)
-        everywhere, anywhere = self._and_or(mine)
+            set_bit(mine[busy_at:joined_at], self._rank)
+        mine_and = mine
+        if self._joined:
+            set_bit(mine[joined_at:], self._rank)
+            # A joined rank agrees to every cached op (the AND half), yet holds none (the OR half):
+            # an op is ready once every rank that has not joined holds it.
+            mine_and = mine.copy()
+            mine_and[:words] = ~np.uint64(0)
+        everywhere, anywhere = self._and_or(mine_and, mine)
         agreed_control = int(anywhere[words])
         if agreed_control & CONTROL_SHUTDOWN:
-            self._note_shutdown(bits_of(anywhere[leaving_at:busy_at]), bits_of(anywhere[busy_at:]))
+            self._note_shutdown(bits_of(anywhere[leaving_at:busy_at]), bits_of(anywhere[busy_at:joined_at]))
             return False
-        ready = [self._cache.names[b] for b in bits_of(everywhere[:words])]
+        joined = bits_of(anywhere[joined_at:])
+        joined_changed = self._note_joined(joined)
+        ready_words = everywhere[:words] & anywhere[:words]
+        ready = [self._cache.names[b] for b in bits_of(ready_words)]
         partial = [self._cache.names[b] for b in bits_of(anywhere[:words] & ~everywhere[:words])]
         responses: list = []
-        if agreed_control & (CONTROL_UNREPORTED | CONTROL_STALL_CHECK):
-            responses = self._coordinate(set(partial) | set(ready), bool(agreed_control & CONTROL_STALL_CHECK))
+        # A rank that joins completes the ops the others reported but it never will: the
+        # coordinator looks again in the cycle every rank sees the join.
+        if agreed_control & (CONTROL_UNREPORTED | CONTROL_STALL_CHECK) or joined_changed:
+            responses = self._coordinate(set(partial) | set(ready), bool(agreed_control & CONTROL_STALL_CHECK),
+                                         joined)
+        ready_meta: "dict[str, Any]" = {}
         for response in responses:
             self._cache.apply(response)
             verdict = response.verdict
             if verdict is Verdict.READY:
                 ready.append(response.name)
+                ready_meta[response.name] = response.meta
             elif response.name not in self._pending:
                 continue
             elif verdict is Verdict.INVALIDATE:
@@ -355,9 +378,60 @@ class Engine:
             self._coordinator.note_partial(partial, now)
             self._stall_check_next = self._coordinator.stall_check_due(now)
         if ready:
-            self._execute([self._pending.pop(name) for name in ready])
+            if joined:
+                self._execute(self._with_joined(ready, ready_meta, joined))
+            else:
+                self._execute([self._pending.pop(name) for name in ready])
+        elif len(joined) == self._size and not bits_of(anywhere[busy_at:joined_at]):
+            self._finish_join()
         self._wake_waiters()
         return True
+
+    # -- join -------------------------------------------------------------------
+    def submit_join(self) -> Handle:
+        """This rank has no more data: it stands in for the other ranks' ops (with zeros) until
+        every rank has joined. The handle's result is the job rank that joined last."""
+        handle = Handle(1, False, self.done_cv)
+        with self._lock:
+            if self._closing or self._closed_error is not None:
+                raise self._closed_error or ShutdownError(
+                    "mtrain was shut down; call init() again before join()")
+            if self._join_handle is not None:
+                raise InvalidArgumentError("join() is already in progress on this rank")
+            self._join_handle = handle
+            self._wake.notify()
+        return handle
+
+    def _note_joined(self, joined: "list[int]") -> bool:
+        """Track who has joined (seen alike by every rank); returns whether anyone new joined."""
+        new = set(joined) - self._joined_seen
+        if new:
+            self._last_joined = max(new)  # ranks joining in the same cycle: the highest is "last"
+        self._joined_seen = set(joined)
+        return bool(new)
+
+    def _finish_join(self) -> None:
+        handle, last = self._join_handle, self._members[self._last_joined]
+        self._join_handle, self._joined, self._joined_seen, self._last_joined = None, False, set(), -1
+        if handle is not None:
+            handle._complete(0, last)
+            self._finished_any = True
+
+    def _with_joined(self, ready: "list[str]", ready_meta: "dict[str, Any]", joined: "list[int]") -> "list[Request]":
+        """The ready ops as this rank runs them while ``joined`` ranks have joined: a joined rank
+        brings a stand-in with no data; an op that cannot run without a joined rank fails everywhere."""
+        runnable = []
+        for name in ready:
+            request = self._pending.pop(name, None)
+            meta = request.signature if request is not None else (
+                ready_meta[name] if name in ready_meta else self._cache.entries[name][1])
+            problem = _joined_problem(meta, [self._members[r] for r in joined], self._members)
+            if problem:
+                if request is not None:
+                    self._finish(request, error=JoinedError(f"op {name!r} cannot run: {problem}"))
+                continue
+            runnable.append(request if request is not None else _stand_in(self, name, meta))
+        return runnable
 
     def _note_shutdown(self, leaving: "list[int]", busy: "list[int]") -> None:
         """Say who left while whose ops were in flight: in errors, and to the launcher."""
@@ -377,9 +451,10 @@ class Engine:
                 f"rank(s) {others} left the job (shutdown() or process exit) while this op was in flight; "
                 f"every rank must submit the same ops before leaving", peers=others)
 
-    def _and_or(self, mine: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
-        """Bitwise AND and OR of every rank's vector, from one BAND all-reduce of (x, ~x)."""
-        send = np.concatenate([mine, ~mine])
+    def _and_or(self, mine_and: np.ndarray, mine_or: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+        """Bitwise AND of every rank's ``mine_and`` and OR of every rank's ``mine_or``, from one
+        BAND all-reduce of (x, ~y)."""
+        send = np.concatenate([mine_and, ~mine_or])
         recv = np.empty_like(send)
         request = self._control.Iallreduce(send, recv, op=MPI.BAND)
         # Spin briefly (peers usually arrive within microseconds, and a sleep here
@@ -392,10 +467,10 @@ class Engine:
             if time.perf_counter() > spin_until:
                 naps += 1
                 time.sleep(min(1e-3, 2e-5 * naps))
-        half = mine.size
+        half = mine_and.size
         return recv[:half], ~recv[half:]
 
-    def _coordinate(self, cached_anywhere: "set[str]", stall_check: bool) -> list:
+    def _coordinate(self, cached_anywhere: "set[str]", stall_check: bool, joined: "Sequence[int]" = ()) -> list:
         reports = []
         for request in self._pending.values():
             if request.state is RequestState.UNREPORTED:
@@ -405,7 +480,8 @@ class Engine:
         gathered = self._control.gather((reports, pending), root=0)
         responses = None
         if self._coordinator is not None:
-            responses = self._coordinator.decide(gathered, self._cache, cached_anywhere, time.monotonic())
+            responses = self._coordinator.decide(gathered, self._cache, cached_anywhere, time.monotonic(),
+                                                 frozenset(joined))
         return self._control.bcast(responses, root=0)
 
     # -- execution ------------------------------------------------------------
@@ -544,11 +620,14 @@ class Engine:
                 self._closed_error = None
             self._closing = True
             leftovers = list(self._pending.values()) + self._incoming
+            join_handle, self._join_handle = self._join_handle, None
             self._incoming = []
             self._in_flight.clear()
         self._pending.clear()
         for request in leftovers:
             request.handle._fail(error)
+        if join_handle is not None:
+            join_handle._fail(error)
         with self.done_cv:
             self.done_cv.notify_all()
 
@@ -562,3 +641,51 @@ def make_request(engine: Engine, kind: Kind, array: "np.ndarray | None", name: "
     request.signature = request.meta()  # validates the dtype here, in the caller's thread
     return request
 
+
+
+def _joined_problem(meta: tuple, joined: "list[int]", members: "list[int]") -> str:
+    """Why the op with this metadata cannot run while ``joined`` (job ranks) have joined; "" if it can."""
+    kind, root = Kind(meta[0]), meta[4]
+    if kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT) and members[root] in joined:
+        return (f"its root rank {members[root]} has joined (hvd.join()); a rank that has joined has "
+                "no data to broadcast")
+    if kind is Kind.ALLGATHER_OBJECT:
+        return f"rank(s) {joined} have joined (hvd.join()) and have no object to gather"
+    return ""
+
+
+def _stand_in(engine: Engine, name: str, meta: tuple) -> Request:
+    """What a joined rank brings to an op the others submitted: zeros for an all-reduce or a
+    reduce-scatter (the identity for Min, Max and Product), no rows for an allgather or an
+    alltoall, a receive buffer for a broadcast. Its result is dropped."""
+    kind, code, shape, op_code, root, prescale, postscale, backend_name = meta
+    dtype = dtype_from_code(code)
+    op = None if op_code < 0 else ReduceOp(op_code)
+    fields: "dict[str, Any]" = {}
+    if kind in (Kind.ALLGATHER, Kind.ALLTOALL):
+        array = np.zeros((0,) + tuple(shape), dtype=dtype)
+        if kind is Kind.ALLTOALL:
+            fields["splits"] = [0] * engine._size
+    elif kind in (Kind.BARRIER, Kind.BROADCAST_OBJECT):
+        array = _PLACEHOLDER
+    else:
+        array = np.full(shape, _identity(op, dtype), dtype=dtype)
+    if backend_name != backend_for(array).name:  # the others' arrays live on a GPU: so does this one
+        import cupy
+        array = cupy.asarray(array)
+    handle = Handle(1, False, engine.done_cv)
+    request = Request(kind=Kind(kind), name=name, array=array, handle=handle, index=0,
+                      backend=backend_for(array), op=op, root=root, in_place=True,
+                      prescale=prescale, postscale=postscale, **fields)
+    request.signature = meta
+    return request
+
+
+def _identity(op: "ReduceOp | None", dtype: np.dtype) -> Any:
+    if op == ReduceOp.Min:
+        return np.finfo(dtype).max if dtype.kind == "f" else (True if dtype.kind == "b" else np.iinfo(dtype).max)
+    if op == ReduceOp.Max:
+        return np.finfo(dtype).min if dtype.kind == "f" else (False if dtype.kind == "b" else np.iinfo(dtype).min)
+    if op == ReduceOp.Product:
+        return 1
+    return 0

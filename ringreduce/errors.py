@@ -29,6 +29,11 @@ class InvalidArgumentError(RuntimeError, ValueError):
     also a ValueError, what mtrain raised before."""
 
 
+class JoinedError(HorovodInternalError):
+    """An op that cannot run because a rank it needs has called ``join()`` (a broadcast from a
+    joined root, say). Raised on every rank that submitted the op."""
+
+
 class StallError(HorovodInternalError):
     """Some ranks never submitted an op the others are waiting on."""
 

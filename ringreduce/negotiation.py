@@ -126,7 +126,7 @@ class Coordinator:
         return False
 
     def decide(self, gathered: "list[tuple[list, list | None]]", cache: ResponseCache,
-               cached_anywhere: "set[str]", now: float) -> "list[Response]":
+               cached_anywhere: "set[str]", now: float, joined: "frozenset[int]" = frozenset()) -> "list[Response]":
         """Responses for this round. Pure with respect to ``cache``: every rank,
         this one included, applies the responses afterwards."""
         responses: "list[Response]" = []
@@ -143,11 +143,12 @@ class Coordinator:
         next_bit = len(cache.names)
         for name in list(self.reported):
             by_rank = self.reported[name]
-            if len(by_rank) < self.size:
+            # Ranks that have joined (hvd.join()) never submit: the others decide.
+            if len(by_rank.keys() | joined) < self.size:
                 continue
             del self.reported[name]
             self.forget(name)
-            metas = [by_rank[r][0] for r in range(self.size)]
+            metas = [by_rank[r][0] for r in sorted(by_rank)]
             if all(m == metas[0] for m in metas):
                 if name in cache.entries and name not in invalidated:
                     bit = cache.entries[name][0]  # same name, new metadata everywhere: update
@@ -157,7 +158,7 @@ class Coordinator:
                     bit = -1
                 responses.append(Response(Verdict.READY, name, bit, metas[0]))
             else:
-                lines = "; ".join(f"rank {self.members[r]}: {by_rank[r][1]}" for r in range(self.size))
+                lines = "; ".join(f"rank {self.members[r]}: {by_rank[r][1]}" for r in sorted(by_rank))
                 responses.append(Response(Verdict.MISMATCH, name, message=(
                     f"ranks submitted op {name!r} with different arguments ({lines}); every rank must "
                     f"submit the same dtype, shape, op and root for the same name")))

@@ -614,3 +614,14 @@ def allgather_object(obj: Any, name: "str | None" = None, process_set: ProcessSe
     """A list of every rank's picklable object, in rank order."""
     payloads = synchronize(_submit(Kind.ALLGATHER_OBJECT, [None], name, process_set=process_set, obj=pickle.dumps(obj)))
     return [pickle.loads(payload) for payload in payloads]
+
+
+def join() -> int:
+    """This rank has run out of data (Horovod's ``join``): until every rank has joined, it takes
+    part in the ops the other ranks still submit: all-reduces and reduce-scatters count it as
+    zeros (the identity for Min, Max and Product), allgathers and alltoalls get no rows from it,
+    a broadcast from it raises on the ranks that submitted the broadcast. Blocks until every
+    rank has joined; returns the rank that joined last."""
+    engine = _rt().engine
+    exits.forget_status()
+    return synchronize(engine.submit_join())
