@@ -20,10 +20,10 @@ import torch
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import cuda as _cuda
 from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
-    Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp,
-    Sum, allgather_object, barrier, broadcast_object, cross_rank, cross_size, init, is_homogeneous,
-    is_initialized, local_rank, local_size, mpi_threads_supported, rank, shutdown, size, start_timeline,
-    stop_timeline,
+    Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet, Product,
+    ReduceOp, Sum, add_process_set, allgather_object, barrier, broadcast_object, cross_rank, cross_size,
+    global_process_set, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_threads_supported,
+    rank, remove_process_set, shutdown, size, start_timeline, stop_timeline,
 )
 
 from .build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
@@ -34,7 +34,8 @@ from .handles import DeferredHandle, Handle, poll, synchronize  # noqa: F401
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
-    "MismatchError", "NotInitializedError", "Product", "ReduceOp", "Sum",
+    "MismatchError", "NotInitializedError", "ProcessSet", "Product", "ReduceOp", "Sum", "add_process_set",
+    "global_process_set", "join", "remove_process_set",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
@@ -160,85 +161,98 @@ def _inplace_buffer(tensor: torch.Tensor) -> Tuple[np.ndarray, Any]:
 # -- all-reduce --------------------------------------------------------------
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> Handle:
     """Start an all-reduce of ``tensor`` into a new tensor; ``synchronize`` returns it."""
     array = _numpy_view(_check_tensor(tensor))
-    inner = rr.allreduce_async(array, resolve_op(average, op), name, prescale_factor, postscale_factor)
+    inner = rr.allreduce_async(array, resolve_op(average, op), name, prescale_factor, postscale_factor,
+                               process_set=process_set)
     return Handle(inner, lambda result: _from_numpy(result).reshape(tensor.shape))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce of ``tensor``; ``synchronize`` returns ``tensor``."""
     buffer, land = _inplace_buffer(_check_tensor(tensor))
-    inner = rr.allreduce_async_(buffer, resolve_op(average, op), name, prescale_factor, postscale_factor)
+    inner = rr.allreduce_async_(buffer, resolve_op(average, op), name, prescale_factor, postscale_factor,
+                                process_set=process_set)
     return Handle(inner, land)
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: type = Compression.none, op: Any = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over all ranks (default Average). Differentiable."""
     op = resolve_op(average, op)
     compressed, ctx = compression.compress(_check_tensor(tensor))
     if tensor.requires_grad and torch.is_grad_enabled():
-        reduced = _AllreduceFunction.apply(compressed, op, name, prescale_factor, postscale_factor)
+        reduced = _AllreduceFunction.apply(compressed, op, name, prescale_factor, postscale_factor, process_set)
     else:
-        reduced = synchronize(allreduce_async(compressed, None, name, op, prescale_factor, postscale_factor))
+        reduced = synchronize(allreduce_async(compressed, None, name, op, prescale_factor, postscale_factor,
+                                               process_set))
     return compression.decompress(reduced, ctx)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place all-reduce: ``tensor`` is overwritten with the result and returned."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 class _AllreduceFunction(torch.autograd.Function):
     """All-reduce whose gradient is the same all-reduce of the incoming gradient (as Horovod)."""
 
     @staticmethod
-    def forward(ctx, tensor, op, name, prescale_factor, postscale_factor):  # type: ignore[override]
-        ctx.args = (op, prescale_factor, postscale_factor)
-        return synchronize(allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor))
+    def forward(ctx, tensor, op, name, prescale_factor, postscale_factor, process_set):  # type: ignore[override]
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return synchronize(allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        op, pre, post = ctx.args
-        reduced = synchronize(allreduce_async(grad.contiguous(), None, None, op, pre, post))
-        return reduced, None, None, None, None
+        op, pre, post, process_set = ctx.args
+        reduced = synchronize(allreduce_async(grad.contiguous(), None, None, op, pre, post, process_set))
+        return reduced, None, None, None, None, None
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> Handle:
+                            postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> Handle:
     """Start all-reduces of several tensors as one unit; ``synchronize`` returns new tensors."""
     arrays = [_numpy_view(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    inner = rr.grouped_allreduce_async(arrays, resolve_op(average, op), name, prescale_factor, postscale_factor)
+    inner = rr.grouped_allreduce_async(arrays, resolve_op(average, op), name, prescale_factor, postscale_factor,
+                                       process_set=process_set)
     return Handle(inner, lambda results: [_from_numpy(r).reshape(t.shape) for r, t in zip(results, tensors)])
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> Handle:
+                             postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> Handle:
     """In-place grouped all-reduce; ``synchronize`` returns the same tensors."""
     pairs = [_inplace_buffer(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inner = rr.grouped_allreduce_async_([b for b, _ in pairs], resolve_op(average, op), name,
-                  prescale_factor, postscale_factor)
+                                        prescale_factor, postscale_factor, process_set=process_set)
     return Handle(inner, lambda results: [land(r) for (_, land), r in zip(pairs, results)])
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                       name: Optional[str] = None, compression: type = Compression.none, op: Any = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[torch.Tensor]:
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
     """New tensors: each of ``tensors`` reduced over all ranks, as one fused unit."""
     compressed = [compression.compress(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inputs = [t for t, _ in compressed]
     op = resolve_op(average, op)
     if _wants_grad(inputs):
-        reduced = list(_GroupedAllreduceFunction.apply(op, name, prescale_factor, postscale_factor, *inputs))
+        reduced = list(_GroupedAllreduceFunction.apply(op, name, prescale_factor, postscale_factor, process_set,
+                                                       *inputs))
     else:
-        reduced = synchronize(grouped_allreduce_async(inputs, None, name, op, prescale_factor, postscale_factor))
+        reduced = synchronize(grouped_allreduce_async(inputs, None, name, op, prescale_factor, postscale_factor,
+                                                       process_set))
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
 
@@ -246,22 +260,25 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
     """Grouped all-reduce whose gradients are the same grouped all-reduce of the incoming ones."""
 
     @staticmethod
-    def forward(ctx, op, name, prescale_factor, postscale_factor, *tensors):  # type: ignore[override]
-        ctx.args = (op, prescale_factor, postscale_factor)
+    def forward(ctx, op, name, prescale_factor, postscale_factor, process_set, *tensors):  # type: ignore[override]
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
         return tuple(synchronize(grouped_allreduce_async(tensors, None, name, op, prescale_factor,
-                                                         postscale_factor)))
+                                                         postscale_factor, process_set)))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        op, pre, post = ctx.args
-        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, pre, post))
-        return (None, None, None, None, *reduced)
+        op, pre, post, process_set = ctx.args
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, pre, post,
+                                                      process_set))
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                        name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> List[torch.Tensor]:
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+                       postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
 
 
 # -- other collectives --------------------------------------------------------
@@ -272,172 +289,194 @@ def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
-    return Handle(rr.allgather_async(_numpy_view(_check_tensor(tensor)), name), _from_numpy)
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> Handle:
+    return Handle(rr.allgather_async(_numpy_view(_check_tensor(tensor)), name, process_set=process_set), _from_numpy)
 
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank's tensor concatenated along dimension 0 (first dimensions may differ). Differentiable."""
     if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
-        return _AllgatherFunction.apply(_check_tensor(tensor), name)
-    return synchronize(allgather_async(tensor, name))
+        return _AllgatherFunction.apply(_check_tensor(tensor), name, process_set)
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None) -> Handle:
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> Handle:
     """Start all-gathers of several tensors as one unit; ``synchronize`` returns a list."""
     arrays = [_numpy_view(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    return Handle(rr.grouped_allgather_async(arrays, name), lambda results: [_from_numpy(r) for r in results])
+    return Handle(rr.grouped_allgather_async(arrays, name, process_set=process_set), lambda results: [_from_numpy(r) for r in results])
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None) -> List[torch.Tensor]:
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
     """``allgather`` of each tensor, as one unit. Differentiable."""
     tensors = list(tensors)
     if _wants_grad(tensors):
-        return list(_GroupedAllgatherFunction.apply(name, *tensors))
-    return synchronize(grouped_allgather_async(tensors, name))
+        return list(_GroupedAllgatherFunction.apply(name, process_set, *tensors))
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
-def _slice_of_summed_gradient(grad: torch.Tensor, rows: int, shape: torch.Size) -> torch.Tensor:
+def _slice_of_summed_gradient(grad: torch.Tensor, rows: int, shape: torch.Size,
+                              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Backward of an all-gather: this rank's rows of the gradient summed over ranks (as Horovod)."""
-    return _gathered_slices([grad], [rows], [shape])[0]
+    return _gathered_slices([grad], [rows], [shape], process_set)[0]
 
 
 def _gathered_slices(grads: Sequence[torch.Tensor], rows: Sequence[int],
-                     shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
-    summed = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=Sum))
-    every_rows = synchronize(allgather_async(torch.tensor([list(rows)], dtype=torch.int64)))  # size x k
-    offsets = every_rows[:rank()].sum(dim=0).tolist()
+                     shapes: Sequence[torch.Size], process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    summed = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=Sum, process_set=process_set))
+    every_rows = synchronize(allgather_async(torch.tensor([list(rows)], dtype=torch.int64),
+                                             process_set=process_set))  # set size x k
+    offsets = every_rows[:process_set.rank()].sum(dim=0).tolist()
     return [s.narrow(0, int(o), r).reshape(shape) for s, o, r, shape in zip(summed, offsets, rows, shapes)]
 
 
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):  # type: ignore[override]
+    def forward(ctx, tensor, name, process_set):  # type: ignore[override]
         ctx.rows, ctx.shape = (tensor.shape[0] if tensor.dim() else 1), tensor.shape
-        return synchronize(allgather_async(tensor, name))
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _slice_of_summed_gradient(grad, ctx.rows, ctx.shape), None
+        return _slice_of_summed_gradient(grad, ctx.rows, ctx.shape, ctx.process_set), None, None
 
 
 class _GroupedAllgatherFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, *tensors):  # type: ignore[override]
+    def forward(ctx, name, process_set, *tensors):  # type: ignore[override]
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.shapes = [t.shape for t in tensors]
-        return tuple(synchronize(grouped_allgather_async(tensors, name)))
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(tensors, name, process_set)))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        return (None, *_gathered_slices(grads, ctx.rows, ctx.shapes))
+        return (None, None, *_gathered_slices(grads, ctx.rows, ctx.shapes, ctx.process_set))
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
-    return Handle(rr.broadcast_async(_numpy_view(_check_tensor(tensor)), root_rank, name),
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> Handle:
+    return Handle(rr.broadcast_async(_numpy_view(_check_tensor(tensor)), root_rank, name, process_set=process_set),
                   lambda result: _from_numpy(result).reshape(tensor.shape))
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> Handle:
     buffer, land = _inplace_buffer(_check_tensor(tensor))
-    return Handle(rr.broadcast_async_(buffer, root_rank, name), land)
+    return Handle(rr.broadcast_async_(buffer, root_rank, name, process_set=process_set), land)
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A new tensor holding ``root_rank``'s values. Differentiable."""
     if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
-        return _BroadcastFunction.apply(_check_tensor(tensor), root_rank, name)
-    return synchronize(broadcast_async(tensor, root_rank, name))
+        return _BroadcastFunction.apply(_check_tensor(tensor), root_rank, name, process_set)
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
 class _BroadcastFunction(torch.autograd.Function):
     """Backward as Horovod: the gradient summed over ranks lands on the root; other ranks get zeros."""
 
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):  # type: ignore[override]
-        ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx, tensor, root_rank, name, process_set):  # type: ignore[override]
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum))
+        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum, process_set=ctx.process_set))
         if rank() != ctx.root_rank:
             summed = torch.zeros_like(summed)
-        return summed, None, None
+        return summed, None, None, None
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In place: ``tensor`` takes ``root_rank``'s values and is returned."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> Handle:
     array = _numpy_view(_check_tensor(tensor))
-    return Handle(rr.reducescatter_async(array, op, name, prescale_factor, postscale_factor), _from_numpy)
+    return Handle(rr.reducescatter_async(array, op, name, prescale_factor, postscale_factor,
+                                                   process_set=process_set), _from_numpy)
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: type = Compression.none,
-                  op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+                  op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce over ranks, keep this rank's rows (the first ``rows % size`` ranks get one extra).
     Differentiable."""
     compressed, ctx = compression.compress(_check_tensor(tensor))
     if tensor.requires_grad and torch.is_grad_enabled():
-        reduced = _ReducescatterFunction.apply(compressed, name, op, prescale_factor, postscale_factor)
+        reduced = _ReducescatterFunction.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     else:
-        reduced = synchronize(reducescatter_async(compressed, name, op, prescale_factor, postscale_factor))
+        reduced = synchronize(reducescatter_async(compressed, name, op, prescale_factor, postscale_factor,
+                                                   process_set))
     return compression.decompress(reduced, ctx)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: Any = Average,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> Handle:
     """Start reduce-scatters of several tensors as one unit; ``synchronize`` returns a list."""
     arrays = [_numpy_view(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    inner = rr.grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor)
+    inner = rr.grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor,
+                                             process_set=process_set)
     return Handle(inner, lambda results: [_from_numpy(r) for r in results])
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression: type = Compression.none, op: Any = Average,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[torch.Tensor]:
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
     """``reducescatter`` of each tensor, as one unit. Differentiable."""
     compressed = [compression.compress(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inputs = [t for t, _ in compressed]
     if _wants_grad(inputs):
-        reduced = list(_GroupedReducescatterFunction.apply(name, op, prescale_factor, postscale_factor, *inputs))
+        reduced = list(_GroupedReducescatterFunction.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                                           *inputs))
     else:
-        reduced = synchronize(grouped_reducescatter_async(inputs, name, op, prescale_factor, postscale_factor))
+        reduced = synchronize(grouped_reducescatter_async(inputs, name, op, prescale_factor, postscale_factor,
+                                                           process_set))
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
 
-def _reducescatter_backward(grads: Sequence[torch.Tensor], op: Any, pre: float, post: float) -> List[torch.Tensor]:
+def _reducescatter_backward(grads: Sequence[torch.Tensor], op: Any, pre: float, post: float,
+                            process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
     """All-gather of the gradients (as Horovod), divided by size for Average, times the scaling."""
-    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads]))
-    factor = pre * post / (size() if op == Average else 1)
+    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads], process_set=process_set))
+    factor = pre * post / (process_set.size() if op == Average else 1)
     return [g * factor if factor != 1.0 else g for g in gathered]
 
 
 class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):  # type: ignore[override]
-        ctx.args = (op, prescale_factor, postscale_factor)
-        return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):  # type: ignore[override]
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _reducescatter_backward([grad], *ctx.args)[0], None, None, None, None
+        return _reducescatter_backward([grad], *ctx.args)[0], None, None, None, None, None
 
 
 class _GroupedReducescatterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):  # type: ignore[override]
-        ctx.args = (op, prescale_factor, postscale_factor)
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):  # type: ignore[override]
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
         return tuple(synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
-                                                             postscale_factor)))
+                                                             postscale_factor, process_set)))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        return (None, None, None, None, *_reducescatter_backward(grads, *ctx.args))
+        return (None, None, None, None, None, *_reducescatter_backward(grads, *ctx.args))
 
 
 def _check_splits_dtype(splits: Any) -> Any:
@@ -454,7 +493,8 @@ def _check_splits_dtype(splits: Any) -> Any:
     return splits
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Handle:
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> Handle:
     splits = _check_splits_dtype(splits)
     tensor = _check_tensor(tensor)
     device = tensor.device if tensor.is_cuda else None
@@ -466,16 +506,17 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
         out = _from_numpy(array)
         return (out if device is None else out.to(device)), \
             torch.as_tensor(np.asarray(received), dtype=torch.int32)
-    return Handle(rr.alltoall_async(_numpy_view(tensor), splits, name), finish)
+    return Handle(rr.alltoall_async(_numpy_view(tensor), splits, name, process_set=process_set), finish)
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None) -> Any:
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+        process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[r]`` rows to rank r (equal shares if None). Returns the received tensor,
     plus the received splits when ``splits`` is given (as Horovod). Differentiable."""
     if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
-        received, received_splits = _AlltoallFunction.apply(_check_tensor(tensor), splits, name)
+        received, received_splits = _AlltoallFunction.apply(_check_tensor(tensor), splits, name, process_set)
     else:
-        received, received_splits = synchronize(alltoall_async(tensor, splits, name))
+        received, received_splits = synchronize(alltoall_async(tensor, splits, name, process_set))
     return received if splits is None else (received, received_splits)
 
 
@@ -483,21 +524,33 @@ class _AlltoallFunction(torch.autograd.Function):
     """Backward as Horovod: the gradient goes back by an all-to-all with the received splits."""
 
     @staticmethod
-    def forward(ctx, tensor, splits, name):  # type: ignore[override]
-        received, received_splits = synchronize(alltoall_async(tensor, splits, name))
-        ctx.received_splits = received_splits
+    def forward(ctx, tensor, splits, name, process_set):  # type: ignore[override]
+        received, received_splits = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received_splits, ctx.process_set = received_splits, process_set
         ctx.mark_non_differentiable(received_splits)
         return received, received_splits
 
     @staticmethod
     def backward(ctx, grad, _):  # type: ignore[override]
-        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received_splits))
-        return back, None, None
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received_splits, process_set=ctx.process_set))
+        return back, None, None, None
+
+
+# -- join -----------------------------------------------------------------------
+
+def join(device: int = -1) -> int:
+    """This rank has no more data (Horovod's ``join``): until every rank has joined, it takes part
+    in the ops the others still submit (all-reduces count it as zeros, allgathers get no rows from
+    it), so a DistributedOptimizer keeps working on the ranks still training. Blocks until every
+    rank has joined; returns the rank that joined last. ``device`` is accepted for Horovod: the
+    stand-ins live where the other ranks' tensors live."""
+    return rr.join()
 
 
 # -- sparse ---------------------------------------------------------------------
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average) -> DeferredHandle:
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
+                           process_set: ProcessSet = global_process_set) -> DeferredHandle:
     """Start an all-reduce of a sparse COO tensor, as Horovod does it: all-gather every rank's
     indices and values, then coalesce (duplicates summed); Average divides by size.
     ``synchronize(handle)`` (or ``handle()``) returns the reduced sparse tensor."""
@@ -507,9 +560,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op:
     if op not in (Average, Sum):
         raise ValueError(f"sparse all-reduce supports op=Average or op=Sum, got {op!r}")
     # Indices are (ndim, nnz): gathered along nnz, so sent transposed and turned back after.
-    indices = allgather_async(tensor._indices().t().contiguous(), None if name is None else f"{name}.indices")
-    values = allgather_async(tensor._values().contiguous(), None if name is None else f"{name}.values")
-    shape, n = tensor.shape, size()
+    indices = allgather_async(tensor._indices().t().contiguous(), None if name is None else f"{name}.indices",
+                              process_set)
+    values = allgather_async(tensor._values().contiguous(), None if name is None else f"{name}.values", process_set)
+    shape, n = tensor.shape, process_set.size()
 
     def finish(all_indices: torch.Tensor, all_values: torch.Tensor) -> torch.Tensor:
         if op == Average:
@@ -521,7 +575,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op:
 
 # -- model and optimizer state -----------------------------------------------
 
-def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable[Any]], root_rank: int) -> None:
+def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable[Any]], root_rank: int,
+                         prefix: Optional[str] = None, process_set: ProcessSet = global_process_set) -> None:
     """Overwrite every rank's parameters with ``root_rank``'s.
 
     ``params``: ``model.state_dict()``, ``model.named_parameters()`` or a list of tensors.
@@ -533,7 +588,8 @@ def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable[Any]], 
     else:
         raise ValueError(f"invalid params of type {type(params).__name__}: pass model.state_dict(), "
                          "model.named_parameters() or a list of tensors")
-    handles = [broadcast_async_(p, root_rank, None if name is None else f"broadcast_parameters.{name}")
+    label = prefix if prefix is not None else "broadcast_parameters."
+    handles = [broadcast_async_(p, root_rank, None if name is None else f"{label}{name}", process_set)
                for name, p in items if isinstance(p, torch.Tensor)]
     for handle in handles:
         handle.wait()
@@ -571,7 +627,8 @@ def _fill(value: Any, tensors: List[torch.Tensor]) -> Any:
     return value
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
+                              process_set: ProcessSet = global_process_set) -> None:
     """Make every rank's optimizer state and hyperparameters equal ``root_rank``'s.
 
     Works whether or not any rank has stepped: when ``root_rank`` has no state yet,
@@ -583,12 +640,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     state = optimizer.state_dict()
     root_tensors: List[torch.Tensor] = []
     skeleton = broadcast_object(_skeleton(state, root_tensors) if rank() == root_rank else None,
-                                root_rank, name="broadcast_optimizer_state.skeleton")
+                                root_rank, name="broadcast_optimizer_state.skeleton", process_set=process_set)
     tensors: List[torch.Tensor] = []
     received = _fill(skeleton, tensors)
     if rank() == root_rank:
         tensors = root_tensors
-    handles = [broadcast_async_(t, root_rank, f"broadcast_optimizer_state.{i}") for i, t in enumerate(tensors)]
+    handles = [broadcast_async_(t, root_rank, f"broadcast_optimizer_state.{i}", process_set)
+               for i, t in enumerate(tensors)]
     for handle in handles:
         handle.wait()
     if rank() != root_rank:
@@ -601,7 +659,9 @@ class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's own class (see ``DistributedOptimizer``)."""
 
     def _mtrain_setup(self, named_parameters: Any, compression: type, backward_passes_per_step: int,
-                      op: Any, gradient_predivide_factor: float, sparse_as_dense: bool = False) -> None:
+                      op: Any, gradient_predivide_factor: float, sparse_as_dense: bool = False,
+                      process_set: ProcessSet = global_process_set) -> None:
+        self.process_set = process_set
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -645,13 +705,14 @@ class _DistributedOptimizer:
         name = f"DistributedOptimizer.{self._parameter_names[p]}"
         if p.grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
             if not self.sparse_as_dense:  # as Horovod: gather indices and values, no compression
-                return sparse_allreduce_async(p.grad, name=name, op=self.op), None
+                return sparse_allreduce_async(p.grad, name=name, op=self.op, process_set=self.process_set), None
             p.grad = p.grad.to_dense()
         compressed, ctx = self._compression.compress(p.grad)
         pre, post = 1.0, 1.0
         if self.op == Average:  # the runtime divides by size after the postscale
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post)
+        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post,
+                                  process_set=self.process_set)
         return handle, ctx
 
     def synchronize(self) -> None:
@@ -760,7 +821,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          compression: type = Compression.none, backward_passes_per_step: int = 1,
                          op: Any = Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Any = None,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Each gradient's all-reduce starts as soon as backward has produced it.
@@ -787,8 +849,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     # An LR scheduler built on the original patches an instance-level ``step`` that would
     # bypass the averaging; schedulers must be built on the wrapped optimizer (as with Horovod).
     wrapped.__dict__.pop("step", None)
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be an mtrain ProcessSet, got {type(process_set).__name__}")
     wrapped._mtrain_setup(named_parameters, compression, backward_passes_per_step, op,
-                          gradient_predivide_factor, sparse_as_dense)
+                          gradient_predivide_factor, sparse_as_dense, process_set)
     return wrapped
 
 
