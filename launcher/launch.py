@@ -5,13 +5,15 @@ import contextlib
 import dataclasses
 import os
 import shlex
+import signal
 import socket
 import stat
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import mtrain
 from mtrain.launcher import mpirun as mpilib
@@ -23,8 +25,13 @@ from mtrain.launcher.netif import free_ports
 from mtrain.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, AgentEvent, ElasticResume,
                             ExitRecord, Gate, HostUpdates, JobLayout, host_path, updates_file)
 
+if TYPE_CHECKING:
+    from mtrain.launcher.preflight import HostReport
+
 # Where each host keeps the job's layout for its ranks: a path that exists on every Linux host.
 JOB_FILE_DIRECTORY = "/tmp"
+# "0" turns off the shared SSH connections (each agent then connects by itself, as before).
+ENV_SHARE_SSH = "MTRAIN_SSH_SHARE"
 
 
 def _log(config: LaunchConfig, message: str) -> None:
@@ -52,12 +59,12 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
 
 
 def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str, job_file: str,
-           updates: str | None) -> list[str]:
+           updates: str | None, master: str | None = None) -> list[str]:
     """The remote-shell program handed to mpirun, with its settings written beside it."""
     config_path = os.path.join(directory, "agent.json")
     identity = os.path.abspath(config.ssh.identity_file) if config.ssh.identity_file else None
     options = dataclasses.replace(config.ssh, identity_file=identity, connect_timeout=config.start_timeout)
-    ssh_agent.write_config(config_path, options, sys.executable, events_path, gate, job_file, updates)
+    ssh_agent.write_config(config_path, options, sys.executable, events_path, gate, job_file, updates, master)
     words = [sys.executable, "-m", "mtrain.launcher.ssh_agent", "--config", config_path]
     if config.mpi.kind is not MpiKind.MPICH:
         return words
@@ -103,47 +110,65 @@ class Generation:
 def launch(config: LaunchConfig, dry_run: bool = False, generation: Generation | None = None) -> int:
     """Run the job described by `config`; return mtrain's exit status.
 
-    With remote hosts, mpirun starts right away and its agents connect while
-    the preflight runs, but they execute nothing on any host until the
-    preflight has passed (the agents' gate): the handshakes overlap instead
-    of adding up.  The job's layout (torchrun's variables, TF_CONFIG) needs
-    the preflight's ports, so it travels through the gate to the hosts, where
-    the remote guard leaves it for the rank wrappers in JOB_FILE_DIRECTORY.
+    With remote hosts, mpirun starts right away and its agents ask for their
+    hosts while the preflight runs, but nothing of the job executes on any
+    host until the whole preflight has passed (the gate): the handshakes
+    overlap instead of adding up.  The preflight's connection to each host
+    is kept and shared with the agents (launcher/ssh_master.py), and its probe
+    stays there to become the host's remote guard, so each host sees one SSH
+    connection, one session and one Python for checking and running.  The
+    job's layout (torchrun's variables, TF_CONFIG) needs the preflight's
+    ports, so it travels through the gate to the hosts, where the remote guard
+    leaves it for the rank wrappers in JOB_FILE_DIRECTORY.
     """
+    with _Termination() as termination:
+        return _launch(config, dry_run, generation, termination)
+
+
+def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
+            termination: "_Termination") -> int:
     from mtrain.launcher import supervise
     with tempfile.TemporaryDirectory(prefix="mtrain-agent-") as scratch:
         agent = None
+        master = None
         events_path = os.path.join(scratch, "events")
         gate = os.path.join(scratch, "gate")
         job_id = generation.job_id if generation else uuid.uuid4().hex
         job_file = os.path.join(JOB_FILE_DIRECTORY, f"mtrain-job-{job_id}-{{host}}.json")
         agents_updates = os.path.join(scratch, "updates") if generation else None
-        if generation is not None:
-            config = dataclasses.replace(config, env_pass=config.env_pass + generation.env + (
-                f"{ENV_ELASTIC_UPDATES}={updates_file(job_file)}", f"{ENV_ELASTIC_VERSION}=0"))
-            generation.updates_paths = [host_path(updates_file(job_file)), agents_updates]
-        if config.remote_hosts:
-            if dry_run and config.mpi.kind is not MpiKind.MPICH:
-                # Printed for a human to rerun: no scratch config that vanishes when we exit
-                # (the agent then uses ~/.ssh/config and OpenSSH defaults).
-                agent = [sys.executable, "-m", "mtrain.launcher.ssh_agent"]
-            else:
-                agent = _agent(config, scratch, events_path, gate, job_file, agents_updates)
-        subnets = _route_subnets(config) if config.remote_hosts and not config.network_interfaces else ()
-        try:
-            argv = build_job_argv(config, agent, subnets, job_file)
-        except ValueError as error:
-            print(f"mtrain run: error: {error}", file=sys.stderr)
-            return 2
-        if dry_run:
-            print_plan(config, argv)
-            return 0
-        if subnets:
-            _log(config, f"hosts are reached through {', '.join(subnets)}")
         local_file = host_path(job_file)
         try:
+            if generation is not None:
+                config = dataclasses.replace(config, env_pass=config.env_pass + generation.env + (
+                    f"{ENV_ELASTIC_UPDATES}={updates_file(job_file)}", f"{ENV_ELASTIC_VERSION}=0"))
+                generation.updates_paths = [host_path(updates_file(job_file)), agents_updates]
             if config.remote_hosts:
-                preflight = lambda: _preflight(config, subnets, local_file)  # noqa: E731
+                if dry_run and config.mpi.kind is not MpiKind.MPICH:
+                    # Printed for a human to rerun: no scratch config that vanishes when we exit
+                    # (the agent then uses ~/.ssh/config and OpenSSH defaults).
+                    agent = [sys.executable, "-m", "mtrain.launcher.ssh_agent"]
+                else:
+                    if not dry_run and os.environ.get(ENV_SHARE_SSH, "1") != "0":
+                        master = _start_master(config, scratch, job_file, agents_updates)
+                    agent = _agent(config, scratch, events_path, gate, job_file, agents_updates,
+                                   master.path if master else None)
+            subnets = _route_subnets(config) if config.remote_hosts and not config.network_interfaces else ()
+            try:
+                argv = build_job_argv(config, agent, subnets, job_file)
+            except ValueError as error:
+                print(f"mtrain run: error: {error}", file=sys.stderr)
+                return 2
+            if dry_run:
+                print_plan(config, argv)
+                return 0
+            if subnets:
+                _log(config, f"hosts are reached through {', '.join(subnets)}")
+            if master is not None:
+                _log(config, f"SSH connections of the preflight are shared through {master.path}")
+            if config.remote_hosts:
+                def preflight() -> str | None:
+                    return _preflight(config, subnets, local_file, master,
+                                      stopped=lambda: job.interrupted is not None)
             else:
                 preflight = None
                 _local_layout(config).write(local_file)
@@ -158,9 +183,78 @@ def launch(config: LaunchConfig, dry_run: bool = False, generation: Generation |
                 generation.interrupted = job.interrupted is not None
             return status
         finally:
-            for path in (local_file, host_path(updates_file(job_file))):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            with termination.cleaning():
+                if master is not None:
+                    master.close()
+                    counters = master.counters
+                    _log(config, f"SSH: {counters.connections} connections shared; agents served by the "
+                         f"waiting probe {counters.probe_sessions}, by a new session {counters.new_sessions}, "
+                         f"sent to connect themselves {counters.unknown}")
+                for path in (local_file, host_path(updates_file(job_file))):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+
+
+class _Termination:
+    """Outside the job's own run (the supervisor handles signals then), SIGTERM, SIGHUP and
+    SIGINT end a launch through its cleanup, so the connection master's socket and the scratch
+    directory are removed; a signal that arrives during the cleanup waits for its end."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._cleaning = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Termination":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if kind is None and self.received is not None:
+            self._leave(self.received)
+
+    def _handle(self, number: int, frame) -> None:
+        if self.received is None:
+            self.received = number
+            if not self._cleaning:
+                self._leave(number)
+
+    @staticmethod
+    def _leave(number: int) -> None:
+        if number == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + number)
+
+    @contextlib.contextmanager
+    def cleaning(self):
+        self._cleaning = True
+        try:
+            yield
+        finally:
+            self._cleaning = False
+
+
+def _start_master(config: LaunchConfig, scratch: str, job_file: str, updates: str | None):
+    """The connection master for this launch, serving in `scratch` (a private directory)."""
+    from mtrain.launcher import remote_guard
+    from mtrain.launcher.ssh_master import ConnectionMaster
+
+    def remote_command(words: list[str], layout: str) -> str:
+        return ssh_agent.remote_command(words, sys.executable, job_file, layout)
+
+    def go_line(words: list[str], layout: str) -> bytes:
+        return remote_guard.go_line(ssh_agent.daemon_command(words), job_file, layout)
+
+    master = ConnectionMaster(scratch, config.remote_hosts, remote_command=remote_command, go_line=go_line, updates=updates,
+                              session_timeout=config.start_timeout,
+                              log=lambda message: _log(config, message))
+    master.start()
+    return master
 
 
 def _local_layout(config: LaunchConfig) -> JobLayout:
@@ -176,17 +270,34 @@ def _local_layout(config: LaunchConfig) -> JobLayout:
     return job_layout(config.plan, facts, (), config.master_port, config.one_gpu_per_rank)
 
 
-def _preflight(config: LaunchConfig, subnets: tuple[str, ...], local_file: str) -> str | None:
+def _preflight(config: LaunchConfig, subnets: tuple[str, ...], local_file: str, master=None,
+               stopped: Callable[[], bool] = lambda: False) -> str | None:
     """Check every remote host; print one line per failing host.
 
     When all passed, return the job's layout for the gate (and leave it in `local_file`
-    for the ranks on this machine); None when the job must not start.
+    for the ranks on this machine); None when the job must not start, also when
+    `stopped()` (mtrain is being stopped) turns true meanwhile.  The connection
+    `master` keeps the connections that passed and hears the verdict first.
     """
+    layout = _checked_layout(config, subnets, local_file, master, stopped)
+    if master is not None:
+        if layout is None:
+            master.close_gate()
+        else:
+            master.open_gate(layout)
+    return layout
+
+
+def _checked_layout(config: LaunchConfig, subnets: tuple[str, ...], local_file: str, master,
+                    stopped: Callable[[], bool]) -> str | None:
     from mtrain.launcher.preflight import run_preflight, slot_warnings
     _log(config, f"preflight of {', '.join(config.remote_hosts)}")
     needed = ports_needed(config.plan, config.master_port)
     reports = run_preflight(config.remote_hosts, config.ssh, sys.executable,
-                            mtrain.__version__, config.start_timeout, needed)
+                            mtrain.__version__, config.start_timeout, needed,
+                            keep=master.adopt if master is not None else None, stopped=stopped)
+    if stopped():
+        return None  # the supervisor says why
     errors = [r.error for r in reports.values() if r.error]
     for line in errors:
         print(f"mtrain: {line}", file=sys.stderr)
@@ -207,24 +318,64 @@ def _preflight(config: LaunchConfig, subnets: tuple[str, ...], local_file: str) 
     return layout.encode()
 
 
-def _remote_layout(config: LaunchConfig, subnets: tuple[str, ...], reports, needed) -> JobLayout:
-    from mtrain.launcher import ssh
+def _remote_layout(config: LaunchConfig, subnets: tuple[str, ...], reports: Mapping[str, HostReport],
+                   needed: Mapping[str, int]) -> JobLayout:
+    """The job's layout from the preflight's reports.  Each report carries the address its
+    connection reached (and ours on it), so nothing is resolved again here; only a host
+    reached over IPv6 is looked up, all such hosts at once."""
     from mtrain.launcher.capabilities import gpu_count
-    from mtrain.launcher.netif import interface_addresses, source_address
+    from mtrain.launcher.netif import interface_addresses
+    remote = [name for name in config.remote_hosts if name in reports]
+    missing = [name for name in remote if not reports[name].address]
+    looked_up = _ipv4_addresses(config, missing)
+    first = reports.get(config.remote_hosts[0]) if config.remote_hosts else None
     facts = {}
     for host in config.plan:
         if host.name in config.remote_hosts:
             report = reports[host.name]
-            target = ssh.resolve(host.name, config.ssh)
             facts[host.name] = HostFacts(report.addresses, report.ports, report.gpus,
-                                         _ipv4_of(target.hostname))
+                                         report.address or looked_up.get(host.name, ""))
         else:
-            first_remote = ssh.resolve(config.remote_hosts[0], config.ssh)
             facts[host.name] = HostFacts(interface_addresses(), tuple(free_ports(needed[host.name])),
                                          gpu_count() if config.one_gpu_per_rank else 0,
-                                         source_address(first_remote.hostname, first_remote.port) or "")
+                                         (first.source if first else "") or _source_to(config, config.remote_hosts[0]))
     return job_layout(config.plan, facts, config.network_interfaces or subnets, config.master_port,
                       config.one_gpu_per_rank)
+
+
+def _ipv4_addresses(config: LaunchConfig, hosts: Sequence[str]) -> dict[str, str]:
+    """{alias: IPv4 address of its HostName} for `hosts`, looked up in parallel ("" unknown)."""
+    from mtrain.launcher import ssh
+    found: dict[str, str] = {}
+
+    def look_up(host: str) -> None:
+        try:
+            found[host] = _ipv4_of(ssh.resolve(host, config.ssh).hostname)
+        except ssh.SshError:
+            found[host] = ""
+
+    _in_parallel(look_up, hosts)
+    return found
+
+
+def _source_to(config: LaunchConfig, host: str) -> str:
+    from mtrain.launcher import ssh
+    from mtrain.launcher.netif import source_address
+    target = ssh.resolve(host, config.ssh)
+    return source_address(target.hostname, target.port) or ""
+
+
+def _in_parallel(work: Callable[[str], None], items: Sequence[str]) -> None:
+    """work(item) for every item, each in its own thread when there are several (name lookups)."""
+    if len(items) <= 1:
+        for item in items:
+            work(item)
+        return
+    threads = [threading.Thread(target=work, args=(item,), daemon=True) for item in items]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def _ipv4_of(name: str) -> str:
@@ -235,21 +386,26 @@ def _ipv4_of(name: str) -> str:
 
 
 def _route_subnets(config: LaunchConfig) -> tuple[str, ...]:
-    """Subnets of our interfaces on the routes to the remote hosts; () if any is unknown."""
+    """Subnets of our interfaces on the routes to the remote hosts; () if any is unknown.
+    The hosts' names are looked up in parallel: this runs before mpirun starts."""
     from mtrain.launcher import ssh
     from mtrain.launcher.netif import source_address, subnet_of
-    found = set()
-    for host in config.remote_hosts:
+    subnets: dict[str, str | None] = {}
+
+    def route(host: str) -> None:
         try:
             target = ssh.resolve(host, config.ssh)
         except ssh.SshError:
-            return ()  # the preflight will say what is wrong with this host
+            subnets[host] = None  # the preflight will say what is wrong with this host
+            return
         address = source_address(target.hostname, target.port)
-        subnet = subnet_of(address) if address else None
-        if subnet is None:
-            return ()  # some host reached in a way we cannot name: fall back to the exclude list
-        found.add(subnet)
-    return tuple(sorted(found))
+        subnets[host] = subnet_of(address) if address else None
+
+    _in_parallel(route, config.remote_hosts)
+    found = [subnets.get(host) for host in config.remote_hosts]
+    if any(subnet is None for subnet in found):
+        return ()  # some host reached in a way we cannot name: fall back to the exclude list
+    return tuple(sorted(set(found)))
 
 
 def _stamp() -> str:

@@ -14,10 +14,18 @@ under it even when its parent exits, and signals the whole tree.
 With `--job-file`, the guard first writes the job's layout (mtrain.records.
 JobLayout) to that path template, "{host}" replaced by this host's name, for
 the rank wrappers here, and removes it when the job ends.
+
+The preflight's probe becomes the guard when the launcher shares its SSH
+connection (launcher/ssh_master.py): after its answer the probe calls
+`after_probe()`, which waits for one "go" line on stdin (`go_line()`: the
+daemon command, the job-file template and the layout) and then guards that
+command exactly as above; the end of stdin instead means the job is not
+starting here, and it leaves without running anything.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import select
@@ -42,12 +50,19 @@ def _login_shell() -> str:
         return "/bin/sh"
 
 
-def _watch_stdin(stopped: threading.Event, updates_path: str | None = None) -> str:
+def _watch_stdin(stopped: threading.Event, updates_path: str | None = None, pending: bytes = b"") -> str:
     """Until the session ends or goes silent (then: why); heartbeats are lines, and a line
-    `update N` carries an elastic job's host-set version, left in `updates_path` for the ranks."""
+    `update N` carries an elastic job's host-set version, left in `updates_path` for the ranks.
+    `pending`: what was already read from stdin past the go line."""
     last = time.monotonic()
-    pending = b""
+    data = b""
     while not stopped.is_set():
+        if pending or data:
+            *lines, pending = (pending + data).split(b"\n")
+            data = b""
+            for line in lines:
+                if line.startswith(b"update ") and updates_path and line[7:].strip().isdigit():
+                    HostUpdates(int(line[7:])).write(updates_path)
         readable, _, _ = select.select([0], [], [], 1.0)
         if readable:
             try:
@@ -57,13 +72,53 @@ def _watch_stdin(stopped: threading.Event, updates_path: str | None = None) -> s
             if not data:
                 return "session closed"
             last = time.monotonic()
-            *lines, pending = (pending + data).split(b"\n")
-            for line in lines:
-                if line.startswith(b"update ") and updates_path and line[7:].strip().isdigit():
-                    HostUpdates(int(line[7:])).write(updates_path)
         elif time.monotonic() - last > HEARTBEAT_TIMEOUT:
             return "no heartbeat"
     return ""
+
+
+def go_line(command: str, job_file: str | None, layout: str) -> bytes:
+    """What the launcher sends a waiting probe to make it guard `command` (one line)."""
+    return json.dumps({"command": command, "job_file": job_file, "layout": layout}).encode() + b"\n"
+
+
+def _read_go_line(wait: float) -> tuple[bytes | None, bytes]:
+    """(the go line, what came after it) from stdin; (None, b"") at its end or after `wait` s."""
+    received = b""
+    deadline = time.monotonic() + wait
+    while b"\n" not in received:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([0], [], [], left)[0]:
+            return None, b""
+        try:
+            data = os.read(0, 65536)
+        except OSError:
+            return None, b""
+        if not data:
+            return None, b""
+        received += data
+    line, _, rest = received.partition(b"\n")
+    return line, rest
+
+
+def after_probe(wait: float) -> int:
+    """Wait (at most `wait` s) for the launcher's go line, then guard the daemon it names."""
+    line, rest = _read_go_line(wait)
+    if line is None:
+        return 0  # the job is not starting here: nothing was run
+    try:
+        order = json.loads(line)
+        command, template, layout_text = order["command"], order.get("job_file"), order.get("layout") or ""
+        if not isinstance(command, str) or not command:
+            raise ValueError("no command")
+        layout = JobLayout.decode(layout_text) if template and layout_text else None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        print(f"mtrain-guard: {socket.gethostname()}: bad go line from the launcher: {error}",
+              file=sys.stderr, flush=True)
+        return 2
+    job_file = host_path(template) if template and layout else None
+    updates_path = host_path(updates_file(template)) if template and layout else None
+    return _run_guarded(command, job_file, layout, updates_path, rest)
 
 
 def end_tree(grace: float = TERM_GRACE) -> None:
@@ -89,10 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m mtrain.launcher.remote_guard [--job-file PATH --layout JSON] 'COMMAND'",
               file=sys.stderr)
         return 2
+    return _run_guarded(argv[0], job_file, layout, updates_path)
+
+
+def _run_guarded(command: str, job_file: str | None, layout: JobLayout | None, updates_path: str | None,
+                 pending: bytes = b"") -> int:
     if job_file and layout:
         layout.write(job_file)
     try:
-        return _guard(argv[0], updates_path)
+        return _guard(command, updates_path, pending)
     finally:
         for path in (job_file, updates_path):
             if path:
@@ -100,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     os.unlink(path)
 
 
-def _guard(command: str, updates_path: str | None) -> int:
+def _guard(command: str, updates_path: str | None, pending: bytes = b"") -> int:
     become_subreaper()
     child = subprocess.Popen([_login_shell(), "-c", command], stdin=subprocess.DEVNULL)
     done = threading.Event()
@@ -114,7 +174,7 @@ def _guard(command: str, updates_path: str | None) -> int:
             end_tree()
 
     def watchdog() -> None:
-        reason = _watch_stdin(done, updates_path)
+        reason = _watch_stdin(done, updates_path, pending)
         if reason:
             end_once(reason)
 

@@ -14,8 +14,9 @@ import logging
 import os
 import socket
 import sys
+import threading
 import types
-from typing import Any
+from typing import Any, Callable
 
 
 class _DeferredInvoke(types.ModuleType):
@@ -75,15 +76,34 @@ def _user_path(path: str) -> str:
     return os.path.expanduser(path)
 
 
+_parsed_configs: dict[tuple[str, int, int], paramiko.SSHConfig] = {}
+_parsed_lock = threading.Lock()
+
+
+def _ssh_config(path: str) -> paramiko.SSHConfig | None:
+    """~/.ssh/config parsed once per launch (and again only if the file changes)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    key = (path, info.st_mtime_ns, info.st_size)
+    with _parsed_lock:
+        parsed = _parsed_configs.get(key)
+        if parsed is None:
+            parsed = _parsed_configs[key] = paramiko.SSHConfig.from_path(path)
+        return parsed
+
+
 def resolve(alias: str, options: SshOptions) -> SshTarget:
     """Apply ~/.ssh/config to `alias`; command-line flags win, as with OpenSSH."""
     config_path = _user_path("~/.ssh/config")
     found: dict[str, Any] = {}
-    if os.path.exists(config_path):
-        try:
-            found = paramiko.SSHConfig.from_path(config_path).lookup(alias)
-        except Exception as error:  # paramiko raises several types for a bad config
-            raise SshError(alias, f"cannot read {config_path}: {error}") from None
+    try:
+        parsed = _ssh_config(config_path)
+        if parsed is not None:
+            found = parsed.lookup(alias)
+    except Exception as error:  # paramiko raises several types for a bad config
+        raise SshError(alias, f"cannot read {config_path}: {error}") from None
     try:
         port = options.port or int(found.get("port", 22))
     except ValueError:
@@ -217,6 +237,47 @@ def connect(alias: str, options: SshOptions, timeout: float | None = None) -> pa
         sock.close()
         raise SshError(alias, f"SSH handshake failed: {error or type(error).__name__}") from None
     return client
+
+
+def start_command(client: paramiko.SSHClient, command: str, timeout: float,
+                  answered: Callable[[str], bool]) -> tuple[paramiko.Channel, int | None, str, str]:
+    """Start a shell command string and read its stdout until `answered(stdout so far)`.
+
+    (channel, None, stdout, "") with the command still running and the channel open (the
+    caller owns it), or, if the command ended first, (closed channel, exit status, stdout,
+    stderr).  Bounded by `timeout`.
+    """
+    channel = client.get_transport().open_session(timeout=timeout)
+    try:
+        channel.settimeout(timeout)
+        channel.exec_command(command)
+        out = bytearray()
+        while True:
+            data = channel.recv(65536)
+            if not data:
+                break
+            out += data
+            if b"\n" in data and answered(out.decode(errors="replace")):
+                channel.settimeout(None)  # from here on its reader waits as long as the job runs
+                return channel, None, out.decode(errors="replace"), ""
+        channel.shutdown_write()
+        err = bytearray()
+        while True:
+            data = channel.recv_stderr(65536)
+            if not data:
+                break
+            err += data
+        if not channel.status_event.wait(timeout):
+            raise socket.timeout()
+        status = channel.recv_exit_status()
+    except socket.timeout:
+        channel.close()
+        raise TimeoutError(f"command did not finish within {timeout:g} s") from None
+    except BaseException:
+        channel.close()
+        raise
+    channel.close()
+    return channel, status, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def run_command(client: paramiko.SSHClient, command: str, timeout: float) -> tuple[int, str, str]:

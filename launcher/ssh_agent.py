@@ -8,6 +8,10 @@ command words are joined with spaces into one string for the remote shell
   (launcher/ssh.py), configured by a JSON file named with `--config FILE`
   (written by `mtrain run`; a file rather than environment variables, because
   local ranks inherit mpirun's whole environment);
+* when that file names the launcher's connection master (launcher/ssh_master.py),
+  the command runs over the connection the preflight already opened and
+  authenticated, and this agent only relays; without one, or for a host the
+  master has no connection to, the agent connects by itself as below;
 * PRRTE's `--daemonize` is dropped, so the remote daemon stays inside this SSH
   session, and the session runs under `mtrain.launcher.remote_guard`: when this agent
   dies or the link goes silent, the guard kills the daemon and its ranks;
@@ -39,7 +43,8 @@ _WITH_VALUE = {"-o", "-l", "-p", "-i", "-F", "-E"}
 
 
 def write_config(path: str, options: SshOptions, python: str, events_path: str | None,
-                 gate: str | None = None, job_file: str | None = None, updates: str | None = None) -> None:
+                 gate: str | None = None, job_file: str | None = None, updates: str | None = None,
+                 master: str | None = None) -> None:
     """Write the agent's settings for `--config` (done by the launcher before mpirun starts).
 
     With `gate` (a records.Gate path), the agent connects and authenticates at
@@ -48,13 +53,15 @@ def write_config(path: str, options: SshOptions, python: str, events_path: str |
     The gate opens with the job's layout, which the remote guard leaves in
     `job_file` (a template with "{host}") for the ranks on its host.  In an
     elastic job, `updates` is the launcher's host-set version file: the agent
-    passes each new version to the guard, which leaves it for the ranks.
+    passes each new version to the guard, which leaves it for the ranks.  `master` is the
+    Unix socket of the launcher's connection master, if it shares its connections.
     """
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"port": options.port, "identity_file": options.identity_file,
                    "accept_new_hosts": options.accept_new_hosts,
                    "connect_timeout": options.connect_timeout, "python": python,
-                   "events": events_path, "gate": gate, "job_file": job_file, "updates": updates}, handle)
+                   "events": events_path, "gate": gate, "job_file": job_file, "updates": updates,
+                   "master": master}, handle)
 
 
 def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | None, str | None, str | None]:
@@ -69,6 +76,15 @@ def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | No
                          connect_timeout=float(data.get("connect_timeout", 30)))
     return (options, data.get("python") or sys.executable, data.get("events"), data.get("gate"),
             data.get("job_file"), data.get("updates"))
+
+
+def read_master(path: str | None) -> str | None:
+    """The connection master's socket named in a `--config` file (None: connect directly)."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as handle:
+        master = json.load(handle).get("master")
+    return master if isinstance(master, str) and master else None
 
 
 def wait_for_gate(gate: str | None, timeout: float, stop: threading.Event) -> bool:
@@ -98,11 +114,16 @@ def split_arguments(argv: list[str]) -> tuple[str, list[str], int | None]:
     return argv[index], argv[index + 1:], port
 
 
+def daemon_command(words: list[str]) -> str:
+    """MPI's daemon command as the remote shell gets it (without --daemonize, see above)."""
+    # What OpenSSH would send: MPI quoted the words for a shell.
+    return " ".join(word for word in words if word != "--daemonize")
+
+
 def remote_command(words: list[str], python: str, job_file: str | None = None, layout: str = "") -> str:
     """The string the remote shell runs: the guard around MPI's daemon command
     (the guard also leaves the job's `layout` in `job_file` for the ranks)."""
-    words = [word for word in words if word != "--daemonize"]
-    inner = " ".join(words)  # what OpenSSH would send: MPI quoted the words for a shell
+    inner = daemon_command(words)
     guard = f"exec {shlex.quote(python)} -m mtrain.launcher.remote_guard"
     if job_file and layout:
         guard += f" --job-file {shlex.quote(job_file)} --layout {shlex.quote(layout)}"
@@ -123,6 +144,38 @@ def _pump(read, fd: int) -> None:
             return
 
 
+def _through_master(path: str, host: str, words: list[str], events_path: str | None,
+                    stop: threading.Event, shared: list) -> int | None:
+    """Run the command over the launcher's shared connection; our exit status, or None when
+    the master is not there or has no connection to `host` (then we connect ourselves)."""
+    from mtrain.launcher.ssh_master import MasterSession, Outcome
+    session = MasterSession(path)
+    if not session.connect():
+        return None
+    shared.append(session)
+    if stop.is_set():
+        session.stop()
+    result = session.run(host, words)
+    shared.clear()
+    if result.outcome is Outcome.EXITED:
+        return result.status
+    if result.outcome in (Outcome.UNKNOWN, Outcome.NO_MASTER):
+        return None
+    if result.outcome is Outcome.STOPPED:
+        return 143
+    if result.outcome is Outcome.LOST:
+        _report(events_path, AgentEventKind.HOST_LOST, host, result.detail)
+        print(f"mtrain-agent: {result.detail}", file=sys.stderr)
+    elif result.outcome is Outcome.FAILED:
+        _report(events_path, AgentEventKind.CONNECT_FAILED, host, result.detail)
+        print(f"mtrain-agent: {result.detail}", file=sys.stderr)
+    elif result.outcome is Outcome.GONE:
+        # The launcher is going away (it stops the job itself) or broke the protocol.
+        print(f"mtrain-agent: host {host}: the launcher's shared SSH connection went away"
+              f"{': ' + result.detail if result.detail else ''}", file=sys.stderr)
+    return 255  # CLOSED: the preflight failed and reports it; nothing ran
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent(signal.SIGTERM)
@@ -132,17 +185,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host, words, port = split_arguments(argv)
         options, python, events_path, gate, job_file, updates = read_config(config_path)
+        master = read_master(config_path)
     except (ValueError, OSError) as error:
         print(f"mtrain-agent: {error}; usage: python -m mtrain.launcher.ssh_agent [--config FILE] HOST COMMAND…",
               file=sys.stderr)
         return 255
     stop = threading.Event()
+    shared = []  # the session through the master, once there is one
 
     def on_signal(number, frame) -> None:
         stop.set()
+        for session in shared:
+            session.stop()
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+
+    # A -p from MPI that differs from the preflight's port is another sshd: connect ourselves.
+    if master and (port is None or port == options.port):
+        status = _through_master(master, host, words, events_path, stop, shared)
+        if status is not None:
+            return status
 
     from mtrain.launcher import ssh  # paramiko is imported only once we know we need it
     if port is not None:

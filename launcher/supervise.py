@@ -193,6 +193,9 @@ class Job:
         for thread in readers:
             thread.start()
         if self.preflight is not None and not self._pass_gate(process):
+            if self.interrupted is not None:
+                print(f"mtrain: {signal_name(self.interrupted)} received; nothing was started", file=sys.stderr)
+                return 128 + self.interrupted
             return 1
         host_problems: list[AgentEvent] = []
         stop_reason: StopReason | None = None
