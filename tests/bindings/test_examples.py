@@ -15,3 +15,18 @@ def test_train_torch_example_reaches_90_percent_at_np2():
     found = re.findall(r"final test accuracy: ([0-9.]+)", result.stdout)
     assert len(found) == 1, f"rank 0 alone prints the final accuracy once:\n{result.stdout[-3000:]}"
     assert float(found[0]) >= 0.9, result.stdout[-3000:]
+
+
+def test_horovod_features_example_at_np3():
+    """Process sets, join with uneven shards, sparse embeddings, SyncBatchNorm, a grouped
+    all-reduce and a gradient through an all-reduce, in one Horovod program."""
+    result = launch(3, [sys.executable, "examples/horovod_features.py"], timeout=240)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    # Rank r holds a shard proportional to r + 1: rank 2 trains longest and joins last.
+    for rank in range(3):
+        assert re.search(rf"rank {rank}: \d+ batches .* the last rank to join was 2", result.stdout), result.stdout
+    batches = [int(n) for n in re.findall(r"rank \d: (\d+) batches", result.stdout)]
+    assert len(set(batches)) == 3, f"the shards are uneven, so are the batch counts: {batches}"
+    found = re.findall(r"evaluated by ranks \[0, 2\]: .* final test accuracy: ([0-9.]+)", result.stdout)
+    assert len(found) == 1, f"the even ranks' set reports once:\n{result.stdout[-3000:]}"
+    assert float(found[0]) >= 0.75, result.stdout[-3000:]
