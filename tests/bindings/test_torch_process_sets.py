@@ -1,0 +1,195 @@
+"""mtrain.torch process sets and join(), against Horovod 0.28's semantics.
+
+Every rank body builds the single-process reference from every rank's data itself
+(the data is a function of the rank), so one job checks both sides.
+"""
+import numpy as np
+
+from tests.bindings.requires import require
+
+require("torch", "pip install '.[torch]'")
+
+import torch  # noqa: E402
+
+from tests.mpi.harness import mpi_test  # noqa: E402
+
+
+def _data(r: int, shape, dtype=torch.float64) -> torch.Tensor:
+    """Distinct per rank and per element."""
+    count = int(np.prod(shape)) if len(shape) else 1
+    values = torch.arange(count, dtype=torch.float64) * 0.37 - 1.1 * r + 0.01 * r * r + 0.5
+    return values.reshape(shape).to(dtype)
+
+
+# -- process sets ------------------------------------------------------------------------------
+
+@mpi_test(nps=(3,))
+def test_ops_on_two_sets_interleaved_with_their_gradients():
+    import mtrain.torch as hvd
+    even, odd = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1])
+    hvd.init(process_sets=[even, odd])
+    me = hvd.rank()
+    assert (even.size(), odd.size()) == (2, 1)
+    assert even.included() == (me != 1) and odd.included() == (me == 1)
+    assert even.process_set_id != odd.process_set_id and 0 not in (even.process_set_id, odd.process_set_id)
+    mine = even if me != 1 else odd
+    members = mine.ranks
+    # Interleave: a global op in flight while set ops run, in a different order per rank.
+    pending = hvd.allreduce_async(_data(me, (5,)), op=hvd.Sum, name="global.first")
+    x = _data(me, (3, 4)).requires_grad_()
+    reduced = hvd.allreduce(x, name="set.ar", process_set=mine)
+    expected = sum(_data(r, (3, 4)) for r in members) / len(members)
+    assert torch.allclose(reduced, expected)
+    reduced.backward(torch.full((3, 4), 2.0, dtype=torch.float64))
+    # The gradient of an average is the average of the gradients, over the set.
+    assert torch.allclose(x.grad, torch.full((3, 4), 2.0, dtype=torch.float64))
+    rows = 1 + 2 * mine.rank()  # odd sizes, different per rank of the set
+    y = _data(me, (rows, 3)).requires_grad_()
+    gathered = hvd.allgather(y, name="set.ag", process_set=mine)
+    assert torch.equal(gathered.detach(), torch.cat([_data(r, (1 + 2 * members.index(r), 3)) for r in members]))
+    (gathered * torch.arange(gathered.numel(), dtype=torch.float64).reshape(gathered.shape)).sum().backward()
+    # Backward: this rank's rows of the gradient summed over the set.
+    start = sum(1 + 2 * i for i in range(mine.rank()))
+    weights = torch.arange(gathered.numel(), dtype=torch.float64).reshape(gathered.shape)
+    assert torch.allclose(y.grad, len(members) * weights[start:start + rows])
+    root = members[-1]  # a global rank
+    b = hvd.broadcast(_data(me, (2, 2)), root_rank=root, name="set.bc", process_set=mine)
+    assert torch.equal(b, _data(root, (2, 2)))
+    scattered = hvd.reducescatter(_data(me, (5, 2)), op=hvd.Sum, name="set.rs", process_set=mine)
+    total = sum(_data(r, (5, 2)) for r in members)
+    lo = sum(len(c) for c in np.array_split(np.arange(5), len(members))[:mine.rank()])
+    assert torch.allclose(scattered, total[lo:lo + scattered.shape[0]])
+    grouped = hvd.grouped_allreduce([_data(me, (3,)), _data(me, (0,)), _data(me, (1, 1))], op=hvd.Sum,
+                                    name="set.gar", process_set=mine)
+    for got, shape in zip(grouped, [(3,), (0,), (1, 1)]):
+        assert torch.allclose(got, sum(_data(r, shape) for r in members))
+    received, splits = hvd.alltoall(_data(me, (len(members), 2)), splits=[1] * len(members), name="set.a2a",
+                                    process_set=mine)
+    assert splits.tolist() == [1] * len(members)
+    assert torch.equal(received, torch.stack([_data(r, (len(members), 2))[mine.rank()] for r in members]))
+    assert hvd.allgather_object({"rank": me}, process_set=mine) == [{"rank": r} for r in members]
+    assert hvd.broadcast_object(me * 10, root_rank=root, process_set=mine) == root * 10
+    hvd.barrier(process_set=mine)
+    assert torch.allclose(hvd.synchronize(pending), sum(_data(r, (5,)) for r in range(3)))
+
+
+@mpi_test(nps=(3,))
+def test_outsiders_and_wrong_roots_get_a_clear_error():
+    import pytest as _pytest
+
+    import mtrain.torch as hvd
+    pair = hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[pair])
+    me = hvd.rank()
+    if me == 1:
+        with _pytest.raises(RuntimeError, match=r"rank 1 is not part of process set"):
+            hvd.allreduce(torch.ones(2), process_set=pair)
+        with _pytest.raises(ValueError, match="not part of"):
+            pair.rank()
+        assert pair.included() is False
+    else:
+        with _pytest.raises(RuntimeError, match=r"root_rank 1 is not part of process set"):
+            hvd.broadcast(torch.ones(2), root_rank=1, process_set=pair)
+        assert pair.rank() == (0 if me == 0 else 1)
+    unregistered = hvd.ProcessSet([0, 1])
+    with _pytest.raises(RuntimeError, match="not registered"):
+        hvd.allreduce(torch.ones(1), process_set=unregistered)
+    hvd.barrier()
+
+
+@mpi_test(nps=(3,))
+def test_distributed_optimizer_on_a_set_equals_one_process_on_the_sets_batch():
+    import mtrain.torch as hvd
+    hvd.init(process_sets="dynamic")
+    pair = hvd.add_process_set([0, 2])
+    me = hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    reference = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    reference.load_state_dict(model.state_dict())
+    if pair.included():
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), process_set=pair)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for step in range(3):
+            batch = {r: _data(r + step, (2 * (r + 1), 3)) for r in pair.ranks}
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(batch[me]), batch[me].sum(dim=1, keepdim=True)).backward()
+            opt.step()
+            # One process on both ranks' batches: the shards differ in size, so the reference
+            # averages the per-rank mean losses, as averaging the gradients does.
+            ref_opt.zero_grad()
+            sum(torch.nn.functional.mse_loss(reference(batch[r]), batch[r].sum(dim=1, keepdim=True))
+                for r in pair.ranks).div(2).backward()
+            ref_opt.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p, q, atol=1e-12), (p, q)
+    hvd.barrier()
+    assert hvd.remove_process_set(pair) is True
+    assert pair.process_set_id is None
+    assert hvd.remove_process_set(hvd.global_process_set) is False
+
+
+# -- join --------------------------------------------------------------------------------------
+
+@mpi_test(nps=(1, 2, 3))
+def test_join_with_ranks_finishing_at_different_steps():
+    import pytest as _pytest
+
+    import mtrain.torch as hvd
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    steps = [2 + 2 * r for r in range(n)]  # rank r stops after steps[r]: the last rank trains longest
+    for step in range(steps[me]):
+        active = [r for r in range(n) if steps[r] > step]
+        summed = hvd.allreduce(_data(me + step, (3, 5)), op=hvd.Sum, name="join.sum")
+        assert torch.allclose(summed, sum(_data(r + step, (3, 5)) for r in active)), step
+        # Average divides by every rank: the joined ones count as zeros (as Horovod).
+        averaged = hvd.allreduce(_data(me + step, (7,)), name="join.avg")
+        assert torch.allclose(averaged, sum(_data(r + step, (7,)) for r in active) / n)
+        lowest = hvd.allreduce(_data(me + step, (4,)), op=hvd.Min, name="join.min")
+        assert torch.allclose(lowest, torch.stack([_data(r + step, (4,)) for r in active]).min(dim=0).values)
+        gathered = hvd.allgather(_data(me, (me + 1, 2)), name="join.ag")
+        assert torch.equal(gathered, torch.cat([_data(r, (r + 1, 2)) for r in active]))
+        if n > 1 and len(active) < n:
+            joined_root = min(r for r in range(n) if r not in active)
+            with _pytest.raises(RuntimeError, match=f"root rank {joined_root} has joined"):
+                hvd.broadcast(torch.ones(2), root_rank=joined_root, name="join.bc")
+            got = hvd.broadcast(_data(me, (2,)), root_rank=n - 1, name="join.bc.live")
+            assert torch.equal(got, _data(n - 1, (2,)))
+    assert hvd.join() == n - 1
+    # After every rank joined, the job carries on together, unnamed ops included.
+    assert torch.allclose(hvd.allreduce(torch.full((2,), float(me)), op=hvd.Sum), torch.full((2,), float(sum(range(n)))))
+
+
+@mpi_test(nps=(2, 3))
+def test_distributed_optimizer_keeps_training_after_a_rank_joined():
+    import mtrain.torch as hvd
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 2).double()
+    reference = torch.nn.Linear(4, 2).double()
+    reference.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    steps = [3 + r for r in range(n)]
+    for step in range(max(steps)):
+        active = [r for r in range(n) if steps[r] > step]
+        if me in active:
+            opt.zero_grad()
+            model(_data(me + step, (2, 4))).pow(2).sum().backward()
+            opt.step()
+        if me in active:
+            # The reference: the gradients of the active ranks, summed, divided by every rank.
+            ref_opt.zero_grad()
+            sum(reference(_data(r + step, (2, 4))).pow(2).sum() for r in active).div(n).backward()
+            ref_opt.step()
+        if step == steps[me] - 1:
+            last = hvd.join()
+            assert last == n - 1
+            break
+    if me == n - 1:
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p, q, atol=1e-12), (p, q)
