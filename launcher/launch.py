@@ -240,7 +240,8 @@ class _Termination:
 
 
 def _start_master(config: LaunchConfig, scratch: str, job_file: str, updates: str | None):
-    """The connection master for this launch, serving in `scratch` (a private directory)."""
+    """The connection master for this launch, serving in `scratch` (a private directory);
+    None if it cannot serve there."""
     from mtrain.launcher import remote_guard
     from mtrain.launcher.ssh_master import ConnectionMaster
 
@@ -250,10 +251,16 @@ def _start_master(config: LaunchConfig, scratch: str, job_file: str, updates: st
     def go_line(words: list[str], layout: str) -> bytes:
         return remote_guard.go_line(ssh_agent.daemon_command(words), job_file, layout)
 
-    master = ConnectionMaster(scratch, config.remote_hosts, remote_command=remote_command, go_line=go_line, updates=updates,
-                              session_timeout=config.start_timeout,
+    master = ConnectionMaster(scratch, config.remote_hosts, remote_command=remote_command, go_line=go_line,
+                              updates=updates, session_timeout=config.start_timeout,
                               log=lambda message: _log(config, message))
-    master.start()
+    try:
+        master.start()
+    except (OSError, RuntimeError) as error:
+        # No Unix socket here (an odd $TMPDIR, say): the agents connect by themselves, as before.
+        master.close()
+        _log(config, f"SSH connections are not shared: cannot serve {master.path}: {error}")
+        return None
     return master
 
 

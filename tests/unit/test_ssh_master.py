@@ -387,9 +387,18 @@ def test_probe_becomes_the_guard_on_its_go_line(tmp_path):
     template = str(tmp_path / "job-{host}.json")
     layout = json.dumps({"slots": [1], "master_addr": "10.0.0.1", "master_port": 1234, "workers": ["10.0.0.1:1"]})
     command = f"test -f {tmp_path}/job-$(hostname).json && echo ran; exit 4"
-    done = _after_probe(remote_guard.go_line(command, template, layout) + b"\n\n")
-    assert done.returncode == 4, done.stderr
-    assert done.stdout == b"ran\n"
+    code = "import sys; from mtrain.launcher.remote_guard import after_probe; sys.exit(after_probe(10))"
+    # stdin stays open (the session lives) while the daemon runs: its end would stop the guard.
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdin.write(remote_guard.go_line(command, template, layout) + b"\n")
+    proc.stdin.flush()
+    try:
+        assert proc.wait(timeout=30) == 4, proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.stdin.close()
+    assert proc.stdout.read() == b"ran\n"
     assert list(tmp_path.iterdir()) == []  # the layout file is removed when the job ends
 
 
@@ -410,3 +419,53 @@ def test_probe_without_go_line_runs_nothing(tmp_path):
     done = _after_probe(b'{"command": ""}\n')
     assert done.returncode == 2 and b"bad go line from the launcher" in done.stderr
     assert done.stderr.count(b"\n") == 1 and not marker.exists()
+
+
+def _in_child(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_signal_outside_the_job_ends_the_launch_through_its_cleanup():
+    # SIGTERM while a launch sets up: SystemExit(143) from where it was, so every finally runs.
+    done = _in_child(
+        "import os, signal\n"
+        "from mtrain.launcher.launch import _Termination\n"
+        "try:\n"
+        "    with _Termination():\n"
+        "        try:\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "            print('not reached')\n"
+        "        finally:\n"
+        "            print('cleaned')\n"
+        "except SystemExit as done:\n"
+        "    print('exit', done.code)\n"
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n")
+    assert done.stdout.split() == ["cleaned", "exit", "143", "True"], done.stderr
+
+
+def test_signal_during_the_cleanup_waits_for_its_end():
+    done = _in_child(
+        "import os, signal\n"
+        "from mtrain.launcher.launch import _Termination\n"
+        "try:\n"
+        "    with _Termination() as termination:\n"
+        "        with termination.cleaning():\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "            print('cleanup went on')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted after it')\n")
+    assert done.stdout.split("\n")[:2] == ["cleanup went on", "interrupted after it"], done.stderr
+
+
+def test_launch_goes_on_without_sharing_where_no_socket_can_be_served(tmp_path, monkeypatch):
+    from mtrain.launcher import launch as launchlib
+    from mtrain.launcher.config import LaunchConfig, MpiKind, MpiLauncher
+    from mtrain.launcher.hosts import HostSlots
+    config = LaunchConfig(plan=(HostSlots("a", 1),), command=("true",), remote_hosts=("a",), ssh=SshOptions(),
+                          mpi=MpiLauncher("/bin/true", MpiKind.OPENMPI))
+    not_private = tmp_path / "open"
+    not_private.mkdir()
+    os.chmod(not_private, 0o755)
+    assert launchlib._start_master(config, str(not_private), "/tmp/job-{host}.json", None) is None
+    assert os.listdir(not_private) == []
