@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+import sys
 from typing import Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from . import ring
+from . import ring, shm
 from .backend import NumpyBackend, backend_for
 from .ops import ReduceOp
 
@@ -33,29 +35,104 @@ class Kind(enum.IntEnum):
     ALLGATHER_OBJECT = 8
 
 
+ALGORITHM_VARIABLE = "MTRAIN_ALLREDUCE_ALGORITHM"
+ALGORITHMS = ("auto", "ring", "shm", "hierarchical")
+STRIPE_VARIABLE = "MTRAIN_SHM_STRIPE_BYTES"  # the shared-memory path's stripe (shm.py); tuning and tests
+# auto: below this many bytes per rank the ring (its gather-and-reduce path) is used even
+# where shared memory could be (measured with benchmarks/allreduce.py; see allreduce_flat).
+DEFAULT_SHM_MIN_BYTES = 0
+
+
+def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> str:
+    """The all-reduce algorithm asked for: MTRAIN_ALLREDUCE_ALGORITHM, else Horovod's
+    HOROVOD_HIERARCHICAL_ALLREDUCE=1 (hierarchical), else auto."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(ALGORITHM_VARIABLE, "").strip().lower()
+    if not text:
+        return "hierarchical" if environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip() == "1" else "auto"
+    if text not in ALGORITHMS:
+        raise ValueError(f"{ALGORITHM_VARIABLE}={environ[ALGORITHM_VARIABLE]!r} is not an all-reduce "
+                         f"algorithm; set it to one of {', '.join(ALGORITHMS)} (or unset it for auto)")
+    return text
+
+
 class Executor:
-    """Runs collectives on a communicator. One instance per initialised runtime."""
+    """Runs collectives on a communicator. One instance per initialised runtime.
+
+    Host-buffer all-reduces take one of two paths, chosen once here:
+
+    * ``ring``: ``ring.allreduce`` over ``comm`` (point-to-point messages);
+    * shared memory (``shm.py``): the ranks of a host reduce through one shared
+      segment; with several hosts, each rank then runs the ring over ``cross`` on
+      its chunk only (hierarchical). Needs ``local`` with more than one rank and
+      the same number of ranks on every host (``cross`` lines up equal chunks).
+
+    MTRAIN_ALLREDUCE_ALGORITHM: ``ring`` forces the ring; ``shm`` and ``hierarchical``
+    ask for the shared-memory path (which is hierarchical as soon as there are
+    several hosts); ``auto`` (default) takes shared memory where it can. Where it
+    cannot (one rank per host, uneven hosts), and for device buffers, the ring runs.
+    """
 
     def __init__(self, comm: MPI.Comm, segment_bytes: int, small_bytes: int,
-                 local: "MPI.Comm | None" = None, cross: "MPI.Comm | None" = None) -> None:
+                 local: "MPI.Comm | None" = None, cross: "MPI.Comm | None" = None,
+                 algorithm: "str | None" = None, shm_stripe_bytes: "int | None" = None) -> None:
         self.comm = comm
         # ``comm`` split by host (``local``) and by local rank across hosts (``cross``); None
         # when the caller has no such split (then every collective runs on ``comm`` alone).
+        # Any split works (a test may cut one host into fake ones) as long as ``cross``
+        # groups the ranks with the same rank in ``local``.
         self.local = local
         self.cross = cross
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.segment_bytes = segment_bytes
         self.small_bytes = small_bytes
+        self.algorithm = algorithm_from_environment() if algorithm is None else algorithm
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown all-reduce algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+        self.shm_min_bytes = DEFAULT_SHM_MIN_BYTES if self.algorithm == "auto" else 0
+        self.shared: "shm.SharedMemoryAllreduce | None" = None
+        if self.algorithm != "ring" and local is not None and self.size > 1:
+            # Collective over ``comm``: fine here, the engine thread has not started yet.
+            local_sizes = comm.allgather(local.Get_size())
+            one_host = local.Get_size() == self.size
+            homogeneous = len(set(local_sizes)) == 1 and (one_host or cross is not None)
+            if homogeneous and local.Get_size() > 1:
+                if shm_stripe_bytes is None:
+                    shm_stripe_bytes = int(os.environ.get(STRIPE_VARIABLE, "0") or 0) or None
+                shared = shm.SharedMemoryAllreduce(comm, local, None if one_host else cross,
+                                                   segment_bytes, small_bytes, shm_stripe_bytes)
+                if shared.error is None:
+                    self.shared = shared
+                elif self.rank == 0:
+                    sys.stderr.write(f"mtrain: {shared.error}; all-reduces use the ring instead\n")
+
+    @property
+    def allreduce_path(self) -> str:
+        """What host-buffer all-reduces run: ring, shm (one host) or hierarchical."""
+        if self.shared is None:
+            return "ring"
+        return "hierarchical" if self.shared.cross is not None else "shm"
 
     # -- all-reduce ---------------------------------------------------------
     def allreduce_flat(self, flats: "list[np.ndarray]", op: ReduceOp, backend: NumpyBackend,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> None:
-        """One ring over already-agreed contiguous buffers (as one logical buffer), with scaling."""
+        """One all-reduce over already-agreed contiguous buffers (as one logical buffer), with scaling."""
         for flat in flats:
             backend.scale(flat, prescale_factor)
-        ring.allreduce(self.comm, flats[0] if len(flats) == 1 else ring.Layout(flats), op, backend,
-                       self.segment_bytes, self.small_bytes, postscale_factor)
+        buf = flats[0] if len(flats) == 1 else ring.Layout(flats)
+        # Every rank decides alike: same buffers (negotiated), same backend kind, same settings.
+        if self.shared is not None and isinstance(backend, NumpyBackend):
+            nbytes = sum(flat.nbytes for flat in flats)
+            if nbytes >= self.shm_min_bytes:
+                self.shared.allreduce(buf, op, backend, postscale_factor)
+                return
+        ring.allreduce(self.comm, buf, op, backend, self.segment_bytes, self.small_bytes, postscale_factor)
+
+    def close(self) -> None:
+        """Unmap the shared segment (local; nothing collective)."""
+        if self.shared is not None:
+            self.shared.close()
 
     # -- reduce-scatter -----------------------------------------------------
     def reducescatter(self, array: np.ndarray, op: ReduceOp, prescale_factor: float = 1.0,

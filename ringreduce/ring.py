@@ -117,9 +117,12 @@ def as_layout(buf: "Buffer | Layout") -> Layout:
 
 def allreduce(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Backend,
               segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-              small_bytes: int = DEFAULT_SMALL_BYTES, postscale: float = 1.0) -> None:
+              small_bytes: int = DEFAULT_SMALL_BYTES, postscale: float = 1.0,
+              average_over: "int | None" = None) -> None:
     """Reduce ``buf`` (1-D and contiguous, or a Layout of such) in place across ``comm``;
     Average divides by N, then ``postscale`` multiplies (integers: one scaling by postscale / N).
+    ``average_over`` replaces N as Average's divisor (the hierarchical all-reduce runs this
+    ring over one rank per host on sums that already cover every rank of each host).
 
     Both finishing steps run on each segment of the rank's own chunk right after its
     last reduction, while it is still in cache, instead of as extra passes over the
@@ -131,15 +134,16 @@ def allreduce(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Bac
         return
 
     integer = layout.dtype.kind in "iu"
+    divisor = size if average_over is None else average_over
 
     def finish(piece: Buffer) -> None:
         if op == Average and integer:
             # As Horovod: an integer average is one float64 scaling by postscale / N,
             # truncated toward zero (not a floor division followed by a second scaling).
-            backend.scale(piece, postscale / size)
+            backend.scale(piece, postscale / divisor)
             return
         if op == Average:
-            backend.divide(piece, size)
+            backend.divide(piece, divisor)
         backend.scale(piece, postscale)
 
     if size == 1:
