@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -49,9 +49,17 @@ DEFAULT_FUSION_THRESHOLD_BYTES = 8 << 20
 # Tensors at least this big skip the fusion buffer: copying them in and out
 # costs more than the per-ring overhead that fusing saves.
 DEFAULT_INPLACE_MIN_BYTES = 1 << 20
-FUSION_SLOT = "fusion"
 # How long the negotiation spins on its all-reduce before it starts to sleep.
 SPIN_SECONDS = 300e-6
+# A burst of submissions is over (the engine starts its cycle) once none came for this
+# long, or after HOLD_CYCLES cycle times in all (Engine._hold). A burst that repeats the
+# last batch but lacks part of it: once none came for a cycle time, or after
+# EXPECT_HOLD_CYCLES cycle times in all.
+QUIET_SECONDS = 200e-6
+HOLD_CYCLES = 10
+EXPECT_HOLD_CYCLES = 100
+# Distinct batches whose plan (rings, fusion-buffer views) the engine keeps.
+PLAN_CACHE_SIZE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +97,18 @@ def env_number(name: str, default: float) -> float:
     return value
 
 
+class Completion(threading.Condition):
+    """Where handles wait: the engine notifies it once per batch it completes.
+
+    ``waiting(+1)`` before a thread blocks on a handle and ``waiting(-1)`` after tell
+    the engine that someone waits: it then starts its next cycle at once instead of
+    holding on to let more submissions join the batch (``Engine._hold``)."""
+
+    def __init__(self, waiting: "Callable[[int], None] | None" = None) -> None:
+        super().__init__()
+        self.waiting = waiting
+
+
 class Handle:
     """The future of one submitted op (or of a group of all-reduces).
 
@@ -118,51 +138,97 @@ class Handle:
         return self._remaining == 0 or self._error is not None
 
     def wait(self) -> Any:
-        if not self.done():
-            with self._done_cv:
-                while not self.done():
-                    self._done_cv.wait(0.1)  # short waits keep Ctrl-C responsive
+        if not (self._remaining == 0 or self._error is not None):
+            self._block()
         if self._error is not None:
             raise self._error
         return self._results if self._grouped else self._results[0]
 
+    def _block(self) -> None:
+        cv = self._done_cv
+        waiting = getattr(cv, "waiting", None)  # None: a plain Condition (no engine to hurry)
+        if waiting is not None:
+            waiting(1)
+        try:
+            with cv:
+                while not self.done():
+                    cv.wait(0.1)  # short waits keep Ctrl-C responsive
+        finally:
+            if waiting is not None:
+                waiting(-1)
 
-@dataclasses.dataclass(eq=False)
+
+# Kinds whose metadata leaves out (part of) the shape.
+_FIRST_DIMENSION_FREE = frozenset((Kind.ALLGATHER, Kind.ALLTOALL))  # may differ per rank
+_SHAPELESS = frozenset((Kind.BARRIER, Kind.BROADCAST_OBJECT, Kind.ALLGATHER_OBJECT))
+# One object per distinct signature: a step that repeats its ops brings the very same
+# tuples, so comparing a batch with a cached plan is mostly identity checks.
+_SIGNATURES: "dict[tuple, tuple]" = {}
+_SIGNATURES_MAX = 1 << 16
+_ALLREDUCE_CODE = int(Kind.ALLREDUCE)
+_HOST_DTYPE_CODES: "dict[np.dtype, int]" = {}  # dtype_code of host arrays' dtypes seen so far
+
+
+def _intern(signature: tuple) -> tuple:
+    if len(_SIGNATURES) >= _SIGNATURES_MAX:
+        _SIGNATURES.clear()
+    return _SIGNATURES.setdefault(signature, signature)
+
+
 class Request:
-    kind: Kind
-    name: str
-    array: np.ndarray
-    handle: Handle
-    index: int
-    backend: NumpyBackend
-    op: "ReduceOp | None" = None
-    root: int = -1
-    splits: "Sequence[int] | None" = None
-    in_place: bool = False
-    prescale: float = 1.0
-    postscale: float = 1.0
-    obj: "bytes | None" = None  # a pickled object (the *_object collectives)
-    submitted: float = 0.0
-    state: RequestState = RequestState.UNREPORTED
-    signature: tuple = ()  # what every rank must agree on; set once by make_request
-    bit: int = -1  # response-cache bit while state is CACHED
+    """One submitted op (one part of a handle), as the engine thread sees it.
+
+    A plain class with slots rather than a dataclass: a training step creates one per
+    tensor, so its construction is on the per-tensor path."""
+
+    __slots__ = ("kind", "name", "array", "handle", "index", "backend", "op", "root", "splits", "in_place",
+                 "prescale", "postscale", "obj", "submitted", "state", "signature", "bit")
+
+    def __init__(self, kind: Kind, name: str, array: Any, handle: Handle, index: int, backend: Any,
+                 op: "ReduceOp | None" = None, root: int = -1, splits: "Sequence[int] | None" = None,
+                 in_place: bool = False, prescale: float = 1.0, postscale: float = 1.0,
+                 obj: "bytes | None" = None, submitted: float = 0.0,
+                 state: RequestState = RequestState.UNREPORTED, signature: tuple = (), bit: int = -1) -> None:
+        self.kind = kind
+        self.name = name
+        self.array = array
+        self.handle = handle
+        self.index = index
+        self.backend = backend
+        self.op = op
+        self.root = root
+        self.splits = splits
+        self.in_place = in_place
+        self.prescale = prescale
+        self.postscale = postscale
+        self.obj = obj  # a pickled object (the *_object collectives)
+        self.submitted = submitted
+        self.state = state
+        self.signature = signature  # what every rank must agree on; set once by make_request
+        self.bit = bit  # response-cache bit while state is CACHED
+
+    def __repr__(self) -> str:
+        return f"Request({self.name!r}, {self.describe()})"
 
     def meta(self) -> tuple:
-        """What every rank must agree on for this name."""
-        if self.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
-            shape: tuple = tuple(self.array.shape[1:])  # first dimension may differ per rank
-        elif self.kind in (Kind.BARRIER, Kind.BROADCAST_OBJECT, Kind.ALLGATHER_OBJECT):
+        """What every rank must agree on for this name (one shared tuple per distinct value)."""
+        kind = self.kind
+        array = self.array
+        if kind in _FIRST_DIMENSION_FREE:
+            shape: tuple = tuple(array.shape[1:])
+        elif kind in _SHAPELESS:
             shape = ()
         else:
-            shape = tuple(self.array.shape)
-        code = dtype_code(self.array.dtype)
-        return (int(self.kind), code, shape, -1 if self.op is None else int(self.op), self.root,
-                self.prescale, self.postscale, self.backend.name)
+            shape = tuple(array.shape)
+        op = self.op
+        signature = (int(kind), dtype_code(array.dtype), shape, -1 if op is None else int(op), self.root,
+                     self.prescale, self.postscale, self.backend.name)
+        interned = _SIGNATURES.get(signature)
+        return interned if interned is not None else _intern(signature)
 
     def describe(self) -> str:
         text = self.kind.name.lower()
-        if self.array is not None and self.kind not in (Kind.BARRIER, Kind.BROADCAST_OBJECT,
-                                                        Kind.ALLGATHER_OBJECT):
+        if self.array is not None and self.kind not in _SHAPELESS:
             text += f" {self.array.dtype}{list(self.array.shape)}"
         if self.op is not None:
             text += f" op={ReduceOp(self.op).name}"
@@ -178,6 +244,8 @@ class Request:
 
 
 _PLACEHOLDER = np.empty(0, dtype=np.uint8)
+_HOST = backend_for(_PLACEHOLDER)  # the backend of every host array
+_HOST_NAME = _HOST.name
 
 
 class Engine:
@@ -192,7 +260,18 @@ class Engine:
         self._members = list(members) if members is not None else list(range(self._size))
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self.done_cv = threading.Condition()  # handles wait here; notified after each batch
+        # Handles wait here; notified after each batch. A waiter makes the next cycle start now.
+        self.done_cv = Completion(self._note_waiter)
+        self._waiters = 0  # threads blocked on a handle of this engine
+        self._first_submit = self._last_submit = 0.0  # of the ops in _incoming
+        # The names of the last step's ops (all that ran between two moments the engine had
+        # nothing to do; set by the engine thread), and how many of them the
+        # current burst of submissions still lacks when it began with one of them (0: it did
+        # not; -1: it has them all).
+        self._last_batch: "frozenset[str]" = frozenset()
+        self._expect_left = 0
+        self._step_names: "list[str]" = []  # run since the engine was last idle (engine thread)
+        self._step_waited = False  # whether a thread waited on any of them
         self._incoming: "list[Request]" = []
         self._in_flight: "set[str]" = set()
         self._closing = False
@@ -208,6 +287,11 @@ class Engine:
                                          self._members) if self._rank == 0 else None)
         self._stall_check_next = False
         self._finished_any = False
+        # Batches seen before, by the identities of their ops' signatures: the rings and the
+        # fusion-buffer views each needs (``_Plan``), so a repeated step plans nothing.
+        self._plans: "dict[tuple, _Plan]" = {}
+        self.plans_built = self.plans_reused = 0  # for tests and benchmarks
+        self._fusion: "dict[Any, Any]" = {}  # backend -> this engine's fusion buffer (bytes)
         # join(): set by the user thread; the rest is the engine thread's.
         self._join_handle: "Handle | None" = None
         self._joined = False
@@ -233,20 +317,73 @@ class Engine:
             if self._closing or self._closed_error is not None:
                 raise self._closed_error or ShutdownError(
                     "mtrain was shut down; call init() again before submitting more ops")
-            names = [r.name for r in requests]
-            taken = [n for n in names if n in self._in_flight]
-            if taken or len(set(names)) != len(names):
-                dup = taken[0] if taken else next(n for n in names if names.count(n) > 1)
-                raise InvalidArgumentError(f"an op named {dup!r} is already in flight on this rank; synchronize it "
-                                 f"before submitting that name again, or give the new op another name")
-            for request in requests:
-                request.submitted = now
-            self._in_flight.update(names)
-            # Wake the engine only for the first op of a burst: a notify per op
-            # would hand the GIL back and forth on every submit.
+            in_flight = self._in_flight
             if not self._incoming:
+                self._first_submit = now
+                # A burst that begins with an op of the last batch is probably that batch
+                # again: the engine holds on until all of it is here (Engine._hold).
+                last = self._last_batch
+                self._expect_left = len(last) if requests[0].name in last else 0
+                # Wake the engine only for the first op of a burst: a notify per op
+                # would hand the GIL back and forth on every submit.
                 self._wake.notify()
+            if len(requests) == 1:  # the common case, kept short: it runs once per tensor
+                request = requests[0]
+                name = request.name
+                if name in in_flight:
+                    raise _already_in_flight(name)
+                request.submitted = now
+                in_flight.add(name)
+                if self._expect_left > 0 and name in self._last_batch:
+                    self._expect_left -= 1
+                    if not self._expect_left:
+                        self._expect_left = -1  # complete: the engine may start now
+                        self._wake.notify()
+            else:
+                names = [r.name for r in requests]
+                taken = [n for n in names if n in in_flight]
+                if taken or len(set(names)) != len(names):
+                    raise _already_in_flight(taken[0] if taken else next(n for n in names if names.count(n) > 1))
+                for request in requests:
+                    request.submitted = now
+                in_flight.update(names)
+                if self._expect_left > 0:
+                    self._expect_left -= len(self._last_batch.intersection(names))
+                    if self._expect_left <= 0:
+                        self._expect_left = -1  # complete: the engine may start now
+                        self._wake.notify()
+            self._last_submit = now
             self._incoming.extend(requests)
+
+    def submit_allreduce(self, array: Any, name: "str | None", op: ReduceOp, in_place: bool, prescale: float,
+                         postscale: float) -> Handle:
+        """``make_request`` and ``submit`` for one all-reduce (arguments already checked), in
+        one short call: the per-tensor path of a training step. Same checks, same result."""
+        if type(array) is np.ndarray:
+            backend: Any = _HOST
+            code = _HOST_DTYPE_CODES.get(array.dtype)
+            if code is None:
+                code = _HOST_DTYPE_CODES[array.dtype] = dtype_code(array.dtype)  # TypeError if unsupported
+            signature = (_ALLREDUCE_CODE, code, array.shape, int(op), -1, prescale, postscale, _HOST_NAME)
+            interned = _SIGNATURES.get(signature)
+            if interned is None:
+                interned = _intern(signature)
+        else:
+            backend = backend_for(array)
+            interned = None
+        handle = Handle(1, False, self.done_cv)
+        request = Request(Kind.ALLREDUCE, name or self.auto_name(), array, handle, 0, backend, op, -1, None,
+                          in_place, prescale, postscale)
+        request.signature = interned if interned is not None else request.meta()
+        self.submit((request,))
+        return handle
+
+    def _note_waiter(self, delta: int) -> None:
+        """A user thread starts (+1) or stops (-1) blocking on one of this engine's handles."""
+        with self._lock:
+            self._waiters += delta
+            if delta > 0:
+                self._wake.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine: in-flight ops fail with ShutdownError on every rank."""
@@ -297,13 +434,59 @@ class Engine:
     def _take_incoming(self) -> bool:
         """Move submitted ops into the pending table; returns whether we are closing."""
         with self._lock:
-            if not self._incoming and not self._closing:
-                self._wake.wait(self.config.cycle_time_s)
+            self._hold()
             incoming, self._incoming = self._incoming, []
+            self._expect_left = 0
             closing = self._closing
+        pending = self._pending
         for request in incoming:
-            self._pending[request.name] = request
+            pending[request.name] = request
         return closing
+
+    def _hold(self) -> None:
+        """Wait (under ``self._lock``) until the next cycle should start.
+
+        At once when closing, or when a thread blocks on a handle while there is work:
+        then nothing is gained by waiting, and a small step never waits for a tick. While ops are
+        still being submitted back to back, hold on until the submissions pause for
+        ``QUIET_SECONDS`` (or ``HOLD_CYCLES`` cycle times have passed since the first
+        one): a cycle started in the middle of a burst costs the submitting thread
+        the GIL on every op and splits the step into batches that each need a
+        negotiation round. Submissions that come with real work between them (a
+        backward pass) pause long enough that their reduction overlaps that work.
+        A burst that repeats the last batch (its first op was in it) is held until
+        the whole batch is here (or submissions pause for a cycle time), so that a
+        step that pauses briefly (a GC pass, a busy machine) is not split into
+        batches whose plans were never cached.
+        With nothing submitted, tick every cycle time (pending ops wait for peers,
+        and the other ranks' cycles need this one's)."""
+        if self._step_waited and not self._pending and not self._incoming:
+            # Idle again after a thread waited for results: what ran since the last such
+            # moment is one step's batch. (Idle without a wait may be a pause inside a step.)
+            if len(self._step_names) > 1:
+                self._last_batch = frozenset(self._step_names)
+            self._step_names, self._step_waited = [], False
+        cycle = self.config.cycle_time_s
+        quiet = min(cycle, QUIET_SECONDS)
+        tick = None
+        while not self._closing:
+            if self._waiters and (self._incoming or self._pending or self._join_handle is not None):
+                return
+            now = time.monotonic()
+            if self._incoming:
+                if self._expect_left < 0:  # the whole of the last batch is here again
+                    return
+                if self._expect_left:  # part of the last batch is here: hold on for the rest
+                    left = min(self._last_submit + cycle, self._first_submit + EXPECT_HOLD_CYCLES * cycle) - now
+                else:
+                    left = min(self._last_submit + quiet, self._first_submit + HOLD_CYCLES * cycle) - now
+            else:
+                if tick is None:
+                    tick = now + cycle
+                left = tick - now
+            if left <= 0:
+                return
+            self._wake.wait(left)
 
     def _cycle(self) -> bool:
         closing = self._take_incoming()
@@ -316,6 +499,7 @@ class Engine:
         leaving_at, busy_at, joined_at = words + 1, words + 1 + rank_words, words + 1 + 2 * rank_words
         mine = np.zeros(words + 1 + 3 * rank_words, dtype=np.uint64)
         control = 0
+        cached: "list[int]" = []  # set in one NumPy call below, not one call per op
         for request in self._pending.values():
             if request.state is RequestState.UNREPORTED:
                 request.bit = self._cache.lookup(request.name, request.signature)
@@ -324,7 +508,8 @@ class Engine:
                     continue
                 request.state = RequestState.CACHED
             if request.state is RequestState.CACHED:
-                set_bit(mine, request.bit)
+                cached.append(request.bit)
+        set_bits(mine, cached)
         if closing:
             control |= CONTROL_SHUTDOWN
         if self._stall_check_next:
@@ -373,8 +558,9 @@ class Engine:
                 self._finish(self._pending.pop(response.name), error=verdict.error(response.message))
         if self._coordinator is not None:
             now = time.monotonic()
-            for name in ready:
-                self._coordinator.forget(name)
+            if self._coordinator.first_seen or self._coordinator.warned:  # else forget() has nothing to do
+                for name in ready:
+                    self._coordinator.forget(name)
             self._coordinator.note_partial(partial, now)
             self._stall_check_next = self._coordinator.stall_check_due(now)
         if ready:
@@ -413,6 +599,9 @@ class Engine:
     def _finish_join(self) -> None:
         handle, last = self._join_handle, self._members[self._last_joined]
         self._join_handle, self._joined, self._joined_seen, self._last_joined = None, False, set(), -1
+        # Unnamed ops name themselves by a per-rank counter, which ranks that joined early did not
+        # advance; nothing is in flight now, so every rank starts it afresh, together.
+        self._unnamed = itertools.count()
         if handle is not None:
             handle._complete(0, last)
             self._finished_any = True
@@ -493,14 +682,34 @@ class Engine:
         if timeline is not None:
             for request in ready:
                 timeline.span(request.name, "NEGOTIATE", request.submitted, start)
-        allreduces = [r for r in ready if r.kind is Kind.ALLREDUCE]
-        for request in ready:
-            if request.kind is not Kind.ALLREDUCE:
-                self._run_one(request)
-        # One ring reduces one dtype with one op and one scaling, in one kind of memory.
-        keys = [(r.array.dtype, r.op, r.prescale, r.postscale, r.backend.name) for r in allreduces]
-        for group in fusion.group_by_key(keys):
-            self._allreduce_group([allreduces[i] for i in group])
+        plan = self._plan_for(ready)
+        self._step_names.extend([r.name for r in ready])
+        if self._waiters:
+            self._step_waited = True
+        for index in plan.one_by_one:
+            self._run_one(ready[index])
+        for ring in plan.rings:
+            self._run_ring(ring, [ready[i] for i in ring.packed], [ready[i] for i in ring.alone])
+
+    def _plan_for(self, ready: "list[Request]") -> "_Plan":
+        """The cached plan of this batch, or a new one. Every rank plans the same batch
+        identically: the plan depends only on the agreed signatures, in the agreed order."""
+        signatures = [r.signature for r in ready]
+        key = tuple(map(id, signatures))
+        config = self.config
+        plan = self._plans.get(key)
+        # Identical signatures are the same objects (``Request.meta`` interns them), so this
+        # comparison is one identity check per op; a reused id fails it and replans.
+        if (plan is None or plan.signatures != signatures or plan.threshold != config.fusion_threshold_bytes
+                or plan.inplace_min != config.inplace_min_bytes):
+            plan = _Plan(ready, signatures, config.fusion_threshold_bytes, config.inplace_min_bytes)
+            if key not in self._plans and len(self._plans) >= PLAN_CACHE_SIZE:
+                del self._plans[next(iter(self._plans))]  # the oldest
+            self._plans[key] = plan
+            self.plans_built += 1
+        else:
+            self.plans_reused += 1
+        return plan
 
     def _run_one(self, request: Request) -> None:
         # No argument checks and no error catching here: arguments were checked at submit and
@@ -529,32 +738,34 @@ class Engine:
             timeline.span(request.name, kind.name, begin, time.monotonic())
         self._finish(request, result)
 
-    def _allreduce_group(self, group: "list[Request]") -> None:
-        """The rings ``fusion.plan_rings`` plans for one group of fusable all-reduces."""
-        plans = fusion.plan_rings([r.nbytes for r in group], self.config.fusion_threshold_bytes,
-                                  self.config.inplace_min_bytes)
-        for plan in plans:
-            self._allreduce_together([group[i] for i in plan.packed], plan.packed_bytes,
-                                     [group[i] for i in plan.in_place])
+    def _fusion_buffer(self, backend: Any, nbytes: int) -> Any:
+        """This engine's reusable fusion buffer in ``backend``'s memory (host memory for host
+        arrays, device memory for device arrays; never fused together: the ring key includes
+        the backend). Grown to the threshold once, then reused every step."""
+        buffer = self._fusion.get(backend)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = backend.empty(max(nbytes, self.config.fusion_threshold_bytes, 1), np.dtype(np.uint8))
+            self._fusion[backend] = buffer
+        return buffer
 
-    def _allreduce_together(self, batch: "list[Request]", nbytes: int, alone: "list[Request]") -> None:
+    def _run_ring(self, ring: "_Ring", batch: "list[Request]", alone: "list[Request]") -> None:
         """One ring over the fusion buffer (``batch`` packed into it, if any) followed by
         the ``alone`` tensors in their own memory (or fresh copies for out-of-place ops)."""
         first = (batch or alone)[0]
-        backend, dtype = first.backend, first.array.dtype
+        backend = first.backend
+        host = isinstance(backend, NumpyBackend)
         flats, outs, copied = [], [], []
         t0 = t1 = time.monotonic()
         if batch:
-            # The backend's reusable fusion buffer: host memory for host arrays, device
-            # memory for device arrays (never fused together: the group key includes the
-            # backend). Grown to the threshold once, then reused every step.
-            backend.scratch(FUSION_SLOT, self.config.fusion_threshold_bytes, np.dtype(np.uint8))
-            fused = backend.scratch(FUSION_SLOT, nbytes // dtype.itemsize, dtype)
-            offset = 0
-            for request in batch:
-                size = request.array.size
-                backend.copy(fused[offset:offset + size].reshape(request.array.shape), request.array)
-                offset += size
+            buffer = self._fusion_buffer(backend, ring.packed_bytes)
+            if ring.buffer is not buffer:
+                ring.bind(buffer)
+            fused = ring.fused
+            if host:  # one call packs every tensor, whatever its shape or strides
+                np.concatenate([r.array for r in batch], axis=None, out=fused)
+            else:
+                for request, view in zip(batch, ring.views):
+                    backend.copy(view, request.array)
             flats.append(fused)
             t1 = time.monotonic()
         for request in alone:
@@ -566,16 +777,13 @@ class Engine:
         self.executor.allreduce_flat(flats, first.op, backend, first.prescale, first.postscale)
         t2 = time.monotonic()
         results = []
-        offset = 0
-        for request in batch:
-            size = request.array.size
-            piece = flats[0][offset:offset + size].reshape(request.array.shape)
+        copy = np.copyto if host else backend.copy
+        for request, view in zip(batch, ring.views):
             if request.in_place:
-                backend.copy(request.array, piece)
+                copy(request.array, view)
                 results.append(request.array)
             else:
-                results.append(piece.copy())
-            offset += size
+                results.append(view.copy())
         t3 = time.monotonic()
         for out, flat, was_copied in zip(outs, flats[1 if batch else 0:], copied):
             if was_copied:
@@ -586,12 +794,22 @@ class Engine:
             ring_ops = len(batch) + len(alone)
             for request in batch:
                 timeline.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
-                timeline.span(request.name, "ALLREDUCE", t1, t2, fused_bytes=nbytes, ring_ops=ring_ops)
+                timeline.span(request.name, "ALLREDUCE", t1, t2, fused_bytes=ring.packed_bytes, ring_ops=ring_ops)
                 timeline.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
             for request in alone:
                 timeline.span(request.name, "ALLREDUCE", t1, t2, bytes=request.nbytes, ring_ops=ring_ops)
-        for request, result in zip(batch + alone, results):
-            self._finish(request, result)
+        self._complete_all(batch + alone, results)
+
+    def _complete_all(self, requests: "list[Request]", results: "list[Any]") -> None:
+        """``_finish`` for many successful ops at once: one lock acquisition for all of them."""
+        names = [r.name for r in requests]
+        with self._lock:
+            self._in_flight.difference_update(names)
+        for request, result in zip(requests, results):
+            handle = request.handle
+            handle._results[request.index] = result
+            handle._remaining -= 1
+        self._finished_any = True
 
     def _finish(self, request: Request, result: Any = None, error: "BaseException | None" = None) -> None:
         with self._lock:
@@ -632,12 +850,75 @@ class Engine:
             self.done_cv.notify_all()
 
 
+class _Ring:
+    """One ring of a plan: the batch positions it packs into the fusion buffer and those it
+    reduces in their own memory, and views of the fusion buffer for each packed op (cut
+    once per buffer, so a repeated step packs and unpacks without slicing)."""
+
+    __slots__ = ("packed", "alone", "packed_bytes", "dtype", "pieces", "buffer", "fused", "views")
+
+    def __init__(self, packed: "list[int]", alone: "list[int]", packed_bytes: int, dtype: np.dtype,
+                 pieces: "list[tuple[tuple, int]]") -> None:
+        self.packed, self.alone, self.packed_bytes, self.dtype = packed, alone, packed_bytes, dtype
+        self.pieces = pieces  # (shape, element count) of each packed op, in order
+        self.buffer: Any = None
+        self.fused: Any = None
+        self.views: "list[Any]" = []
+
+    def bind(self, buffer: Any) -> None:
+        """Cut this ring's views out of ``buffer`` (a byte array at least packed_bytes long)."""
+        fused = buffer[:self.packed_bytes].view(self.dtype)
+        views = []
+        offset = 0
+        for shape, size in self.pieces:
+            views.append(fused[offset:offset + size].reshape(shape))
+            offset += size
+        self.buffer, self.fused, self.views = buffer, fused, views
+
+
+class _Plan:
+    """How the engine runs one batch of ready ops: the non-all-reduces one by one, then the
+    rings ``fusion.plan_batch`` plans for the all-reduces. Depends only on the ops' agreed
+    signatures (kind, dtype, shape, op, scaling, backend) and the fusion settings."""
+
+    __slots__ = ("signatures", "threshold", "inplace_min", "one_by_one", "rings")
+
+    def __init__(self, ready: "list[Request]", signatures: "list[tuple]", threshold: int,
+                 inplace_min: int) -> None:
+        self.signatures, self.threshold, self.inplace_min = signatures, threshold, inplace_min
+        allreduces = [i for i, r in enumerate(ready) if r.kind is Kind.ALLREDUCE]
+        self.one_by_one = [i for i, r in enumerate(ready) if r.kind is not Kind.ALLREDUCE]
+        # One ring reduces one dtype with one op and one scaling, in one kind of memory.
+        keys = [(r.array.dtype, r.op, r.prescale, r.postscale, r.backend.name)
+                for r in (ready[i] for i in allreduces)]
+        self.rings = []
+        for ring in fusion.plan_batch(keys, [ready[i].nbytes for i in allreduces], threshold, inplace_min):
+            packed = [allreduces[j] for j in ring.packed]
+            alone = [allreduces[j] for j in ring.in_place]
+            dtype = ready[(packed or alone)[0]].array.dtype
+            pieces = [(tuple(ready[i].array.shape), ready[i].array.size) for i in packed]
+            self.rings.append(_Ring(packed, alone, ring.packed_bytes, dtype, pieces))
+
+
+def set_bits(words: np.ndarray, bits: "list[int]") -> None:
+    """``negotiation.set_bit`` for many bits at once (one NumPy call, not one per bit)."""
+    if bits:
+        flags = np.zeros(words.size * 64, dtype=np.bool_)
+        flags[bits] = True
+        words |= np.packbits(flags, bitorder="little").view(words.dtype)
+
+
+def _already_in_flight(name: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"an op named {name!r} is already in flight on this rank; synchronize it "
+                                f"before submitting that name again, or give the new op another name")
+
+
 def make_request(engine: Engine, kind: Kind, array: "np.ndarray | None", name: "str | None", handle: Handle,
                  index: int = 0, **fields: Any) -> Request:
-    backend = backend_for(array) if array is not None else backend_for(_PLACEHOLDER)
-    request = Request(kind=kind, name=name or engine.auto_name(),
-                      array=array if array is not None else _PLACEHOLDER,
-                      handle=handle, index=index, backend=backend, **fields)
+    if array is None:
+        array = _PLACEHOLDER
+    backend = _HOST if type(array) is np.ndarray else backend_for(array)
+    request = Request(kind, name or engine.auto_name(), array, handle, index, backend, **fields)
     request.signature = request.meta()  # validates the dtype here, in the caller's thread
     return request
 

@@ -63,3 +63,18 @@ def plan_rings(nbytes: Sequence[int], threshold: int, inplace_min: int) -> "list
         last = plans.pop() if plans else RingPlan((), ())
         plans.append(RingPlan(last.packed, tuple(large), last.packed_bytes))
     return plans
+
+
+def plan_batch(keys: Sequence[Hashable], nbytes: Sequence[int], threshold: int,
+               inplace_min: int) -> "list[RingPlan]":
+    """Every ring for one batch of all-reduces: grouped by key (``group_by_key``), each group
+    planned by ``plan_rings``; the indices in the plans are positions in ``keys``/``nbytes``.
+
+    The engine computes this once per distinct batch (same keys and sizes in the same order)
+    and reuses it for every later step that brings the same batch."""
+    plans: "list[RingPlan]" = []
+    for group in group_by_key(keys):
+        for plan in plan_rings([nbytes[i] for i in group], threshold, inplace_min):
+            plans.append(RingPlan(tuple(group[i] for i in plan.packed), tuple(group[i] for i in plan.in_place),
+                                  plan.packed_bytes))
+    return plans

@@ -27,10 +27,19 @@ Max = ReduceOp.Max
 Product = ReduceOp.Product
 
 SUPPORTED_OPS = (Average, Sum, Min, Max, Product)
+# Every accepted op (and its int value) -> the ReduceOp: one dict lookup on the per-tensor
+# path instead of an Enum call.
+_SUPPORTED = {op: op for op in SUPPORTED_OPS}
 
 
 def check_op(op: object) -> ReduceOp:
     """Return ``op`` as a ReduceOp, or raise naming the bad value."""
+    try:
+        known = _SUPPORTED.get(op)  # type: ignore[call-overload]
+    except TypeError:  # unhashable
+        known = None
+    if known is not None and type(op) is not bool:
+        return known
     try:
         value = ReduceOp(op)
     except (ValueError, TypeError):
@@ -81,5 +90,5 @@ def dtype_from_code(code: int) -> np.dtype:
 
 def check_reducible(dtype: np.dtype, op: ReduceOp) -> None:
     """Bool buffers only take Min/Max (logical and/or); everything else takes every op."""
-    if dtype == np.bool_ and op not in (Min, Max):
+    if dtype.kind == "b" and op not in (Min, Max):
         raise TypeError(f"op {op.name} is not defined for bool arrays; use Min (logical and) or Max (logical or)")

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from mtrain.ringreduce.fusion import RingPlan, group_by_key, plan_rings
+from mtrain.ringreduce.fusion import RingPlan, group_by_key, plan_batch, plan_rings
 
 
 def test_group_by_key_keeps_first_appearance_order():
@@ -70,3 +70,14 @@ def test_every_tensor_is_reduced_exactly_once_within_the_limits(seed):
     small_in_place = [i for i in plans[-1].in_place if sizes[i] < alone] if plans else []
     assert len(small_in_place) <= 1
     assert packed | set(small_in_place) == {i for i, n in enumerate(sizes) if n < alone}
+
+
+def test_plan_batch_groups_by_key_and_maps_indices_back_to_the_batch():
+    keys = ["f32", "f64", "f32", "f64", "f32", "i8"]
+    nbytes = [40, 8, 40, 2000, 4000, 3]
+    plans = plan_batch(keys, nbytes, threshold=100, inplace_min=1000)
+    # f32: 0 and 2 packed, 4 alone in the same ring; f64: 1 is a lone packed tensor, so it
+    # joins the large 3; i8: a single small tensor, reduced in place.
+    assert plans == [RingPlan((0, 2), (4,), 80), RingPlan((), (3, 1), 0), RingPlan((), (5,), 0)]
+    assert plan_batch([], [], threshold=100, inplace_min=1000) == []
+    assert plan_batch(["a", "a"], [5, 6], threshold=0, inplace_min=1000) == [RingPlan((), (0,)), RingPlan((), (1,))]

@@ -1,0 +1,215 @@
+"""The engine's steady-state path: cached batch plans, one-call packing, grouped completion.
+
+A step that repeats the ops of an earlier one reuses that step's plan (rings and
+fusion-buffer views); these tests check that the reuse happens and that it never
+changes a result: batches that change every step, odd sizes, strided arrays,
+in-place and out-of-place ops and groups mixed in one batch, scaling, and a
+mismatch on a name whose plan is cached. Data differ per rank and per element.
+"""
+import random
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mtrain.ringreduce as rr
+from mtrain.ringreduce import runtime
+from tests.mpi.data import values
+from tests.mpi.harness import mpi_test
+
+# Small fusion settings so that a handful of tensors already needs several rings,
+# packed and in-place ones together.
+SMALL_FUSION = {"MTRAIN_FUSION_THRESHOLD_BYTES": "4096", "MTRAIN_FUSION_INPLACE_MIN_BYTES": "2048"}
+ODD_SIZES = [0, 1, 2, 3, 7, 13, 63, 257, 511, 1023, 4099, 100_003]
+
+
+def _engine():
+    return runtime._rt().sets[0].engine
+
+
+def _wide(rank: int, shape, dtype, salt: int) -> np.ndarray:
+    """Small integers (exact in every dtype and in any order of addition), distinct per rank,
+    per element and per tensor; as int64."""
+    count = int(np.prod(shape)) if shape else 1
+    i = np.arange(count, dtype=np.int64)
+    span = 16 if np.dtype(dtype).itemsize == 1 else 500
+    return (((i * 7 + salt * 13) % span) + rank * 3).reshape(shape)
+
+
+def _exact(rank: int, shape, dtype, salt: int) -> np.ndarray:
+    return _wide(rank, shape, dtype, salt).astype(dtype)
+
+
+def _sum_over_ranks(shape, dtype, salt: int) -> np.ndarray:
+    return sum(_wide(r, shape, dtype, salt) for r in range(rr.size())).astype(dtype)
+
+
+@mpi_test(nps=(1, 2, 3), env=SMALL_FUSION)
+def test_repeated_steps_reuse_one_plan_and_stay_correct():
+    me = rr.rank()
+    specs = [(f"layer{i}.grad", (size,), dtype) for i, (size, dtype) in
+             enumerate(zip(ODD_SIZES, [np.float32, np.float64, np.int32, np.float32] * 3))]
+    engine = _engine()
+    for step in range(12):
+        arrays = [_exact(me, shape, dtype, i + step) for i, (_, shape, dtype) in enumerate(specs)]
+        handles = [rr.allreduce_async_(a, op=rr.Sum, name=name) for a, (name, _, _) in zip(arrays, specs)]
+        for i, (handle, (name, shape, dtype)) in enumerate(zip(handles, specs)):
+            result = rr.synchronize(handle)
+            assert result is arrays[i], name  # in place: the caller's own array comes back
+            assert np.array_equal(result, _sum_over_ranks(shape, dtype, i + step)), f"{name} step {step}"
+    # Which of these ops share a cycle depends on timing (a loaded machine may split a step),
+    # but the steps repeat: most batches are ones seen before.
+    assert engine.plans_reused > 0
+    # A group reaches the engine in one piece, so its batch is the same every step: planned
+    # once, reused by every later step.
+    for step in range(8):
+        shapes = [(i, shape) for i, (_, shape, dtype) in enumerate(specs) if dtype == np.float32]
+        arrays = [_exact(me, shape, np.float32, i + step) for i, shape in shapes]
+        results = rr.grouped_allreduce_(arrays, op=rr.Sum, name="group")
+        for (i, shape), array, result in zip(shapes, arrays, results):
+            assert result is array and np.array_equal(result, _sum_over_ranks(shape, np.float32, i + step))
+        if step == 0:
+            built, reused = engine.plans_built, engine.plans_reused
+    assert engine.plans_built == built and engine.plans_reused == reused + 7, (engine.plans_built, built)
+
+
+@mpi_test(nps=(1, 2, 3), env=SMALL_FUSION)
+def test_batches_that_change_every_step_stay_correct():
+    me = rr.rank()
+    dtypes = [np.float32, np.float64, np.int64, np.int32, np.float16, np.uint8]
+    for step in range(15):
+        rng = random.Random(step)  # the same choices on every rank
+        count = rng.randint(1, 12)
+        specs = []
+        for i in range(count):
+            # Names recur across steps with other shapes and dtypes (the cache entry changes).
+            name = f"t{rng.randint(0, 9)}.{i}"
+            if any(name == s[0] for s in specs):
+                continue
+            shape = rng.choice([(rng.choice(ODD_SIZES),), (3, rng.randint(0, 9)), (), (2, 3, 5)])
+            specs.append((name, shape, rng.choice(dtypes), rng.choice(["inplace", "copy"])))
+        order = list(range(len(specs)))
+        random.Random(step * 100 + me).shuffle(order)  # each rank submits in its own order
+        arrays, handles = {}, {}
+        for k in order:
+            name, shape, dtype, mode = specs[k]
+            arrays[k] = _exact(me, shape, dtype, k + step)
+            submit = rr.allreduce_async_ if mode == "inplace" else rr.allreduce_async
+            handles[k] = submit(arrays[k], op=rr.Sum, name=name)
+        for k, (name, shape, dtype, mode) in enumerate(specs):
+            before = arrays[k].copy()
+            result = rr.synchronize(handles[k])
+            expected = _sum_over_ranks(shape, dtype, k + step)
+            assert result.dtype == np.dtype(dtype) and result.shape == tuple(shape), name
+            assert np.array_equal(result, expected), f"step {step} {name} {dtype} {shape} {mode}"
+            if mode == "copy":
+                assert result is not arrays[k] and np.array_equal(arrays[k], before), "input changed"
+
+
+@mpi_test(nps=(1, 2, 3), env=SMALL_FUSION)
+def test_in_place_copies_groups_strides_and_scaling_mixed_in_one_batch():
+    n, me = rr.size(), rr.rank()
+    for step in range(6):
+        # Strided views (every other element, a transposed block) reduced in place: the
+        # packing must read them in C order and the unpacking must write them back.
+        base = _exact(me, (41,), np.float64, step)
+        strided = base[::2]
+        block = _exact(me, (5, 7), np.float32, step + 1).T
+        grouped_inputs = [_exact(me, (size,), np.float32, step + j) for j, size in enumerate([3, 0, 300, 1])]
+        grouped_inplace = [_exact(me, (size,), np.float64, step + j) for j, size in enumerate([9, 700])]
+        copy_input = _exact(me, (257,), np.float32, step + 5)
+        handles = [
+            rr.allreduce_async_(strided, op=rr.Sum, name="strided"),
+            rr.allreduce_async_(block, op=rr.Sum, name="block"),
+            rr.grouped_allreduce_async(grouped_inputs, op=rr.Sum, name="group"),
+            rr.grouped_allreduce_async_(grouped_inplace, op=rr.Average, name="group_inplace",
+                                        prescale_factor=0.5, postscale_factor=4.0),
+            rr.allreduce_async(copy_input, op=rr.Sum, name="copy", postscale_factor=0.25),
+            rr.allreduce_async_(_exact(me, (33,), np.int32, step), op=rr.Max, name="max"),
+        ]
+        assert rr.synchronize(handles[0]) is strided
+        assert np.array_equal(strided, _sum_over_ranks((41,), np.float64, step)[::2])
+        assert np.array_equal(base[1::2], _exact(me, (41,), np.float64, step)[1::2]), "gaps written"
+        assert np.array_equal(rr.synchronize(handles[1]), _sum_over_ranks((5, 7), np.float32, step + 1).T)
+        grouped = rr.synchronize(handles[2])
+        for j, (got, size) in enumerate(zip(grouped, [3, 0, 300, 1])):
+            assert np.array_equal(got, _sum_over_ranks((size,), np.float32, step + j)), f"group {j}"
+        got = rr.synchronize(handles[3])
+        assert got[0] is grouped_inplace[0] and got[1] is grouped_inplace[1]
+        for j, size in enumerate([9, 700]):
+            expected = _sum_over_ranks((size,), np.float64, step + j) * 0.5 * 4.0 / n
+            assert np.allclose(grouped_inplace[j], expected, rtol=1e-12), f"group_inplace {j}"
+        assert np.array_equal(rr.synchronize(handles[4]), _sum_over_ranks((257,), np.float32, step + 5) * 0.25)
+        expected_max = np.max([_exact(r, (33,), np.int32, step) for r in range(n)], axis=0)
+        assert np.array_equal(rr.synchronize(handles[5]), expected_max)
+    # Bit for bit the same on every rank.
+    blob = strided.tobytes() + block.tobytes() + b"".join(a.tobytes() for a in grouped_inplace)
+    blobs = MPI.COMM_WORLD.allgather(blob)
+    assert all(b == blobs[0] for b in blobs)
+
+
+@mpi_test(nps=(1, 2, 3))
+def test_every_supported_dtype_through_a_repeated_fused_batch():
+    n, me = rr.size(), rr.rank()
+    dtypes = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
+              np.uint8, np.uint16, np.uint32, np.uint64]
+    for step in range(3):
+        arrays = [values(me, (11 + k,), dtype) for k, dtype in enumerate(dtypes)]
+        handles = [rr.allreduce_async(a, op=rr.Max, name=f"dtype.{np.dtype(d).name}") for a, d in zip(arrays, dtypes)]
+        for k, (handle, dtype) in enumerate(zip(handles, dtypes)):
+            expected = np.max([values(r, (11 + k,), dtype) for r in range(n)], axis=0)
+            assert np.array_equal(rr.synchronize(handle), expected), np.dtype(dtype).name
+    flags = [np.array([True, me == 0, False, me >= 0]) for _ in range(2)]
+    for _ in range(3):
+        got = rr.grouped_allreduce(flags, op=rr.Min, name="flags")
+        assert got[0].tolist() == [True, n == 1, False, True]
+
+
+@mpi_test(nps=(2, 3))
+def test_a_mismatch_after_the_plan_was_cached_errors_on_every_rank():
+    n, me = rr.size(), rr.rank()
+    names = [f"w{i}" for i in range(6)]
+    for step in range(5):  # the batch is cached and its plan reused
+        handles = [rr.allreduce_async(np.full(8, me + i, np.float32), op=rr.Sum, name=name)
+                   for i, name in enumerate(names)]
+        for i, handle in enumerate(handles):
+            assert rr.synchronize(handle).tolist() == [sum(r + i for r in range(n))] * 8
+    assert _engine().plans_reused > 0
+    # The last rank changes one tensor's shape: that op fails everywhere, naming both
+    # submissions; the rest of the batch still completes.
+    shape = 9 if me == n - 1 else 8
+    handles = [rr.allreduce_async(np.full(shape if name == "w3" else 8, me, np.float32), op=rr.Sum, name=name)
+               for name in names]
+    for name, handle in zip(names, handles):
+        if name == "w3":
+            with pytest.raises(rr.MismatchError) as info:
+                rr.synchronize(handle)
+            assert "'w3'" in str(info.value) and "float32[9]" in str(info.value)
+            assert "float32[8]" in str(info.value)
+        else:
+            assert rr.synchronize(handle).tolist() == [n * (n - 1) / 2] * 8
+    # A dtype change on one rank after more cached steps: the same.
+    for _ in range(3):
+        rr.allreduce(np.ones(4, np.float32), name="w0")
+    with pytest.raises(rr.MismatchError, match="'w0'"):
+        rr.allreduce(np.ones(4, np.float64 if me == 0 else np.float32), name="w0")
+    # And the name works again once every rank agrees.
+    for _ in range(2):
+        assert rr.allreduce(np.ones(4, np.float32), op=rr.Sum, name="w0").tolist() == [float(n)] * 4
+
+
+@mpi_test(nps=(1, 2, 3))
+def test_ops_finish_without_anyone_waiting():
+    """Submitted ops complete though no thread ever blocks on them (only polls)."""
+    import time
+    me = rr.size(), rr.rank()
+    for step in range(3):
+        handles = [rr.allreduce_async(np.arange(5, dtype=np.float64) + i, op=rr.Sum, name=f"p{i}")
+                   for i in range(4)]
+        deadline = time.monotonic() + 30
+        while not all(rr.poll(h) for h in handles):
+            assert time.monotonic() < deadline, "ops never finished without a waiter"
+            time.sleep(0.001)
+        for i, handle in enumerate(handles):
+            assert rr.synchronize(handle).tolist() == ((np.arange(5) + i) * rr.size()).tolist()
+    del me
