@@ -382,6 +382,11 @@ def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | Non
     op = check_op(op)
     for array in arrays:
         check_reducible(array.dtype, op)
+    if not grouped:  # one tensor, the per-gradient path: the engine's short submit
+        engine = _rt().member(process_set).engine
+        exits.forget_status()  # still submitting: any SystemExit noted before was caught, not an exit
+        return engine.submit_allreduce(arrays[0], name, op, in_place, float(prescale_factor),
+                                       float(postscale_factor))
     return _submit(Kind.ALLREDUCE, arrays, name, grouped, process_set, op=op, in_place=in_place,
                    prescale=float(prescale_factor), postscale=float(postscale_factor))
 
