@@ -1,4 +1,4 @@
-"""All-reduce bandwidth: ringreduce vs MPI_Allreduce (mpi4py) vs torch.distributed gloo.
+"""All-reduce bandwidth: ringreduce (ring, shared memory, hierarchical) vs MPI_Allreduce (mpi4py) vs gloo.
 
 Run as ``mpirun -np 2 python benchmarks/allreduce.py`` (or ``mtrain run -np 2 …``).
 Prints an nccl-tests-style table per implementation and size:
@@ -6,9 +6,21 @@ Prints an nccl-tests-style table per implementation and size:
     time  = median over iterations of the slowest rank's time for one call
     algbw = bytes / time
     busbw = algbw · 2(n-1)/n   (the traffic each rank's link actually carries)
+    bound = busbw as a share of the "memcpy" row's: every rank copying its buffer
+            at the same time, the physical bound on one host
 
-plus a reference row, "memcpy": every rank copying its buffer at the same time,
-the physical bound on one host. ``--plot FILE.png`` also draws busbw vs size.
+Implementations: ``ringreduce`` is the public API (engine included, with the
+algorithm MTRAIN_ALLREDUCE_ALGORITHM picks, auto by default); ``rr-ring``,
+``rr-shm`` and ``rr-hierarchical`` are the Executor's all-reduce paths called
+directly (what the engine runs for a fused buffer, without its ~40-250 us per op),
+each where it applies. The variants run interleaved, one call each per round, so
+a drifting VM favours none. ``--plot FILE.png`` also draws busbw vs size.
+
+Several hosts: ``--cluster 2x2`` (root, tests/cluster prerequisites) builds the
+namespace test cluster (tests/cluster/netcluster.py) and runs this benchmark on
+it through ``mtrain run``; with ranks on several hosts a second table counts the
+bytes each host sent over its network interface per all-reduce (/proc/net/dev of
+the host's namespace), next to what the algorithm says it must send.
 """
 from __future__ import annotations
 
@@ -16,6 +28,7 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable
@@ -23,8 +36,12 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 import mtrain.ringreduce as rr  # noqa: E402
+from mtrain.ringreduce import ring  # noqa: E402
+from mtrain.ringreduce.backend import NumpyBackend  # noqa: E402
+from mtrain.ringreduce.collectives import Executor  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -105,6 +122,8 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated implementations to run (default: all)")
     parser.add_argument("--no-gloo", action="store_true")
     parser.add_argument("--plot", help="write busbw vs size to this PNG")
+    parser.add_argument("--cluster", metavar="HOSTSxRANKS",
+                        help="build the namespace test cluster (root) and run there, e.g. 2x2")
     parser.add_argument("--cupy", action="store_true",
                         help="CuPy device buffers (ringreduce staged or CUDA-aware per MTRAIN_CUDA_AWARE; "
                              "the memcpy row is a device-to-device copy)")
@@ -113,11 +132,22 @@ def main() -> None:
         main_cupy(args)
         return
 
+    if args.cluster:
+        sys.exit(run_on_cluster(args.cluster, [a for a in sys.argv[1:]]))
     rr.init()
     comm = MPI.COMM_WORLD
     n, me = comm.Get_size(), comm.Get_rank()
     torch, dist = (None, None) if args.no_gloo else gloo_group(comm)
     bus_factor = 2 * (n - 1) / n if n > 1 else 1.0
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=me)
+    cross = comm.Split(color=local.Get_rank(), key=me)
+    hosts = comm.allreduce(1 if local.Get_rank() == 0 else 0)
+    executors = {}
+    for algorithm in ("ring", "shm"):
+        executor = Executor(comm, ring.DEFAULT_SEGMENT_BYTES, ring.DEFAULT_SMALL_BYTES, local, cross,
+                            algorithm=algorithm)
+        executors[f"rr-{executor.allreduce_path}"] = executor  # rr-shm, or rr-hierarchical on several hosts
+    backend = NumpyBackend()
 
     sizes = []
     size = parse_size(args.min_bytes)
@@ -125,38 +155,130 @@ def main() -> None:
         sizes.append(size)
         size *= 2
 
-    rows = []
+    rows, traffic = [], []
     for nbytes in sizes:
         count = nbytes // 4
         # In-place sums double the buffer every call; starting near 2**-100 keeps
         # hundreds of calls finite and normal (no inf, no denormal slow paths).
         data = ((np.arange(count, dtype=np.float32) % 1000 + 1) * (me + 1) * np.float32(2.0 ** -100))
         out = np.empty_like(data)
+        buffers = {name: data.copy() for name in executors}
         ring_buf = data.copy()
         copy_dst = np.empty_like(data)
         impls: "dict[str, Callable[[], None]]" = {
             # Named, as gradients are in training: the engine's response cache then
             # skips the coordinator round trip that an unnamed op pays every time.
             "ringreduce": lambda: rr.allreduce_(ring_buf, op=rr.Sum, name="bench"),
-            "MPI_Allreduce": lambda: comm.Allreduce(data, out, op=MPI.SUM),
-            "memcpy": lambda: np.copyto(copy_dst, data),
         }
+        for name, executor in executors.items():
+            impls[name] = (lambda e=executor, b=buffers[name]: e.allreduce_flat([b], rr.Sum, backend))
+        impls["MPI_Allreduce"] = lambda: comm.Allreduce(data, out, op=MPI.SUM)
+        impls["memcpy"] = lambda: np.copyto(copy_dst, data)
         if torch is not None:
             tensor = torch.from_numpy(data.copy())
             impls["gloo"] = lambda: dist.all_reduce(tensor)
         if args.only:
             impls = {k: v for k, v in impls.items() if k in args.only.split(",")}
-        for name, fn in impls.items():
-            rows.append(measured_row(comm, name, fn, nbytes, args, bus_factor, copy=name == "memcpy"))
+        seconds = timed_side_by_side(comm, impls, nbytes, args.budget, args.min_iters)
+        bound = nbytes / seconds["memcpy"] / 1e9 if "memcpy" in seconds else None
+        for name in impls:
+            algbw = nbytes / seconds[name] / 1e9
+            busbw = algbw * (1.0 if name == "memcpy" else bus_factor)
+            rows.append((name, nbytes, seconds[name], algbw, busbw, busbw / bound if bound else None))
+        if hosts > 1:
+            traffic += host_traffic(comm, local, impls, nbytes, n, hosts)
 
     if me == 0:
-        print_table([f"all-reduce, float32, {n} ranks, Open MPI via mpi4py {MPI.Get_library_version().splitlines()[0]}",
-                     "busbw = algbw * 2(n-1)/n; memcpy row: every rank copies its buffer at once (busbw = its rate)"],
+        print_table([f"all-reduce, float32, {n} ranks on {hosts} host(s), "
+                     f"Open MPI via mpi4py {MPI.Get_library_version().splitlines()[0]}",
+                     "busbw = algbw * 2(n-1)/n; memcpy row: every rank copies its buffer at once (busbw = its rate); "
+                     "bound = busbw / memcpy's busbw"],
                     rows)
+        if traffic:
+            print_traffic(traffic)
         if args.plot:
             write_plot(rows, args.plot, n)
     if dist is not None:
         dist.destroy_process_group()
+
+
+def interface_bytes_sent() -> int:
+    """Bytes sent by this network namespace's interfaces other than loopback (/proc/net/dev)."""
+    total = 0
+    with open("/proc/net/dev") as handle:
+        for line in handle.readlines()[2:]:
+            name, _, fields = line.partition(":")
+            if name.strip() != "lo":
+                total += int(fields.split()[8])
+    return total
+
+
+def host_traffic(comm: MPI.Comm, local: MPI.Comm, impls: "dict[str, Callable[[], None]]", nbytes: int,
+                 n: int, hosts: int, calls: int = 5) -> list:
+    """(impl, bytes, sent per host per call, expected per host) for each all-reduce implementation."""
+    rows = []
+    per_host = n // hosts
+    expected = {
+        # Flat ring, ranks in host order: one rank per host sends to the next host, 2(n-1)/n of the buffer.
+        "rr-ring": 2 * (n - 1) / n * nbytes,
+        # Hierarchical: each local rank rings its n/L chunk over the H hosts: 2(H-1)/H * n per host.
+        "rr-hierarchical": 2 * (hosts - 1) / hosts * nbytes,
+    }
+    expected["ringreduce"] = expected["rr-hierarchical" if per_host > 1 and n % hosts == 0 else "rr-ring"]
+    for name, fn in impls.items():
+        if name == "memcpy":
+            continue
+        comm.Barrier()
+        before = interface_bytes_sent() if local.Get_rank() == 0 else 0
+        for _ in range(calls):
+            fn()
+        comm.Barrier()
+        sent = (interface_bytes_sent() - before) / calls if local.Get_rank() == 0 else 0.0
+        per_host_sent = comm.allreduce(sent) / hosts
+        rows.append((name, nbytes, per_host_sent, expected.get(name)))
+    return rows
+
+
+def print_traffic(rows: list) -> None:
+    print("# bytes each host sent over its network interface per all-reduce (mean over hosts; "
+          "includes TCP/IP headers), and what the algorithm must send")
+    print(f"{'size':>10} {'impl':>16} {'sent/host':>14} {'x buffer':>9} {'algorithm':>14}")
+    for name, nbytes, sent, expected in rows:
+        label = f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"
+        want = f"{expected / nbytes:13.2f}x" if expected else f"{'-':>14}"
+        print(f"{label:>10} {name:>16} {sent:14.0f} {sent / nbytes:8.2f}x {want}")
+    sys.stdout.flush()
+
+
+def run_on_cluster(spec: str, argv: "list[str]") -> int:
+    """Build the namespace cluster (HOSTSxRANKS) and run this benchmark on it through mtrain run."""
+    from tests.cluster.netcluster import SUBNET, prerequisites_missing, running_cluster
+    host_count, ranks = (int(x) for x in spec.lower().split("x"))
+    missing = prerequisites_missing()
+    if missing:
+        print(f"benchmarks/allreduce.py: cannot build the test cluster: {missing}", file=sys.stderr)
+        return 2
+    passed = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--cluster":
+            skip = True
+            continue
+        if arg.startswith("--cluster="):
+            continue
+        passed.append(arg)
+    if "--no-gloo" not in passed:
+        passed.append("--no-gloo")  # gloo's rendezvous here listens on 127.0.0.1 only
+    with running_cluster(host_count) as cluster:
+        env = cluster.env()
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        spec_hosts = ",".join(f"{h.name}:{ranks}" for h in cluster.hosts)
+        cmd = [sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", str(host_count * ranks), "-H", spec_hosts,
+               "--network-interface", SUBNET, sys.executable, os.path.abspath(__file__), *passed]
+        return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 
 def main_cupy(args: argparse.Namespace) -> None:
@@ -209,10 +331,11 @@ def measured_row(comm: MPI.Comm, name: str, fn: Callable[[], None], nbytes: int,
 def print_table(notes: "list[str]", rows: list) -> None:
     for note in notes:
         print(f"# {note}")
-    print(f"{'size':>10} {'impl':>16} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
-    for name, nbytes, seconds, algbw, busbw in rows:
+    print(f"{'size':>10} {'impl':>16} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'bound':>7}")
+    for name, nbytes, seconds, algbw, busbw, *rest in rows:
         label = f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"
-        print(f"{label:>10} {name:>16} {seconds * 1e6:12.1f} {algbw:12.2f} {busbw:12.2f}")
+        share = f"{rest[0] * 100:6.0f}%" if rest and rest[0] is not None else f"{'':>7}"
+        print(f"{label:>10} {name:>16} {seconds * 1e6:12.1f} {algbw:12.2f} {busbw:12.2f} {share}")
     sys.stdout.flush()
 
 

@@ -38,9 +38,6 @@ class Kind(enum.IntEnum):
 ALGORITHM_VARIABLE = "MTRAIN_ALLREDUCE_ALGORITHM"
 ALGORITHMS = ("auto", "ring", "shm", "hierarchical")
 STRIPE_VARIABLE = "MTRAIN_SHM_STRIPE_BYTES"  # the shared-memory path's stripe (shm.py); tuning and tests
-# auto: below this many bytes per rank the ring (its gather-and-reduce path) is used even
-# where shared memory could be (measured with benchmarks/allreduce.py; see allreduce_flat).
-DEFAULT_SHM_MIN_BYTES = 0
 
 
 def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> str:
@@ -54,6 +51,20 @@ def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> str:
         raise ValueError(f"{ALGORITHM_VARIABLE}={environ[ALGORITHM_VARIABLE]!r} is not an all-reduce "
                          f"algorithm; set it to one of {', '.join(ALGORITHMS)} (or unset it for auto)")
     return text
+
+
+def _stripe_from_environment() -> "int | None":
+    text = os.environ.get(STRIPE_VARIABLE, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{STRIPE_VARIABLE}={text!r} is not a positive number of bytes; "
+                         f"set it to one (default {shm.DEFAULT_STRIPE_BYTES}) or unset it")
+    return value
 
 
 class Executor:
@@ -90,7 +101,10 @@ class Executor:
         self.algorithm = algorithm_from_environment() if algorithm is None else algorithm
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
-        self.shm_min_bytes = DEFAULT_SHM_MIN_BYTES if self.algorithm == "auto" else 0
+        # auto: buffers the ring reduces by one gather (N·bytes <= small_bytes) stay on the ring,
+        # whose single MPI_Allgather (~7 us at np=2) beats two shared-memory barriers and the
+        # copies around them (~20 us); from there up shared memory wins (benchmarks/allreduce.py).
+        self.shm_min_bytes = small_bytes // self.size + 1 if self.algorithm == "auto" else 0
         self.shared: "shm.SharedMemoryAllreduce | None" = None
         if self.algorithm != "ring" and local is not None and self.size > 1:
             # Collective over ``comm``: fine here, the engine thread has not started yet.
@@ -99,7 +113,7 @@ class Executor:
             homogeneous = len(set(local_sizes)) == 1 and (one_host or cross is not None)
             if homogeneous and local.Get_size() > 1:
                 if shm_stripe_bytes is None:
-                    shm_stripe_bytes = int(os.environ.get(STRIPE_VARIABLE, "0") or 0) or None
+                    shm_stripe_bytes = _stripe_from_environment()
                 shared = shm.SharedMemoryAllreduce(comm, local, None if one_host else cross,
                                                    segment_bytes, small_bytes, shm_stripe_bytes)
                 if shared.error is None:

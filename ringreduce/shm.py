@@ -188,9 +188,12 @@ class SharedMemoryAllreduce:
                 backend.divide(piece, self.world_size)
             backend.scale(piece, postscale)
 
-        def bounds_of(s: int) -> "list[tuple[int, int]]":
-            start = starts[s]
-            return [(start + lo, start + hi) for lo, hi in ring.even_bounds(min(stripe, count - start), size)]
+        # [lo, hi) of every chunk of every stripe, logical offsets; all full stripes cut alike.
+        full = ring.even_bounds(stripe, size)
+        tail = ring.even_bounds(count - starts[-1], size)
+        stripe_bounds = [[(start + lo, start + hi) for lo, hi in (full if start + stripe <= count else tail)]
+                         for start in starts]
+        bounds_of = stripe_bounds.__getitem__
 
         def copy_in(s: int) -> None:
             half = (first_half + s) % 2
