@@ -7,11 +7,19 @@ per-op overhead). Every variant moves the same bytes in the same run, and the
 variants take turns (one step each per round), so a drifting machine favours none:
 
 * ringreduce, engine with fusion (defaults; Average as training uses, and Sum
-  to match the peers, which only sum) and with fusion off,
-* mpi4py ``Allreduce`` per tensor (and, to average, a division after each),
+  to match the peers, which only sum), under each all-reduce path the job can
+  take: ``ring`` (point-to-point) and ``shm`` (through shared memory, where the
+  ranks share a host; MTRAIN_ALLREDUCE_ALGORITHM), and with fusion off,
+* Horovod-style user code through mtrain.torch: ``allreduce_async_`` on every
+  tensor (names formatted once, as ``DistributedOptimizer`` does), then
+  ``synchronize`` each,
+* mpi4py ``Allreduce`` in place per tensor (and, to average, a division after each),
 * torch.distributed gloo ``all_reduce`` per tensor, and in DDP-style 25 MiB buckets.
 
-``--sweep`` also times the engine over fusion thresholds (how the default was chosen).
+Each step submits every tensor, then waits for each, the way a training step does.
+The last column is a variant's time over the same workload's MPI_Allreduce per
+tensor (Sum). ``--sweep`` also times the engine over fusion thresholds (how the
+default was chosen).
 """
 from __future__ import annotations
 
@@ -57,8 +65,15 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     me, n = comm.Get_rank(), comm.Get_size()
     torch, dist = (None, None) if args.no_gloo else gloo_group(comm)
-    engine = runtime._rt().engine
+    hvd = None
+    if torch is not None:
+        import mtrain.torch as hvd  # the same runtime: init() above already started it
+    engine = runtime._rt().sets[0].engine
     defaults = engine.config
+    executor = engine.executor
+    # The paths this job can take: the ring always; shared memory when the ranks share a host.
+    shared = getattr(executor, "shared", None)
+    paths = {"ring": None} if shared is None else {"ring": None, "shm": shared}
 
     shapes = resnet50_gradient_shapes()
     grads = [np.random.default_rng(me * 1000 + i).standard_normal(s).astype(np.float32) * 1e-3
@@ -71,16 +86,31 @@ def main() -> None:
     # time of an add does not depend on the values otherwise (zeros are not denormal).
     zeros = {"r": [np.zeros_like(g) for g in grads], "t": [np.zeros_like(t) for t in tiny]}
 
-    def engine_step(arrays, prefix, op=rr.Average, **changes):
-        # Benchmark-only: each variant runs with its own fusion settings (every rank
-        # switches to the same config before each of its steps).
+    def engine_step(arrays, prefix, op=rr.Average, path="ring", **changes):
+        # Benchmark-only: each variant runs with its own fusion settings and all-reduce path
+        # (every rank switches to the same ones before each of its steps, with nothing in flight).
         config = dataclasses.replace(defaults, **changes)
+        names = [f"{prefix}{i}" for i in range(len(arrays))]  # formatted once, as a training loop would
 
         def run():
             engine.config = config
-            handles = [rr.allreduce_async_(a, op=op, name=f"{prefix}{i}") for i, a in enumerate(arrays)]
+            if shared is not None:
+                executor.shared = paths[path]
+            handles = [rr.allreduce_async_(a, op=op, name=name) for a, name in zip(arrays, names)]
             for h in handles:
                 rr.synchronize(h)
+        return run
+
+    def torch_step(tensors, prefix, path="ring"):
+        names = [f"{prefix}{i}" for i in range(len(tensors))]
+
+        def run():
+            engine.config = defaults
+            if shared is not None:
+                executor.shared = paths[path]
+            handles = [hvd.allreduce_async_(t, name=name) for t, name in zip(tensors, names)]
+            for h in handles:
+                hvd.synchronize(h)
         return run
 
     def mpi_step(arrays, average=False):
@@ -95,18 +125,23 @@ def main() -> None:
         medians = timed_side_by_side(comm, variants, nbytes, args.budget * len(variants), 5)
         results.extend((workload, label, seconds) for label, seconds in medians.items())
 
-    fused_label = f"ringreduce fused ({defaults.fusion_threshold_bytes // MiB} MiB)"
+    fused = f"ringreduce fused ({defaults.fusion_threshold_bytes // MiB} MiB)"
     for workload, arrays, prefix in (("resnet50", grads, "r"), ("1000x1KiB", tiny, "t")):
         summed = zeros[prefix]
-        variants = {
-            # Each variant names its tensors apart: one name with another op would
-            # (rightly) invalidate the response cache entry of the other variant.
-            f"{fused_label}, Average": engine_step(arrays, prefix + "a"),
-            f"{fused_label}, Sum": engine_step(summed, prefix + "s", rr.Sum),
-            "ringreduce fusion off, Average": engine_step(arrays, prefix + "o", fusion_threshold_bytes=0),
-            "MPI_Allreduce per tensor (Sum)": mpi_step(summed),
-            "MPI_Allreduce per tensor, then divide (Average)": mpi_step(arrays, average=True),
-        }
+        variants = {}
+        # Each variant names its tensors apart: one name with another op would (rightly)
+        # invalidate the response cache entry of the other variant.
+        for path in paths:
+            variants[f"{fused}, {path}, Average"] = engine_step(arrays, f"{prefix}a{path}", path=path)
+            variants[f"{fused}, {path}, Sum"] = engine_step(summed, f"{prefix}s{path}", rr.Sum, path=path)
+        variants["ringreduce fusion off, ring, Average"] = engine_step(arrays, prefix + "o",
+                                                                       fusion_threshold_bytes=0)
+        if hvd is not None:
+            path = "shm" if "shm" in paths else "ring"
+            tensors = [torch.from_numpy(a.copy()) for a in arrays]
+            variants[f"mtrain.torch allreduce_async_ per tensor, {path}"] = torch_step(tensors, prefix + "h", path)
+        variants["MPI_Allreduce per tensor (Sum)"] = mpi_step(summed)
+        variants["MPI_Allreduce per tensor, then divide (Average)"] = mpi_step(arrays, average=True)
         if torch is not None:
             tensors = [torch.from_numpy(a) for a in summed]
             variants["gloo per tensor (Sum)"] = lambda tensors=tensors: [dist.all_reduce(t) for t in tensors]
@@ -119,14 +154,18 @@ def main() -> None:
                  for threshold in (1, 2, 4, 8, 16, 32, 64) for inplace in (256 << 10, 1 << 20, 4 << 20)}
         measure("resnet50", sweep, total)
     engine.config = defaults
+    if shared is not None:
+        executor.shared = shared
 
     if me == 0:
         print(f"# gradient all-reduce per step, {n} ranks; resnet50 = {len(grads)} tensors, "
-              f"{total / MiB:.1f} MiB float32")
-        print(f"{'workload':>10}  {'variant':<48} {'ms/step':>9} {'us/tensor':>10}")
+              f"{total / MiB:.1f} MiB float32; all-reduce paths: {', '.join(paths)}")
+        print(f"{'workload':>10}  {'variant':<52} {'ms/step':>9} {'us/tensor':>10} {'vs MPI':>7}")
+        mpi = {w: s for w, label, s in results if label == "MPI_Allreduce per tensor (Sum)"}
         for workload, label, seconds in results:
             count = len(grads) if workload == "resnet50" else len(tiny)
-            print(f"{workload:>10}  {label:<48} {seconds * 1e3:9.2f} {seconds * 1e6 / count:10.1f}")
+            print(f"{workload:>10}  {label:<52} {seconds * 1e3:9.2f} {seconds * 1e6 / count:10.1f} "
+                  f"{seconds / mpi[workload]:7.2f}")
     if dist is not None:
         dist.destroy_process_group()
     rr.shutdown()

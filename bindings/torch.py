@@ -86,9 +86,11 @@ def _bfloat16() -> Any:
 def _check_tensor(tensor: Any, what: str = "tensor") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor as {what}, got {type(tensor).__name__}")
-    if tensor.device.type not in ("cpu", "cuda"):
+    if tensor.is_cpu:  # the common case first, and without building a torch.device
+        pass
+    elif not tensor.is_cuda:
         raise NotImplementedError(f"{what} is on {tensor.device}: mtrain supports CPU and CUDA tensors")
-    if tensor.is_cuda and not cuda_built():
+    elif not cuda_built():
         raise NotImplementedError(f"{what} is a CUDA tensor: mtrain's GPU path needs CuPy; "
                                   "pip install 'mtrain[cuda12]' (or [cuda13] for CUDA 13)")
     if tensor.is_sparse:
@@ -104,7 +106,10 @@ def _wait_for(waiter: Any, producer: Any) -> None:
 
 def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's own memory as a NumPy array (tensor must be contiguous for writes to land)."""
-    tensor = tensor.detach()
+    if tensor.requires_grad:
+        # Only then: detach() is a dispatched torch op that also releases the GIL, which on
+        # the per-tensor path hands the GIL to the engine thread and back every time.
+        tensor = tensor.detach()
     if tensor.is_cuda:  # a CuPy view of the same device memory, no copy
         if tensor.dtype == torch.bfloat16:
             raise TypeError("bfloat16 CUDA tensors are not supported (CuPy has no bfloat16); "
@@ -120,7 +125,7 @@ def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
             # CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1.
             capsule = tensor.__dlpack__(stream=-1)
         return cupy.from_dlpack(capsule)
-    if tensor.dtype == torch.bfloat16:
+    if tensor.dtype is torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(_bfloat16())
     return tensor.numpy()
 
@@ -142,6 +147,79 @@ def _from_numpy(array: np.ndarray) -> torch.Tensor:
     if not array.flags.writeable:
         array = array.copy()
     return torch.from_numpy(array)
+
+
+class _InPlaceHandle(Handle):
+    """An in-place op on a tensor the runtime writes directly (contiguous, on the CPU): the
+    result is the tensor itself. No finishing function to build per op."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, inner: Any, tensor: torch.Tensor) -> None:
+        self._inner, self._finish, self._done, self._result = inner, None, False, None
+        self._tensor = tensor
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._inner.wait()  # raises the op's error
+            self._done, self._result, self._inner = True, self._tensor, None
+        return self._result
+
+
+class _ViewCache:
+    """NumPy views of small CPU tensors, kept from one step to the next under a key (a
+    parameter, or an op's name): a training step that all-reduces the same tensors again
+    converts none of them. An entry is used only for the very tensor it was made from, with
+    the same memory and shape, so one that was resized or given new storage
+    (``tensor.data = ...``, ``set_``) is converted afresh.
+
+    Only small tensors: an entry keeps its tensor's memory alive until it is replaced, and
+    for a large tensor the conversion is noise next to its reduction anyway."""
+
+    MAX_BYTES = 16 << 10
+    MAX_ENTRIES = 4096
+
+    def __init__(self) -> None:
+        self._entries: "dict[Any, tuple[torch.Tensor, int, Any, np.ndarray]]" = {}
+
+    def view(self, key: Any, tensor: torch.Tensor) -> np.ndarray:
+        """``_numpy_view(tensor)`` for a contiguous CPU tensor, reused when still valid."""
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is tensor and entry[1] == tensor.data_ptr() and entry[2] == tensor.shape:
+            return entry[3]
+        array = _numpy_view(tensor)
+        if array.nbytes <= self.MAX_BYTES:
+            if len(self._entries) >= self.MAX_ENTRIES:
+                self._entries.clear()
+            self._entries[key] = (tensor, tensor.data_ptr(), tensor.shape, array)
+        else:
+            self._entries.pop(key, None)
+        return array
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_named_views = _ViewCache()  # for ops the caller names: names recur every step
+
+
+def _allreduce_in_place(tensor: torch.Tensor, name: Optional[str], op: Any, prescale_factor: float,
+                        postscale_factor: float, process_set: ProcessSet,
+                        views: "_ViewCache | None" = None, key: Any = None) -> Handle:
+    """Start an in-place all-reduce of a checked tensor: the per-gradient path, kept short.
+    ``views`` and ``key``: where this tensor's NumPy view may be kept for the next step."""
+    if tensor.is_cpu and tensor.is_contiguous():
+        if key is not None:
+            array = views.view(key, tensor)  # type: ignore[union-attr]
+        elif name is not None:
+            array = _named_views.view(name, tensor)
+        else:
+            array = _numpy_view(tensor)
+        inner = rr.allreduce_async_(array, op, name, prescale_factor, postscale_factor, process_set=process_set)
+        return _InPlaceHandle(inner, tensor)
+    buffer, land = _inplace_buffer(tensor)
+    inner = rr.allreduce_async_(buffer, op, name, prescale_factor, postscale_factor, process_set=process_set)
+    return Handle(inner, land)
 
 
 def _inplace_buffer(tensor: torch.Tensor) -> Tuple[np.ndarray, Any]:
@@ -174,10 +252,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
         process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce of ``tensor``; ``synchronize`` returns ``tensor``."""
-    buffer, land = _inplace_buffer(_check_tensor(tensor))
-    inner = rr.allreduce_async_(buffer, resolve_op(average, op), name, prescale_factor, postscale_factor,
-                                process_set=process_set)
-    return Handle(inner, land)
+    return _allreduce_in_place(_check_tensor(tensor), name, resolve_op(average, op), prescale_factor,
+                               postscale_factor, process_set)
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -669,6 +745,9 @@ class _DistributedOptimizer:
         self.sparse_as_dense = bool(sparse_as_dense)
         params = [p for group in self.param_groups for p in group["params"]]
         self._parameter_names = _parameter_names(named_parameters, params)
+        # Formatted once here, not once per gradient per step.
+        self._gradient_names = {p: f"DistributedOptimizer.{name}" for p, name in self._parameter_names.items()}
+        self._gradient_views = _ViewCache()  # each parameter's gradient as NumPy, while it stays the same
         self._requires_update = [p for p in dict.fromkeys(params) if p.requires_grad]
         self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
         self._handles: Dict[torch.Tensor, Any] = {}
@@ -700,19 +779,20 @@ class _DistributedOptimizer:
         return hook
 
     def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Handle, Any]:
-        if p.grad is None:  # no gradient on this rank this step: take part with zeros
-            p.grad = torch.zeros_like(p)
-        name = f"DistributedOptimizer.{self._parameter_names[p]}"
-        if p.grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
+        grad = p.grad
+        if grad is None:  # no gradient on this rank this step: take part with zeros
+            grad = p.grad = torch.zeros_like(p)
+        name = self._gradient_names[p]
+        if grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
             if not self.sparse_as_dense:  # as Horovod: gather indices and values, no compression
-                return sparse_allreduce_async(p.grad, name=name, op=self.op, process_set=self.process_set), None
-            p.grad = p.grad.to_dense()
-        compressed, ctx = self._compression.compress(p.grad)
+                return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), None
+            grad = p.grad = grad.to_dense()
+        compressed, ctx = self._compression.compress(grad)
         pre, post = 1.0, 1.0
         if self.op == Average:  # the runtime divides by size after the postscale
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post,
-                                  process_set=self.process_set)
+        handle = _allreduce_in_place(_check_tensor(compressed), name, self.op, pre, post, self.process_set,
+                                     self._gradient_views, p)
         return handle, ctx
 
     def synchronize(self) -> None:
@@ -768,6 +848,8 @@ class _DistributedOptimizer:
                                "optimizer.step() or optimizer.synchronize(): the gradients are still "
                                "being averaged; call step() (or synchronize()) first")
         super().zero_grad(set_to_none)  # type: ignore[misc]
+        if set_to_none:  # the gradients are gone: so are their views (which would keep them alive)
+            self._gradient_views.clear()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._handles.clear()
