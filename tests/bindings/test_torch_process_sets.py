@@ -193,3 +193,20 @@ def test_distributed_optimizer_keeps_training_after_a_rank_joined():
     if me == n - 1:
         for p, q in zip(model.parameters(), reference.parameters()):
             assert torch.allclose(p, q, atol=1e-12), (p, q)
+
+
+# -- SyncBatchNorm in float32 -------------------------------------------------------------------
+
+@mpi_test(nps=(2, 3))
+def test_sync_batch_norm_float32_keeps_the_variance_of_data_far_from_zero():
+    """Data whose mean is large next to its spread: E[x²] - E[x]² in float32 cancels to noise."""
+    import mtrain.torch as hvd
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    whole = torch.cat([(_data(r, (5, 3)) * 0.01 + 3000.0 + r) for r in range(n)]).float()
+    reference = torch.nn.BatchNorm1d(3)
+    sync = hvd.SyncBatchNorm(3)
+    out_all = reference(whole)
+    out = sync(whole[me * 5:(me + 1) * 5])
+    assert torch.allclose(out, out_all[me * 5:(me + 1) * 5], atol=2e-3), (out, out_all[me * 5:(me + 1) * 5])
+    assert torch.allclose(sync.running_var, reference.running_var, rtol=1e-3)
