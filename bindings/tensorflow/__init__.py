@@ -5,6 +5,11 @@ Ops take ``tf.Tensor``/``tf.Variable`` values, eagerly or inside ``tf.function``
 is differentiable with Horovod's backward rule (see "the collectives" below), and
 ranks that disagree raise ``tf.errors.FailedPreconditionError`` eagerly (see
 ``_call`` for graphs). Keras lives in ``mtrain.tensorflow.keras``.
+
+Process sets are Horovod's: ``init(process_sets=[...])`` or ``add_process_set``, then
+``process_set=`` on every op (and on the tape and optimizer). ``root_rank`` stays a
+global rank; Average divides by the set's size; a rank outside the set gets
+``tf.errors.InvalidArgumentError``. ``join()`` returns the rank that joined last.
 """
 from __future__ import annotations
 
@@ -15,9 +20,10 @@ import tensorflow as tf
 
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
-    Adasum, Average, Max, Min, MismatchError, NotInitializedError, Product, ReduceOp, Sum,
-    cross_rank, cross_size, init, is_initialized, local_rank, local_size, mpi_threads_supported,
-    rank, shutdown, size,
+    Adasum, Average, Max, Min, MismatchError, NotInitializedError, ProcessSet, Product, ReduceOp, Sum,
+    add_process_set, cross_rank, cross_size, global_process_set, init, is_homogeneous, is_initialized,
+    local_rank, local_size, mpi_threads_supported, rank, remove_process_set, shutdown, size,
+    start_timeline, stop_timeline,
 )
 
 HorovodInternalError = getattr(rr, "HorovodInternalError", None)
@@ -33,13 +39,21 @@ from .. import compression as _compression
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer",
     "HorovodInternalError", "Max", "Min", "MismatchError", "NotInitializedError",
-    "PartialDistributedGradientTape", "Product", "ReduceOp", "Sum", "SyncBatchNormalization", "allgather",
-    "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
-    "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "broadcast_variables",
-    "cross_rank", "cross_size", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init",
-    "is_initialized", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_threads_supported",
-    "rank", "rank_op", "reducescatter", "shutdown", "size", "size_op", "elastic",
+    "PartialDistributedGradientTape", "ProcessSet", "Product", "ReduceOp", "Sum", "SyncBatchNormalization",
+    "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "broadcast_variables",
+    "cross_rank", "cross_size", "global_process_set", "grouped_allgather", "grouped_allreduce",
+    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op",
+    "local_size", "local_size_op", "mpi_threads_supported", "process_set_included_op", "rank", "rank_op",
+    "reducescatter", "remove_process_set", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
+    "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
+    "nccl_built", "rocm_built", "elastic",
 ]
+
+
+def __dir__() -> List[str]:
+    """The Horovod API only (``dir(hvd)``): no private helpers or imported modules."""
+    return sorted(__all__)
 
 
 class Compression:
@@ -50,18 +64,69 @@ class Compression:
         dtype_of=lambda t: t.dtype, float16=tf.float16)
 
 
-def barrier() -> None:
-    rr.barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank of ``process_set`` reaches the barrier."""
+    _checked(process_set)
+    _eager_errors(lambda: rr.barrier(process_set=process_set))
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None) -> Any:
-    """``root_rank``'s picklable object, on every rank."""
-    return rr.broadcast_object(obj, root_rank, name)
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s picklable object, on every rank of ``process_set`` (``root_rank`` is a global rank)."""
+    _checked(process_set)
+    return _eager_errors(lambda: rr.broadcast_object(obj, root_rank, name, process_set=process_set))
 
 
-def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None) -> list:
-    """Every rank's picklable object, in rank order."""
-    return rr.allgather_object(obj, name)
+def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """Every rank's picklable object, in rank order within ``process_set``."""
+    _checked(process_set)
+    return _eager_errors(lambda: rr.allgather_object(obj, name, process_set=process_set))
+
+
+def join() -> tf.Tensor:
+    """This rank has run out of data (Horovod's ``join``): until every rank has joined, it takes part
+    in the others' ops with zeros (allreduce) or no rows (allgather). Blocks until every rank has
+    joined; returns the rank that joined last, as an int32 tensor (in a graph: when the op runs)."""
+    return _int_op(lambda: _eager_errors(rr.join), None)
+
+
+# -- process sets ------------------------------------------------------------------
+
+def _checked(process_set: Any) -> ProcessSet:
+    """``process_set`` if it is a registered ProcessSet; a clear error otherwise (before any op runs)."""
+    if not isinstance(process_set, ProcessSet):
+        raise _InvalidArgument(f"process_set must be an mtrain ProcessSet (hvd.ProcessSet, hvd.global_process_set), "
+                               f"got {type(process_set).__name__}")
+    if process_set.process_set_id is None:
+        raise _InvalidArgument(f"{process_set} is not registered: pass it to hvd.init(process_sets=[...]) or "
+                               "hvd.add_process_set() on every rank first")
+    return process_set
+
+
+def _set_size(process_set: ProcessSet) -> int:
+    """The number of ranks in ``process_set`` (what Average divides by)."""
+    return int(_checked(process_set).size())
+
+
+def _set_rank(process_set: ProcessSet) -> int:
+    """This rank's position within ``process_set`` (the order of allgather results)."""
+    return int(_checked(process_set).rank())
+
+
+def _set_of_id(process_set_id: int) -> ProcessSet:
+    """A handle on the registered set ``process_set_id`` (as Horovod's ``*_op(process_set_id=...)`` take)."""
+    if process_set_id == 0:
+        return global_process_set
+    # The runtime has no public lookup by id (Horovod's _temp_process_set_object): read its table.
+    from mtrain.ringreduce import runtime
+    state = runtime._rt().sets.get(int(process_set_id))
+    if state is None:
+        raise _InvalidArgument(f"no process set has process_set_id={process_set_id}: register it with "
+                               "hvd.init(process_sets=[...]) or hvd.add_process_set() first")
+    handle = ProcessSet(list(state.ranks))
+    handle.process_set_id = state.id
+    return handle
 
 
 # -- tensors <-> NumPy ---------------------------------------------------------
@@ -75,6 +140,27 @@ def _dense(value: Any, what: str = "tensor") -> tf.Tensor:
         raise NotImplementedError(f"{what} is on {tensor.device}: mtrain's GPU path is not there yet; "
                                   "place the computation on the CPU (with tf.device('/CPU:0'))")
     return tensor
+
+
+class _InvalidArgument(tf.errors.InvalidArgumentError, rr.InvalidArgumentError):
+    """An op refused before it ran (a rank outside the op's process set, a root outside it, ...).
+
+    What Horovod raises (``tf.errors.InvalidArgumentError``), and mtrain's own
+    ``InvalidArgumentError`` (a RuntimeError and ValueError): the same class eagerly and in a graph.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, None, message)
+
+
+def _eager_errors(fn: Callable[[], Any]) -> Any:
+    """``fn()``, with the runtime's argument errors raised as ``_InvalidArgument``."""
+    try:
+        return fn()
+    except rr.InvalidArgumentError as error:
+        if isinstance(error, tf.errors.OpError):
+            raise
+        raise _InvalidArgument(str(error)) from error
 
 
 class _RanksDisagreeError(tf.errors.FailedPreconditionError, MismatchError):
@@ -100,7 +186,7 @@ def _call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], out_
     """
     if tf.executing_eagerly():
         try:
-            outputs = fn(*[t.numpy() for t in inputs])
+            outputs = _eager_errors(lambda: fn(*[t.numpy() for t in inputs]))
         except MismatchError as error:
             if isinstance(error, tf.errors.OpError):
                 raise
@@ -143,14 +229,16 @@ def _zeros_for_missing(grads: Sequence[Any], outputs: Sequence[tf.Tensor]) -> Li
 # -- the collectives, each with Horovod's backward rule ---------------------------
 # Each ``_raw_*`` runs one collective with no gradient; the public functions wrap
 # it in tf.custom_gradient so tape.gradient (and Keras) can differentiate through it.
+# The backward op runs on the forward op's process set, as Horovod's registered gradients do.
 
 def _raw_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str], prescale: float,
-                           postscale: float) -> List[tf.Tensor]:
+                           postscale: float, process_set: ProcessSet) -> List[tf.Tensor]:
     def reduce(*arrays: np.ndarray) -> List[np.ndarray]:
         arrays = [_c(a) for a in arrays]
         integers = [i for i, a in enumerate(arrays) if a.dtype.kind in "iu"] if op == Average else []
         if not integers:
-            results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale, postscale))
+            results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale, postscale,
+                                                                process_set=process_set))
             return [r.reshape(a.shape) for r, a in zip(results, arrays)]
         # Integers averaged as in Horovod: a sum scaled once by postscale / size (in float64,
         # truncated toward zero), not divided and then scaled (which would round twice).
@@ -158,10 +246,10 @@ def _raw_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[
         handles = []
         if others:
             handles.append((others, rr.grouped_allreduce_async([arrays[i] for i in others], op, name,
-                                                               prescale, postscale)))
+                                                               prescale, postscale, process_set=process_set)))
         handles.append((integers, rr.grouped_allreduce_async(
             [arrays[i] for i in integers], Sum, name if not others or name is None else f"{name}.integers",
-            prescale, postscale / rr.size())))
+            prescale, postscale / _set_size(process_set), process_set=process_set)))
         results: List[Any] = [None] * len(arrays)
         for indices, handle in handles:
             for i, r in zip(indices, rr.synchronize(handle)):
@@ -171,59 +259,65 @@ def _raw_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[
 
 
 def _differentiable_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str],
-                                      prescale: float, postscale: float) -> List[tf.Tensor]:
+                                      prescale: float, postscale: float,
+                                      process_set: ProcessSet) -> List[tf.Tensor]:
     @tf.custom_gradient
     def reduce(*xs: tf.Tensor) -> Any:
-        outputs = _raw_grouped_allreduce(xs, op, name, prescale, postscale)
+        outputs = _raw_grouped_allreduce(xs, op, name, prescale, postscale, process_set)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
             # Horovod: the gradient of an allreduce is the same allreduce (op and scaling) of the gradient.
             return _raw_grouped_allreduce(_zeros_for_missing(dys, outputs), op, _grad_name(name),
-                                          prescale, postscale)
+                                          prescale, postscale, process_set)
         return outputs, grad
     return list(reduce(*inputs))
 
 
-def _raw_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str]) -> List[tf.Tensor]:
+def _raw_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str],
+                           process_set: ProcessSet) -> List[tf.Tensor]:
     def gather(*arrays: np.ndarray) -> List[np.ndarray]:
         names = [None if name is None else f"{name}.{i}" for i in range(len(arrays))]
-        handles = [rr.allgather_async(_c(a), n) for a, n in zip(arrays, names)]
+        handles = [rr.allgather_async(_c(a), n, process_set=process_set) for a, n in zip(arrays, names)]
         return [rr.synchronize(h) for h in handles]
     shapes = [_first_dim_unknown(t) if t.shape.rank != 0 else tf.TensorShape([None]) for t in inputs]
     return _call(gather, inputs, [t.dtype for t in inputs], shapes)  # a scalar is gathered as one row
 
 
-def _my_rows(grad: tf.Tensor, x: tf.Tensor, name: Optional[str]) -> tf.Tensor:
-    """This rank's block of rows of an allgathered tensor's gradient."""
+def _my_rows(grad: tf.Tensor, x: tf.Tensor, name: Optional[str], process_set: ProcessSet) -> tf.Tensor:
+    """This rank's block of rows of an allgathered tensor's gradient (blocks in set-rank order)."""
     rows = tf.reshape(x, [-1]) if x.shape.rank == 0 else x  # a scalar was gathered as one row
-    counts = _raw_grouped_allgather([tf.shape(rows, out_type=tf.int64)[:1]], name)[0]
-    start = tf.reduce_sum(counts[:rr.rank()])
-    return tf.reshape(grad[start:start + counts[rr.rank()]], tf.shape(x))
+    counts = _raw_grouped_allgather([tf.shape(rows, out_type=tf.int64)[:1]], name, process_set)[0]
+    me = _set_rank(process_set)
+    start = tf.reduce_sum(counts[:me])
+    return tf.reshape(grad[start:start + counts[me]], tf.shape(x))
 
 
-def _differentiable_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str]) -> List[tf.Tensor]:
+def _differentiable_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str],
+                                      process_set: ProcessSet) -> List[tf.Tensor]:
     @tf.custom_gradient
     def gather(*xs: tf.Tensor) -> Any:
-        outputs = _raw_grouped_allgather(xs, name)
+        outputs = _raw_grouped_allgather(xs, name, process_set)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
-            # Horovod: average the gradient over ranks, keep the rows this rank contributed.
+            # Horovod: average the gradient over the set's ranks, keep the rows this rank contributed.
             dys = _zeros_for_missing(dys, outputs)
             averaged = [_raw_grouped_allreduce([dy], Average, None if name is None else f"{name}.grad.{i}",
-                                               1.0, 1.0)[0] for i, dy in enumerate(dys)]
-            return [_my_rows(g, x, None if name is None else f"{name}.grad.rows.{i}")
+                                               1.0, 1.0, process_set)[0] for i, dy in enumerate(dys)]
+            return [_my_rows(g, x, None if name is None else f"{name}.grad.rows.{i}", process_set)
                     for i, (g, x) in enumerate(zip(averaged, xs))]
         return outputs, grad
     return list(gather(*inputs))
 
 
-def _raw_broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str]) -> tf.Tensor:
-    fn = lambda a: [rr.synchronize(rr.broadcast_async(_c(a), root_rank, name)).reshape(a.shape)]  # noqa: E731,E501
+def _raw_broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str], process_set: ProcessSet) -> tf.Tensor:
+    def fn(a: np.ndarray) -> List[np.ndarray]:
+        handle = rr.broadcast_async(_c(a), root_rank, name, process_set=process_set)
+        return [rr.synchronize(handle).reshape(a.shape)]
     return _call(fn, [tensor], [tensor.dtype], [tensor.shape])[0]
 
 
 def _raw_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str], prescale: float,
-                               postscale: float) -> List[tf.Tensor]:
+                               postscale: float, process_set: ProcessSet) -> List[tf.Tensor]:
     def scatter(*arrays: np.ndarray) -> List[np.ndarray]:
         names = [name if name is None or len(arrays) == 1 else f"{name}.{i}" for i in range(len(arrays))]
         handles, posts = [], []
@@ -231,106 +325,123 @@ def _raw_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optio
             # Integers averaged as in Horovod: summed, then one float64 scaling by postscale / size
             # (dividing first and scaling after would round twice).
             integer_average = op == Average and a.dtype.kind in "iu"
-            handles.append(rr.reducescatter_async(_scaled(_c(a), prescale), Sum if integer_average else op, n))
-            posts.append(postscale / rr.size() if integer_average else postscale)
+            handles.append(rr.reducescatter_async(_scaled(_c(a), prescale), Sum if integer_average else op, n,
+                                                  process_set=process_set))
+            posts.append(postscale / _set_size(process_set) if integer_average else postscale)
         return [_scaled(rr.synchronize(h), post) for h, post in zip(handles, posts)]
     return _call(scatter, inputs, [t.dtype for t in inputs], [_first_dim_unknown(t) for t in inputs])
 
 
 def _differentiable_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str],
-                                          prescale: float, postscale: float) -> List[tf.Tensor]:
+                                          prescale: float, postscale: float,
+                                          process_set: ProcessSet) -> List[tf.Tensor]:
     @tf.custom_gradient
     def scatter(*xs: tf.Tensor) -> Any:
-        outputs = _raw_grouped_reducescatter(xs, op, name, prescale, postscale)
+        outputs = _raw_grouped_reducescatter(xs, op, name, prescale, postscale, process_set)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
-            # Horovod: allgather the gradient (times size for Sum); the scale factors by the chain rule.
-            factor = prescale * postscale * (rr.size() if op == Sum else 1)
+            # Horovod: allgather the gradient (times the set's size for Sum); the scale factors by the chain rule.
+            factor = prescale * postscale * (_set_size(process_set) if op == Sum else 1)
             dys = [dy * tf.cast(factor, dy.dtype) if factor != 1 else dy for dy in _zeros_for_missing(dys, outputs)]
-            return [_raw_grouped_allgather([dy], None if name is None else f"{name}.grad.{i}")[0]
+            return [_raw_grouped_allgather([dy], None if name is None else f"{name}.grad.{i}", process_set)[0]
                     for i, dy in enumerate(dys)]
         return outputs, grad
     return list(scatter(*inputs))
 
 
-def _raw_alltoall(tensor: tf.Tensor, splits: tf.Tensor, given: bool, name: Optional[str]) -> List[tf.Tensor]:
+def _raw_alltoall(tensor: tf.Tensor, splits: tf.Tensor, given: bool, name: Optional[str],
+                  process_set: ProcessSet) -> List[tf.Tensor]:
     def fn(a: np.ndarray, s: np.ndarray) -> List[np.ndarray]:
-        received, received_splits = rr.synchronize(rr.alltoall_async(_c(a), s.tolist() if given else None, name))
+        received, received_splits = rr.synchronize(rr.alltoall_async(_c(a), s.tolist() if given else None, name,
+                                                                     process_set=process_set))
         return [received, np.asarray(received_splits, dtype=np.int32)]
     return _call(fn, [tensor, splits], [tensor.dtype, tf.int32], [_first_dim_unknown(tensor), [None]])
 
 
 # -- collectives -----------------------------------------------------------------
+# Argument order as in Horovod 0.28 (``process_set`` included), so positional calls keep working.
 
 def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
                       device_sparse: str = "", compression: type = Compression.none, op: Any = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
                       name: Optional[str] = None) -> List[tf.Tensor]:
-    """Each tensor reduced over all ranks (default Average), as one fused unit."""
+    """Each tensor reduced over the ranks of ``process_set`` (default Average), as one fused unit."""
     op = resolve_op(average, op)
+    _checked(process_set)
     pairs = [compression.compress(_dense(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inputs = [t for t, _ in pairs]
     if not inputs:
         return []
-    reduced = _differentiable_grouped_allreduce(inputs, op, name, prescale_factor, postscale_factor)
+    reduced = _differentiable_grouped_allreduce(inputs, op, name, prescale_factor, postscale_factor, process_set)
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",
               compression: type = Compression.none, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: Optional[str] = None,
-              ignore_name_scope: bool = False) -> tf.Tensor:
-    """``tensor`` reduced over all ranks (default Average)."""
-    return grouped_allreduce([tensor], average, device_dense, device_sparse, compression, op,
-                             prescale_factor, postscale_factor, name)[0]
+              process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False) -> tf.Tensor:
+    """``tensor`` reduced over the ranks of ``process_set`` (default Average, over the set's size)."""
+    return grouped_allreduce([tensor], average, device_dense, device_sparse, compression, op, prescale_factor,
+                             postscale_factor, process_set=process_set, name=name)[0]
 
 
-def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
-                      ignore_name_scope: bool = False) -> List[tf.Tensor]:
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
     """Each tensor allgathered (see ``allgather``), submitted together."""
+    _checked(process_set)
     inputs = [_dense(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
-    return _differentiable_grouped_allgather(inputs, name) if inputs else []
+    return _differentiable_grouped_allgather(inputs, name, process_set) if inputs else []
 
 
-def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False) -> tf.Tensor:
-    """Every rank's tensor concatenated along dimension 0 (first dimensions may differ)."""
-    return _differentiable_grouped_allgather([_dense(tensor)], name)[0]
+def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """The tensors of the ranks of ``process_set`` concatenated along dimension 0, in set-rank order
+    (first dimensions may differ)."""
+    _checked(process_set)
+    return _differentiable_grouped_allgather([_dense(tensor)], name, process_set)[0]
 
 
-def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
-              ignore_name_scope: bool = False) -> tf.Tensor:
-    """``root_rank``'s value of ``tensor``, on every rank."""
+def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """``root_rank``'s value of ``tensor`` (a global rank, in ``process_set``), on every rank of the set."""
+    _checked(process_set)
+
     @tf.custom_gradient
     def send(x: tf.Tensor) -> Any:
-        output = _raw_broadcast(x, root_rank, name)
+        output = _raw_broadcast(x, root_rank, name, process_set)
 
         def grad(dy: Any) -> tf.Tensor:
-            # Horovod: the gradient averaged over ranks goes to the root; the others get zeros.
+            # Horovod: the gradient averaged over the set goes to the root; the others get zeros.
             averaged = _raw_grouped_allreduce(_zeros_for_missing([dy], [output]), Average, _grad_name(name),
-                                              1.0, 1.0)[0]
+                                              1.0, 1.0, process_set)[0]
             return averaged if rr.rank() == root_rank else averaged * 0
         return output, grad
     return send(_dense(tensor))
 
 
-def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: Optional[str] = None) -> List[tf.Tensor]:
+def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
     """In place: every variable takes ``root_rank``'s value; returns their new values."""
-    broadcast_variables(variables, root_rank)
+    broadcast_variables(variables, root_rank, process_set=process_set)
     return [v.read_value() for v in variables]
 
 
-def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int) -> Any:
-    """Assign ``root_rank``'s value to every variable (model weights, optimizer slots, ...).
+def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
+                        process_set: ProcessSet = global_process_set, inplace: bool = False) -> Any:
+    """Assign ``root_rank``'s value to every variable (model weights, optimizer slots, ...) on the
+    ranks of ``process_set``. ``inplace`` is accepted for Horovod (the assignment is in place anyway).
 
     In a TF1-style graph this returns the op that does it; eagerly it is done on return.
     """
+    _checked(process_set)
     variables = list(variables)
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
     values = [_dense(v, f"variables[{i}]") for i, v in enumerate(variables)]
 
     def fn(*arrays: np.ndarray) -> List[np.ndarray]:
-        handles = [rr.broadcast_async(_c(a), root_rank, f"broadcast_variables.{i}")
+        handles = [rr.broadcast_async(_c(a), root_rank, f"broadcast_variables.{i}", process_set=process_set)
                    for i, a in enumerate(arrays)]
         return [rr.synchronize(h).reshape(a.shape) for h, a in zip(handles, arrays)]
     assigns = [variable.assign(value) for variable, value in
@@ -347,29 +458,34 @@ def broadcast_global_variables(root_rank: int) -> Any:
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
-def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[str] = None) -> Callable[[Any], Any]:
-    """A function that broadcasts its (picklable) argument from ``root_rank``."""
-    return lambda obj: broadcast_object(obj, root_rank, session, name)
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                        process_set: ProcessSet = global_process_set) -> Callable[[Any], Any]:
+    """A function that broadcasts its (picklable) argument from ``root_rank`` over ``process_set``."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
 
 
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: type = Compression.none,
-                          op: Any = Average, name: Optional[str] = None, ignore_name_scope: bool = False,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[tf.Tensor]:
+                          op: Any = Average, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: Optional[str] = None, ignore_name_scope: bool = False) -> List[tf.Tensor]:
     """Each tensor reduce-scattered (see ``reducescatter``), submitted together."""
+    _checked(process_set)
     pairs = [compression.compress(_dense(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     if not pairs:
         return []
     scattered = _differentiable_grouped_reducescatter([t for t, _ in pairs], op, name, prescale_factor,
-                                                      postscale_factor)
+                                                      postscale_factor, process_set)
     return [compression.decompress(s, ctx) for s, (_, ctx) in zip(scattered, pairs)]
 
 
 def reducescatter(tensor: Any, device_dense: str = "", compression: type = Compression.none, op: Any = Average,
-                  name: Optional[str] = None, ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  name: Optional[str] = None, process_set: ProcessSet = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
-    """Reduce over ranks, keep this rank's rows (the first ``rows % size`` ranks get one extra)."""
-    return grouped_reducescatter([tensor], device_dense, compression, op, name, ignore_name_scope,
-                                 prescale_factor, postscale_factor)[0]
+    """Reduce over the ranks of ``process_set``, keep this rank's rows (in set-rank order, the first
+    ``rows % set size`` ranks get one extra)."""
+    return grouped_reducescatter([tensor], device_dense, compression, op, process_set, prescale_factor,
+                                 postscale_factor, name=name)[0]
 
 
 def _splits_tensor(splits: Any) -> tf.Tensor:
@@ -380,20 +496,22 @@ def _splits_tensor(splits: Any) -> tf.Tensor:
     return tf.cast(tensor, tf.int32)
 
 
-def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore_name_scope: bool = False) -> Any:
-    """Send ``splits[r]`` rows to rank r (equal shares if None). Returns the received tensor,
-    plus the received splits when ``splits`` is given (as Horovod)."""
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[r]`` rows to the set's r-th rank (equal shares if None). Returns the received
+    tensor, plus the received splits when ``splits`` is given (as Horovod)."""
+    _checked(process_set)
     given = splits is not None
     splits_tensor = _splits_tensor(splits) if given else tf.zeros([0], tf.int32)
 
     @tf.custom_gradient
     def exchange(x: tf.Tensor, s: tf.Tensor) -> Any:
-        received, received_splits = _raw_alltoall(x, s, given, name)
+        received, received_splits = _raw_alltoall(x, s, given, name, process_set)
 
         def grad(dy: Any, d_splits: Any) -> Any:
             # Horovod: send the gradient back the way the rows came.
             back, _ = _raw_alltoall(_zeros_for_missing([dy], [received])[0], received_splits, True,
-                                    _grad_name(name))
+                                    _grad_name(name), process_set)
             return back, None
         return (received, received_splits), grad
     received, received_splits = exchange(_dense(tensor), splits_tensor)
@@ -420,10 +538,25 @@ def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
 
 
 def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
-    """The number of ranks, as an int32 tensor."""
-    if process_set_id != 0:
-        raise NotImplementedError("process sets are not supported yet: only the global set (id 0)")
-    return _int_op(rr.size, name)
+    """The number of ranks in the process set ``process_set_id`` (0: every rank), as an int32 tensor."""
+    return _int_op(lambda: _set_size(_set_of_id(process_set_id)), name)
+
+
+# Horovod's codes for process_set_included_op when there is no answer.
+_PROCESS_SET_ERROR_INIT, _PROCESS_SET_ERROR_UNKNOWN_SET = -1, -3
+
+
+def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """1 if this rank belongs to the process set ``process_set_id``, else 0, as an int32 tensor; as in
+    Horovod, -1 before ``init()`` and -3 for an unknown set."""
+    def included() -> int:
+        if not rr.is_initialized():
+            return _PROCESS_SET_ERROR_INIT
+        try:
+            return int(bool(_set_of_id(process_set_id).included()))
+        except rr.InvalidArgumentError:
+            return _PROCESS_SET_ERROR_UNKNOWN_SET
+    return _int_op(included, name)
 
 
 def local_size_op(name: Optional[str] = None) -> tf.Tensor:
@@ -434,25 +567,32 @@ def local_size_op(name: Optional[str] = None) -> tf.Tensor:
 # -- DistributedGradientTape ---------------------------------------------------
 
 def _reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], op: Any, gradient_predivide_factor: float,
-                      compression: type, name: str, postscale: float = 1.0) -> List[tf.Tensor]:
-    """Average (or sum) gradients over ranks; a missing gradient takes part as zeros."""
+                      compression: type, name: str, postscale: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
+    """Average (or sum) gradients over the ranks of ``process_set``; a missing gradient takes part as zeros.
+
+    On a rank outside ``process_set`` the gradients stay this rank's own (only ``postscale`` applies),
+    as Horovod's optimizers and tapes do.
+    """
     grads = [tf.zeros_like(v) if g is None else _dense(g, "gradient") for g, v in zip(grads, variables)]
+    if not _checked(process_set).included():
+        return [g * tf.cast(postscale, g.dtype) if postscale != 1.0 else g for g in grads]
     pre, post = 1.0, postscale
     if op == Average:  # the runtime divides by size after the postscale
         pre, post = 1.0 / gradient_predivide_factor, postscale * gradient_predivide_factor
     return grouped_allreduce(grads, compression=compression, op=op, prescale_factor=pre,
-                             postscale_factor=post, name=name)
+                             postscale_factor=post, process_set=process_set, name=name)
 
 
 check_op = check_gradient_op  # the Keras wrapper imports it from here
 
 
 class _DistributedGradientTape(tf.GradientTape):
-    """A GradientTape whose ``gradient()`` returns gradients reduced over all ranks.
+    """A GradientTape whose ``gradient()`` returns gradients reduced over the ranks of its process set.
 
     Gradients of sources registered as local (``register_local_source``, or the
     ``local_layers`` of ``PartialDistributedGradientTape``) are not reduced; with
-    ``scale_local_gradients`` they are divided by the number of ranks, as Horovod does.
+    ``scale_local_gradients`` they are divided by the set's size, as Horovod does.
     """
 
     def register_local_source(self, source: tf.Variable) -> None:
@@ -466,14 +606,15 @@ class _DistributedGradientTape(tf.GradientTape):
         shared = [i for i, v in enumerate(flat_sources) if not self._is_local(v)]
         reduced = _reduce_gradients([flat_grads[i] for i in shared], [flat_sources[i] for i in shared],
                                     self._mtrain_op, self._mtrain_predivide, self._mtrain_compression,
-                                    "DistributedGradientTape.gradients") if shared else []
+                                    "DistributedGradientTape.gradients",
+                                    process_set=self._mtrain_process_set) if shared else []
         out = list(flat_grads)
         for i, g in zip(shared, reduced):
             out[i] = g
         if self._mtrain_scale_local:
             for i, v in enumerate(flat_sources):
                 if self._is_local(v) and out[i] is not None:
-                    out[i] = out[i] / tf.cast(rr.size(), out[i].dtype)
+                    out[i] = out[i] / tf.cast(_set_size(self._mtrain_process_set), out[i].dtype)
         return tf.nest.pack_sequence_as(grads, out)
 
     def _is_local(self, source: Any) -> bool:
@@ -499,7 +640,7 @@ def _local_refs(local_layers: Any) -> set:
 
 
 def _wrap_tape(gradtape: tf.GradientTape, op: Any, gradient_predivide_factor: float, compression: type,
-               local: set, scale_local_gradients: bool) -> tf.GradientTape:
+               local: set, scale_local_gradients: bool, process_set: ProcessSet) -> tf.GradientTape:
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
     op = check_op(op, gradient_predivide_factor)
@@ -507,41 +648,46 @@ def _wrap_tape(gradtape: tf.GradientTape, op: Any, gradient_predivide_factor: fl
     tape.__dict__.update(gradtape.__dict__)
     tape._mtrain_op, tape._mtrain_predivide, tape._mtrain_compression = op, gradient_predivide_factor, compression
     tape._mtrain_local, tape._mtrain_scale_local = set(local), scale_local_gradients
+    tape._mtrain_process_set = _checked(process_set)
     return tape
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                             compression: type = Compression.none, sparse_as_dense: bool = False,
                             op: Any = Average, gradient_predivide_factor: float = 1.0,
-                            num_groups: int = 0, groups: Any = None,
+                            num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
                             scale_local_gradients: bool = True) -> tf.GradientTape:
-    """Wrap a ``tf.GradientTape`` so that ``gradient()`` averages over all ranks.
+    """Wrap a ``tf.GradientTape`` so that ``gradient()`` averages over the ranks of ``process_set``.
 
     Gradients a rank did not produce (``None``) take part as zeros, so ranks never
-    disagree on what is reduced. ``device_*``, ``sparse_as_dense``, ``num_groups`` and
-    ``groups`` are accepted for Horovod compatibility: gradients are always dense and fused.
+    disagree on what is reduced; on a rank outside ``process_set`` they stay local (as
+    Horovod). ``device_*``, ``sparse_as_dense``, ``num_groups`` and ``groups`` are
+    accepted for Horovod compatibility: gradients are always dense and fused.
     """
-    return _wrap_tape(gradtape, op, gradient_predivide_factor, compression, set(), scale_local_gradients)
+    return _wrap_tape(gradtape, op, gradient_predivide_factor, compression, set(), scale_local_gradients,
+                      process_set)
 
 
 def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                                    compression: type = Compression.none, sparse_as_dense: bool = False,
                                    op: Any = Average, gradient_predivide_factor: float = 1.0,
-                                   local_layers: Any = None, groups: Any = None,
+                                   num_groups: int = 0, groups: Any = None,
+                                   process_set: ProcessSet = global_process_set, local_layers: Any = None,
                                    scale_local_gradients: bool = True) -> tf.GradientTape:
     """A ``DistributedGradientTape`` that leaves the gradients of ``local_layers``' weights on each rank
-    (model parallelism); with ``scale_local_gradients`` those are divided by the number of ranks."""
+    (model parallelism); with ``scale_local_gradients`` those are divided by the set's size."""
     return _wrap_tape(gradtape, op, gradient_predivide_factor, compression, _local_refs(local_layers),
-                      scale_local_gradients)
+                      scale_local_gradients, process_set)
 
 
 def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking: bool = False,
                          device_dense: str = "", device_sparse: str = "", compression: type = Compression.none,
                          sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op: Any = Average,
                          gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
-                         num_groups: int = 0, groups: Any = None) -> Any:
-    """Wrap a Keras optimizer so that gradients are averaged over all ranks (as Horovod does in TF2,
-    this is ``mtrain.tensorflow.keras.DistributedOptimizer``)."""
+                         num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
+    """Wrap a Keras optimizer so that gradients are averaged over the ranks of ``process_set`` (as
+    Horovod does in TF2, this is ``mtrain.tensorflow.keras.DistributedOptimizer``)."""
     import keras
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.Optimizer), got "
@@ -552,7 +698,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
         sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
         backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups)
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
 
 
 from .sync_batch_norm import SyncBatchNormalization  # noqa: E402  (needs the collectives above)

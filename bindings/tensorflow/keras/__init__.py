@@ -12,28 +12,33 @@ import keras
 
 import tensorflow as tf
 
-import mtrain.ringreduce as rr
-
 from .. import (  # noqa: F401  (re-exported: the Horovod API)
-    Adasum, Average, Compression, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, Product,
-    ReduceOp, Sum, allgather, allgather_object, allreduce, alltoall, barrier, broadcast,
-    broadcast_global_variables, broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
-    grouped_allreduce, init, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-    mpi_threads_supported, nccl_built, rank, reducescatter, rocm_built, shutdown, size,
+    Adasum, Average, Compression, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet,
+    Product, ReduceOp, Sum, add_process_set, allgather, allgather_object, allreduce, alltoall, barrier, broadcast,
+    broadcast_global_variables, broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size,
+    cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled, grouped_allreduce, init,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+    reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
-from .. import _local_refs, _reduce_gradients, _variable_key, check_op
+from .. import _checked, _local_refs, _reduce_gradients, _set_size, _variable_key, check_op
 from . import callbacks  # noqa: F401
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
-    "MismatchError", "NotInitializedError", "PartialDistributedOptimizer", "Product", "ReduceOp", "Sum",
-    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "MismatchError", "NotInitializedError", "PartialDistributedOptimizer", "ProcessSet", "Product", "ReduceOp",
+    "Sum", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
     "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks", "cross_rank",
-    "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank", "local_size",
-    "mpi_threads_supported", "rank", "reducescatter", "shutdown", "size",
+    "cross_size", "global_process_set", "grouped_allreduce", "init", "is_initialized", "local_rank",
+    "local_size", "mpi_threads_supported", "rank", "reducescatter", "remove_process_set", "shutdown", "size",
+    "start_timeline", "stop_timeline",
     "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
     "nccl_built", "rocm_built", "elastic",
 ]
+
+
+def __dir__() -> list:
+    """The Horovod API only (``dir(hvd)``): no private helpers or imported modules."""
+    return sorted(__all__)
 
 
 class _DistributedOptimizer:
@@ -68,16 +73,18 @@ class _DistributedOptimizer:
             shared = list(range(len(grads)))
         else:
             shared = [i for i, v in enumerate(variables) if _variable_key(v) not in local]
+        process_set = self._mtrain_process_set
         reduced = _reduce_gradients([grads[i] for i in shared], [grads[i] for i in shared], self._mtrain_op,
                                     self._mtrain_predivide, self._mtrain_compression,
-                                    "DistributedOptimizer.gradients", postscale=self._mtrain_postscale) \
-            if shared else []
+                                    "DistributedOptimizer.gradients", postscale=self._mtrain_postscale,
+                                    process_set=process_set) if shared else []
         out = list(grads)
         for i, g in zip(shared, reduced):
             out[i] = g
         if self._mtrain_scale_local and len(shared) != len(grads):
-            # Horovod divides the local gradients by the number of ranks.
-            out = [g if i in shared or g is None else g / tf.cast(rr.size(), g.dtype) for i, g in enumerate(out)]
+            # Horovod divides the local gradients by the size of the process set.
+            size = _set_size(process_set)
+            out = [g if i in shared or g is None else g / tf.cast(size, g.dtype) for i, g in enumerate(out)]
         return super()._clip_gradients(out)  # type: ignore[misc]
 
 
@@ -89,8 +96,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                          compression: type = Compression.none, sparse_as_dense: bool = False,
                          gradient_predivide_factor: float = 1.0, op: Any = Average,
                          backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                         num_groups: int = 0, groups: Any = None) -> keras.optimizers.Optimizer:
-    """Wrap a Keras 3 optimizer so that gradients are averaged over all ranks before being applied.
+                         num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+    """Wrap a Keras 3 optimizer so that gradients are averaged over the ranks of ``process_set`` (default:
+    all ranks) before being applied; on a rank outside the set they stay its own, as in Horovod.
 
     Returns an optimizer of the same class and configuration (``isinstance`` holds;
     a built optimizer's variables are carried over). ``backward_passes_per_step=k``
@@ -105,6 +114,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     op = check_op(op, gradient_predivide_factor)
+    _checked(process_set)
     if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
@@ -126,7 +136,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     wrapped._mtrain_compression = compression
     summed = backward_passes_per_step > 1 and not average_aggregated_gradients
     wrapped._mtrain_postscale = float(backward_passes_per_step) if summed else 1.0
-    wrapped._mtrain_local, wrapped._mtrain_scale_local = set(), True
+    wrapped._mtrain_local, wrapped._mtrain_scale_local = set(), scale_local_gradients
+    wrapped._mtrain_process_set = process_set
     if optimizer.built:  # keep the state of an optimizer that has already stepped
         wrapped.build(optimizer._trainable_variables)
         for mine, theirs in zip(wrapped.variables, optimizer.variables):
@@ -139,17 +150,18 @@ def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Opt
                                 compression: type = Compression.none, sparse_as_dense: bool = False,
                                 gradient_predivide_factor: float = 1.0, op: Any = Average,
                                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                                groups: Any = None, local_layers: Any = None,
+                                groups: Any = None, process_set: ProcessSet = global_process_set,
+                                local_layers: Any = None,
                                 scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
     """A ``DistributedOptimizer`` that leaves the gradients of ``local_layers``' weights on each rank
-    (model parallelism); with ``scale_local_gradients`` those are divided by the number of ranks."""
+    (model parallelism); with ``scale_local_gradients`` those are divided by the set's size."""
     wrapped = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
                                    compression=compression, sparse_as_dense=sparse_as_dense,
                                    gradient_predivide_factor=gradient_predivide_factor, op=op,
                                    backward_passes_per_step=backward_passes_per_step,
-                                   average_aggregated_gradients=average_aggregated_gradients, groups=groups)
+                                   average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                                   process_set=process_set, scale_local_gradients=scale_local_gradients)
     wrapped._mtrain_local = _local_refs(local_layers)
-    wrapped._mtrain_scale_local = scale_local_gradients
     return wrapped
 
 
