@@ -317,3 +317,30 @@ def test_join_with_ranks_finishing_at_different_steps():
         # After join every rank takes part in ops again.
         got = hvd.allreduce(_rows(me, 2), op=hvd.Sum, name=f"after.join.{round_}")
         assert np.allclose(got, sum(_rows(r, 2) for r in range(n)))
+
+
+def test_dir_lists_only_the_horovod_api():
+    """dir(hvd) of the TensorFlow modules: the API (process sets and join included), no private helpers
+    or imported modules; ``import *`` gives exactly ``__all__``."""
+    import types
+
+    import mtrain.keras as khvd
+    import mtrain.tensorflow as hvd
+    import mtrain.tensorflow.keras as tkhvd
+    for module in (hvd, tkhvd, khvd):
+        names = dir(module)
+        assert not [x for x in names if x.startswith("_") and not x.startswith("__")], (module.__name__, names)
+        for leaked in ("np", "tf", "rr", "keras", "Any", "Optional", "annotations"):
+            assert leaked not in names, (module.__name__, leaked)
+        for wanted in ("ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+                       "DistributedOptimizer", "allreduce", "init"):
+            assert wanted in names, (module.__name__, wanted)
+        namespace: dict = {}
+        exec(f"from {module.__name__} import *", namespace)
+        imported = set(namespace) - {"__builtins__"}
+        assert all(hasattr(module, x) for x in imported), module.__name__
+        assert not [x for x in imported if isinstance(namespace[x], types.ModuleType)
+                    and x not in ("elastic", "callbacks")], module.__name__
+    for wanted in ("join", "process_set_included_op", "size_op", "DistributedGradientTape", "is_homogeneous"):
+        assert wanted in dir(hvd), wanted
+    assert set(dir(hvd)) == set(hvd.__all__) and set(dir(tkhvd)) == set(tkhvd.__all__)
