@@ -98,6 +98,15 @@ def _check_tensor(tensor: Any, what: str = "tensor") -> torch.Tensor:
     return tensor
 
 
+def _check_tensors(tensors: Sequence[Any]) -> List[torch.Tensor]:
+    """``_check_tensor`` on each of ``tensors`` (naming ``tensors[i]`` only when one fails)."""
+    tensors = list(tensors)
+    for i, tensor in enumerate(tensors):
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_cpu and not tensor.is_sparse):
+            _check_tensor(tensor, f"tensors[{i}]")
+    return tensors
+
+
 def _wait_for(waiter: Any, producer: Any) -> None:
     """Later work on stream ``waiter`` runs after the work queued on ``producer`` so far."""
     if waiter != producer:
@@ -150,12 +159,12 @@ def _from_numpy(array: np.ndarray) -> torch.Tensor:
 
 
 class _InPlaceHandle(Handle):
-    """An in-place op on a tensor the runtime writes directly (contiguous, on the CPU): the
-    result is the tensor itself. No finishing function to build per op."""
+    """An in-place op on a tensor (or a list of them) the runtime writes directly (contiguous,
+    on the CPU): the result is the tensor (or the list) itself. No finishing function per op."""
 
     __slots__ = ("_tensor",)
 
-    def __init__(self, inner: Any, tensor: torch.Tensor) -> None:
+    def __init__(self, inner: Any, tensor: "torch.Tensor | List[torch.Tensor]") -> None:
         self._inner, self._finish, self._done, self._result = inner, None, False, None
         self._tensor = tensor
 
@@ -298,7 +307,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             postscale_factor: float = 1.0,
         process_set: ProcessSet = global_process_set) -> Handle:
     """Start all-reduces of several tensors as one unit; ``synchronize`` returns new tensors."""
-    arrays = [_numpy_view(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    arrays = [_numpy_view(t) for t in _check_tensors(tensors)]
     inner = rr.grouped_allreduce_async(arrays, resolve_op(average, op), name, prescale_factor, postscale_factor,
                                        process_set=process_set)
     return Handle(inner, lambda results: [_from_numpy(r).reshape(t.shape) for r, t in zip(results, tensors)])
@@ -309,7 +318,12 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              postscale_factor: float = 1.0,
         process_set: ProcessSet = global_process_set) -> Handle:
     """In-place grouped all-reduce; ``synchronize`` returns the same tensors."""
-    pairs = [_inplace_buffer(_check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    tensors = _check_tensors(tensors)
+    if all(t.is_cpu and t.is_contiguous() for t in tensors):  # written in place: nothing to land
+        inner = rr.grouped_allreduce_async_([_numpy_view(t) for t in tensors], resolve_op(average, op), name,
+                                            prescale_factor, postscale_factor, process_set=process_set)
+        return _InPlaceHandle(inner, tensors)
+    pairs = [_inplace_buffer(t) for t in tensors]
     inner = rr.grouped_allreduce_async_([b for b, _ in pairs], resolve_op(average, op), name,
                                         prescale_factor, postscale_factor, process_set=process_set)
     return Handle(inner, lambda results: [land(r) for (_, land), r in zip(pairs, results)])
@@ -967,12 +981,16 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         channels = input.shape[1]
         work = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         dims = [d for d in range(work.dim()) if d != 1]
-        local_count = torch.full((1,), work.numel() // channels, dtype=work.dtype, device=work.device)
-        stats = torch.cat([work.sum(dims), (work * work).sum(dims), local_count])
+        # The statistics in float64: E[x²] - E[x]² in float32 loses the variance of data whose
+        # mean is large next to its spread (torch's own kernels use Welford's method instead).
+        wide = work.double()
+        local_count = torch.full((1,), work.numel() // channels, dtype=torch.float64, device=work.device)
+        stats = torch.cat([wide.sum(dims), (wide * wide).sum(dims), local_count])
         total = allreduce(stats, op=Sum, name=None)
         count = total[-1]
-        mean = total[:channels] / count
-        var = (total[channels:2 * channels] / count - mean * mean).clamp_min(0)  # rounding can go below 0
+        mean64 = total[:channels] / count
+        var64 = (total[channels:2 * channels] / count - mean64 * mean64).clamp_min(0)  # rounding can go below 0
+        mean, var = mean64.to(work.dtype), var64.to(work.dtype)
         if self.training and self.track_running_stats:
             with torch.no_grad():
                 unbiased = var * (count / (count - 1)) if float(count) > 1 else var

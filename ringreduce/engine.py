@@ -3,7 +3,8 @@
 User threads submit named ops and get a Handle back at once. Each cycle the
 engine thread
 
-1. takes the newly submitted ops,
+1. takes the newly submitted ops (once a burst of submissions is over, or at
+   once when a thread waits on a handle: ``Engine._hold``),
 2. negotiates with the other ranks which ops every rank has submitted
    (``negotiation.py``: a response-cache bit vector in the steady state, a
    coordinator round trip for new names),
@@ -12,6 +13,12 @@ engine thread
    buffer, large ones reduced in place with no copy), other collectives one
    by one (``collectives.py``),
 4. completes the handles.
+
+The steady state is a training step that repeats the last one's ops: its batch
+finds its plan (rings, fusion-buffer views) cached, keyed by the ops' interned
+signatures, packs with one NumPy call and completes its handles in one pass.
+Per op, only the submit (one Request and one Handle), a bit in the vector and
+one copy out of the fusion buffer remain.
 
 Errors are delivered to the handles of every rank (``synchronize`` raises
 them; the classes live in ``errors.py``): mismatched submissions, stalls past
