@@ -981,12 +981,16 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         channels = input.shape[1]
         work = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         dims = [d for d in range(work.dim()) if d != 1]
-        local_count = torch.full((1,), work.numel() // channels, dtype=work.dtype, device=work.device)
-        stats = torch.cat([work.sum(dims), (work * work).sum(dims), local_count])
+        # The statistics in float64: E[x²] - E[x]² in float32 loses the variance of data whose
+        # mean is large next to its spread (torch's own kernels use Welford's method instead).
+        wide = work.double()
+        local_count = torch.full((1,), work.numel() // channels, dtype=torch.float64, device=work.device)
+        stats = torch.cat([wide.sum(dims), (wide * wide).sum(dims), local_count])
         total = allreduce(stats, op=Sum, name=None)
         count = total[-1]
-        mean = total[:channels] / count
-        var = (total[channels:2 * channels] / count - mean * mean).clamp_min(0)  # rounding can go below 0
+        mean64 = total[:channels] / count
+        var64 = (total[channels:2 * channels] / count - mean64 * mean64).clamp_min(0)  # rounding can go below 0
+        mean, var = mean64.to(work.dtype), var64.to(work.dtype)
         if self.training and self.track_running_stats:
             with torch.no_grad():
                 unbiased = var * (count / (count - 1)) if float(count) > 1 else var
