@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,6 +32,8 @@ class _SetState:
     global_rank: int
     comms: "comm_module.Communicators | None" = None  # None on ranks outside the set
     engine: "Engine | None" = None
+    # The ProcessSet objects registered as this set: all are invalidated when it goes (as in Horovod).
+    holders: "weakref.WeakSet[ProcessSet]" = dataclasses.field(default_factory=weakref.WeakSet)
 
     @property
     def rank(self) -> int:
@@ -74,9 +77,12 @@ class _Runtime:
         if not isinstance(process_set, ProcessSet):
             raise InvalidArgumentError(f"process_set must be an mtrain ProcessSet, got {type(process_set).__name__}")
         state = self.sets.get(process_set.process_set_id) if process_set.process_set_id is not None else None
+        if state is not None and state.id != 0 and process_set.ranks != state.ranks:
+            state = None  # registered before a shutdown(): its id now names another set
         if state is None:
-            raise InvalidArgumentError(f"{process_set} is not registered: pass it to init(process_sets=[...]) "
-                                       "or add_process_set() on every rank first")
+            raise InvalidArgumentError(f"{process_set} is not registered (never added, removed, or added before the "
+                                       "last shutdown()): pass it to init(process_sets=[...]) or add_process_set() "
+                                       "on every rank first")
         return state
 
     def member(self, process_set: ProcessSet) -> _SetState:
@@ -103,22 +109,38 @@ class _Runtime:
     def register(self, wanted: "list[ProcessSet]") -> "list[_SetState]":
         """Register ``wanted`` on every rank at once (a collective of all ranks): each rank passes
         its own list, and the sets are the union, in rank order. Returns each one's state."""
-        mine = []
-        for process_set in wanted:
-            ranks = self.ranks_of(process_set)
-            bad = [r for r in ranks if not 0 <= r < self.size]
-            if bad:
-                raise InvalidArgumentError(f"ProcessSet ranks {bad} are out of range: the job has ranks 0..{self.size - 1}")
-            if not ranks and process_set.mpi_comm is None:
-                raise InvalidArgumentError("a ProcessSet needs at least one rank")
-            mine.append(tuple(ranks))
-        everyone = self.admin.allgather(mine)
+        mine: "list[tuple[int, ...]]" = []
+        problem = None
+        try:
+            for process_set in wanted:
+                ranks = self.ranks_of(process_set)
+                bad = [r for r in ranks if not 0 <= r < self.size]
+                if bad:
+                    raise InvalidArgumentError(f"ProcessSet ranks {bad} are out of range: the job has ranks "
+                                               f"0..{self.size - 1}")
+                if not ranks and process_set.mpi_comm is None:
+                    raise InvalidArgumentError("a ProcessSet needs at least one rank")
+                mine.append(tuple(ranks))
+        except InvalidArgumentError as error:
+            problem = str(error)
+        # Gathered even when this rank's sets are bad, so that no rank waits here for one that raised.
+        everyone = self.admin.allgather((mine, problem))
+        if problem is not None:
+            raise InvalidArgumentError(problem)
+        failed = [f"rank {r}: {text}" for r, (_, text) in enumerate(everyone) if text is not None]
+        if failed:
+            raise InvalidArgumentError("process sets were not registered: " + "; ".join(failed))
         union: "list[tuple[int, ...]]" = []
-        for lists in everyone:
+        for lists, _ in everyone:
             for ranks in lists:
                 if ranks and ranks not in union:
                     union.append(ranks)
         by_ranks = {tuple(s.ranks): s for s in self.sets.values()}
+        new = [ranks for ranks in union if ranks not in by_ranks and len(ranks) != self.size]
+        if new and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            # Each set's engine thread calls MPI while the others do: that needs MPI_THREAD_MULTIPLE.
+            raise InvalidArgumentError("process sets need MPI initialized with MPI_THREAD_MULTIPLE (each set runs "
+                                       "its own engine thread); leave mpi4py.rc.thread_level at its default")
         states: "dict[tuple[int, ...], _SetState]" = {}
         for ranks in union:
             if ranks in by_ranks:
@@ -129,11 +151,10 @@ class _Runtime:
                 continue
             state = _SetState(self.next_set_id, list(ranks), self.rank)
             self.next_set_id += 1
-            # MPI_Comm_create_group: collective over the members only, matched by tag.
+            # Every rank takes part (registration is collective anyway), on the admin communicator:
+            # comms.world carries the global engine's collectives.
+            subcomm = self.admin.Split(0 if self.rank in ranks else MPI.UNDEFINED, key=self.rank)
             if self.rank in ranks:
-                group = self.comms.world.Get_group().Incl(list(ranks))
-                subcomm = self.comms.world.Create_group(group, tag=state.id)
-                group.Free()
                 state.comms = comm_module.create(subcomm)
                 subcomm.Free()
                 state.engine = self._make_engine(state.comms)
@@ -146,6 +167,8 @@ class _Runtime:
                 continue
             process_set.process_set_id = state.id
             process_set.ranks = list(state.ranks)
+            if state.id != 0:
+                state.holders.add(process_set)
             result.append(state)
         return result
 
@@ -153,6 +176,8 @@ class _Runtime:
         for set_id in sorted(self.sets, reverse=True):
             if set_id != 0:
                 self.sets[set_id].stop()
+                for process_set in list(self.sets[set_id].holders):
+                    process_set._invalidate()
         self.engine.shutdown()
         if not self.engine.alive():
             self.admin.Free()
@@ -214,6 +239,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     engine = make_engine(comms, world_ranks)
     _runtime = _Runtime(comms, engine, make_engine)
     _runtime.homogeneous = homogeneous
+    global_process_set.ranks = world_ranks  # as Horovod fills in hvd.global_process_set.ranks
     comm_module.install_abort_on_exception()
     exits.install(shutdown)
     if wanted:
@@ -251,20 +277,33 @@ def add_process_set(process_set: "ProcessSet | Sequence[int]") -> ProcessSet:
     """Register a process set after ``init()``; every rank makes the same call, member or not.
     Returns the registered ``ProcessSet``."""
     runtime = _rt()
-    if not isinstance(process_set, ProcessSet):
-        process_set = ProcessSet(process_set)
-    if process_set.ranks is None:
-        raise NotImplementedError("add_process_set takes a list of ranks; a communicator-based ProcessSet "
-                                  "goes to init(process_sets=[...])")
-    existing = [s for s in runtime.sets.values() if s.ranks == process_set.ranks]
-    if existing and process_set.process_set_id != existing[0].id:
-        raise ValueError(f"a process set with ranks {process_set.ranks} exists already "
-                         f"(process_set_id={existing[0].id})")
-    everyone = runtime.admin.allgather(list(process_set.ranks))
-    if any(ranks != process_set.ranks for ranks in everyone):
-        raise InvalidArgumentError("add_process_set was called with different ranks on different ranks ("
-                                   + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
+    problem: "Exception | None" = None
+    try:
+        if not isinstance(process_set, ProcessSet):
+            process_set = ProcessSet(process_set)
+        if process_set.ranks is None:
+            raise NotImplementedError("add_process_set takes a list of ranks; a communicator-based ProcessSet "
+                                      "goes to init(process_sets=[...])")
+    except (ValueError, NotImplementedError) as error:
+        problem = error
+    # Every rank's call is compared before any rank raises: a rank that raised alone would leave
+    # the others waiting in the collective registration below.
+    mine = None if problem is not None else list(process_set.ranks)  # type: ignore[union-attr]
+    everyone = runtime.admin.allgather((mine, None if problem is None else f"{type(problem).__name__}: {problem}"))
+    if problem is not None:
+        raise problem
+    failed = [f"rank {r}: {text}" for r, (_, text) in enumerate(everyone) if text is not None]
+    if failed:
+        raise InvalidArgumentError("add_process_set failed on other ranks (" + "; ".join(failed)
                                    + "); every rank must add the same set, in the same order")
+    if any(ranks != mine for ranks, _ in everyone):
+        raise InvalidArgumentError("add_process_set was called with different ranks on different ranks ("
+                                   + "; ".join(f"rank {r}: {v}" for r, (v, _) in enumerate(everyone))
+                                   + "); every rank must add the same set, in the same order")
+    existing = [s for s in runtime.sets.values() if s.ranks == mine]
+    if existing:  # the same on every rank: every rank holds the same sets
+        raise ValueError(f"a process set with ranks {mine} exists already "
+                         f"(process_set_id={existing[0].id}); add each set once")
     runtime.register([process_set])
     return process_set
 
@@ -279,7 +318,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     runtime.admin.Barrier()  # every rank agrees before the members stop the set's engine
     state.stop()
     del runtime.sets[state.id]
-    process_set._invalidate()
+    for holder in list(state.holders) + [process_set]:
+        holder._invalidate()
     return True
 
 
