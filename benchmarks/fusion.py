@@ -137,9 +137,10 @@ def main() -> None:
         variants["ringreduce fusion off, ring, Average"] = engine_step(arrays, prefix + "o",
                                                                        fusion_threshold_bytes=0)
         if hvd is not None:
-            path = "shm" if "shm" in paths else "ring"
             tensors = [torch.from_numpy(a.copy()) for a in arrays]
-            variants[f"mtrain.torch allreduce_async_ per tensor, {path}"] = torch_step(tensors, prefix + "h", path)
+            for path in paths:
+                variants[f"mtrain.torch allreduce_async_ per tensor, {path}"] = torch_step(tensors, f"{prefix}h{path}",
+                                                                                           path)
         variants["MPI_Allreduce per tensor (Sum)"] = mpi_step(summed)
         variants["MPI_Allreduce per tensor, then divide (Average)"] = mpi_step(arrays, average=True)
         if torch is not None:

@@ -67,6 +67,8 @@ HOLD_CYCLES = 10
 EXPECT_HOLD_CYCLES = 100
 # Distinct batches whose plan (rings, fusion-buffer views) the engine keeps.
 PLAN_CACHE_SIZE = 64
+# The most op names one learned step may hold (Engine._hold's expectation).
+STEP_NAMES_MAX = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -690,6 +692,8 @@ class Engine:
             for request in ready:
                 timeline.span(request.name, "NEGOTIATE", request.submitted, start)
         plan = self._plan_for(ready)
+        if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
+            self._step_names = []
         self._step_names.extend([r.name for r in ready])
         if self._waiters:
             self._step_waited = True
