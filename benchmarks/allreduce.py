@@ -276,8 +276,11 @@ def run_on_cluster(spec: str, argv: "list[str]") -> int:
         env = cluster.env()
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         spec_hosts = ",".join(f"{h.name}:{ranks}" for h in cluster.hosts)
+        # All "hosts" share this machine's cores: ranks must yield while they wait (busy-polling
+        # ranks on an oversubscribed machine starve the ones doing the work).
         cmd = [sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", str(host_count * ranks), "-H", spec_hosts,
-               "--network-interface", SUBNET, sys.executable, os.path.abspath(__file__), *passed]
+               "--network-interface", SUBNET, "-x", "OMPI_MCA_mpi_yield_when_idle=1",
+               sys.executable, os.path.abspath(__file__), *passed]
         return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 

@@ -62,7 +62,7 @@ from . import ring
 from .backend import NumpyBackend
 from .ops import Average, Max, Min, ReduceOp
 
-DEFAULT_STRIPE_BYTES = 4 << 20
+DEFAULT_STRIPE_BYTES = 2 << 20
 # Elements reduced per step: the sources and the target of one block stay in L2 while
 # the result is finished and published.
 DEFAULT_BLOCK_BYTES = 256 << 10
@@ -152,6 +152,7 @@ class SharedMemoryAllreduce:
         # One region per chunk of a stripe, in bytes, on a cache-line boundary.
         self.region_bytes = max(_LINE, -(-stripe_bytes // self.local_size // _LINE) * _LINE)
         self._stripes_done = 0  # halves alternate across calls too
+        self._scratch = np.empty(0, dtype=np.uint8)
         mapped, error = map_shared(local, 2 * self.local_size * self.local_size * self.region_bytes)
         failed = comm.allreduce(1 if error else 0, op=MPI.MAX)
         self.error = error or ("another host could not map its shared memory" if failed else None)
@@ -159,6 +160,13 @@ class SharedMemoryAllreduce:
         if failed and mapped is not None:
             mapped.close()
         self.segment = np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else None
+
+    def _temp(self, nbytes: int) -> np.ndarray:
+        """This instance's own scratch (engines of different process sets run at once, so
+        nothing is shared with the backend's scratch slots)."""
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, dtype=np.uint8)
+        return self._scratch[:nbytes]
 
     def _region(self, half: int, slot: int, chunk: int, dtype: np.dtype, count: int) -> np.ndarray:
         start = ((half * self.local_size + slot) * self.local_size + chunk) * self.region_bytes
@@ -206,7 +214,7 @@ class SharedMemoryAllreduce:
 
         reduce = _ufunc(dtype, op)
         block = max(1, self.block_bytes // layout.itemsize)
-        temp = backend.scratch("shm-reduce", min(block, chunk_cap), dtype) if me >= 2 else None
+        temp = self._temp(min(block, chunk_cap) * layout.itemsize).view(dtype) if me >= 2 else None
 
         def reduce_chunk(s: int, publish: bool) -> None:
             half = (first_half + s) % 2
