@@ -31,10 +31,16 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
-from mtrain.launcher.config import SshOptions
 from mtrain.launcher.process_tools import die_with_parent
-from mtrain.records import AgentEvent, AgentEventKind, Gate, HostUpdates
+
+if TYPE_CHECKING:
+    from mtrain.launcher.config import SshOptions
+    from mtrain.records import AgentEventKind
+
+# Every rank's launch waits for its agents: the path through the connection master imports only
+# what it needs (the settings, records and paramiko are loaded when the agent connects itself).
 
 HEARTBEAT_SECONDS = 1.0
 # ssh options MPI launchers may put before the host (hydra passes -x); ignored.
@@ -64,13 +70,23 @@ def write_config(path: str, options: SshOptions, python: str, events_path: str |
                    "master": master}, handle)
 
 
+def _settings(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not an agent configuration")
+    return data
+
+
 def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | None, str | None, str | None]:
     """(SSH options, remote Python, events file, gate, job file, updates file) from a
     `--config` file; defaults without one."""
+    from mtrain.launcher.config import SshOptions
     if not path:
         return SshOptions(), sys.executable, None, None, None, None
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
+    data = _settings(path)
     options = SshOptions(port=data.get("port"), identity_file=data.get("identity_file"),
                          accept_new_hosts=bool(data.get("accept_new_hosts")),
                          connect_timeout=float(data.get("connect_timeout", 30)))
@@ -80,19 +96,18 @@ def read_config(path: str | None) -> tuple[SshOptions, str, str | None, str | No
 
 def read_master(path: str | None) -> str | None:
     """The connection master's socket named in a `--config` file (None: connect directly)."""
-    if not path:
-        return None
-    with open(path, encoding="utf-8") as handle:
-        master = json.load(handle).get("master")
+    master = _settings(path).get("master")
     return master if isinstance(master, str) and master else None
 
 
 def wait_for_gate(gate: str | None, timeout: float, stop: threading.Event) -> bool:
     """True once the launcher opens the gate (or there is none); False if it closes or never opens."""
+    from mtrain.records import Gate
     return gate is None or Gate(gate).wait(timeout, stop)
 
 
 def _report(events_path: str | None, kind: AgentEventKind, host: str, detail: str) -> None:
+    from mtrain.records import AgentEvent
     AgentEvent(kind, host, detail, time.time()).emit(events_path)
 
 
@@ -149,6 +164,7 @@ def _through_master(path: str, host: str, words: list[str], events_path: str | N
     """Run the command over the launcher's shared connection; our exit status, or None when
     the master is not there or has no connection to `host` (then we connect ourselves)."""
     from mtrain.launcher.ssh_master import MasterSession, Outcome
+    from mtrain.records import AgentEventKind
     session = MasterSession(path)
     if not session.connect():
         return None
@@ -182,13 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     config_path = None
     if argv[:1] == ["--config"] and len(argv) > 1:
         config_path, argv = argv[1], argv[2:]
+    usage = "usage: python -m mtrain.launcher.ssh_agent [--config FILE] HOST COMMAND…"
     try:
         host, words, port = split_arguments(argv)
-        options, python, events_path, gate, job_file, updates = read_config(config_path)
+        settings = _settings(config_path)
         master = read_master(config_path)
     except (ValueError, OSError) as error:
-        print(f"mtrain-agent: {error}; usage: python -m mtrain.launcher.ssh_agent [--config FILE] HOST COMMAND…",
-              file=sys.stderr)
+        print(f"mtrain-agent: {error}; {usage}", file=sys.stderr)
         return 255
     stop = threading.Event()
     shared = []  # the session through the master, once there is one
@@ -202,12 +218,19 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, on_signal)
 
     # A -p from MPI that differs from the preflight's port is another sshd: connect ourselves.
-    if master and (port is None or port == options.port):
-        status = _through_master(master, host, words, events_path, stop, shared)
+    if master and (port is None or port == settings.get("port")):
+        status = _through_master(master, host, words, settings.get("events"), stop, shared)
         if status is not None:
             return status
 
+    try:
+        options, python, events_path, gate, job_file, updates = read_config(config_path)
+    except (ValueError, TypeError, OSError) as error:
+        print(f"mtrain-agent: {error}; {usage}", file=sys.stderr)
+        return 255
     from mtrain.launcher import ssh  # paramiko is imported only once we know we need it
+    from mtrain.launcher.config import SshOptions
+    from mtrain.records import AgentEventKind, Gate, HostUpdates
     if port is not None:
         options = SshOptions(port, options.identity_file, options.accept_new_hosts, options.connect_timeout)
     # Accepting new host keys writes known_hosts: leave that to the preflight alone.
