@@ -6,11 +6,17 @@ pass` with one rank per host, several times per configuration, interleaving
 the variants so machine noise hits them alike.  Prints the median wall time
 from start to exit:
 
-    mtrain      `mtrain run -H …` (CLI, parallel SSH preflight, supervision)
+    mtrain      `mtrain run -H …` (CLI, parallel SSH preflight, supervision): the
+                preflight's connection and probe session run the job (one SSH
+                login and one session per host, launcher/ssh_master.py)
+    unshared    the same with MTRAIN_SSH_SHARE=0: every agent makes its own
+                connection after the preflight's (how mtrain launched before)
     raw argv    the exact mpirun argv `mtrain run --dry-run` prints (our paramiko
-                agent and rank wrapper included), run directly
+                agent and rank wrapper included, no preflight), run directly
     openssh     for reference: mpirun with OpenSSH as remote shell and no rank
                 wrapper (what a bare `mpirun` job costs)
+
+The last columns are mtrain's and unshared's time over openssh's.
 
     sudo .venv/bin/python benchmarks/launch.py [--hosts 1,2,3] [--repeat 7]
 """
@@ -31,7 +37,8 @@ from tests.cluster.netcluster import SUBNET, prerequisites_missing, running_clus
 PYTHON = sys.executable
 
 
-def timed(argv: list[str], env: dict[str, str]) -> float:
+def timed(argv: list[str], env: dict[str, str], extra: dict[str, str] | None = None) -> float:
+    env = {**env, **(extra or {})}
     start = time.perf_counter()
     done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True, timeout=120)
@@ -41,7 +48,7 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
     return elapsed
 
 
-def variants(hosts: list[str], cluster) -> dict[str, list[str]]:
+def variants(hosts: list[str], cluster) -> dict[str, tuple[list[str], dict[str, str]]]:
     spec = ",".join(f"{name}:1" for name in hosts)
     job = [PYTHON, "-c", "pass"]
     common = ["-H", spec, "--network-interface", SUBNET]
@@ -55,7 +62,8 @@ def variants(hosts: list[str], cluster) -> dict[str, list[str]]:
     openssh = raw[:agent_at] + [ssh] + raw[agent_at + 1:]
     wrapper_at = openssh.index("mtrain.launcher.rank") - 2  # drop `python -m mtrain.launcher.rank --`
     openssh = openssh[:wrapper_at] + openssh[wrapper_at + 4:]
-    return {"mtrain": mtrain, "raw argv": raw, "openssh": openssh}
+    return {"mtrain": (mtrain, {}), "unshared": (mtrain, {"MTRAIN_SSH_SHARE": "0"}), "raw argv": (raw, {}),
+            "openssh": (openssh, {})}
 
 
 def main() -> int:
@@ -76,18 +84,21 @@ def main() -> int:
         for count in counts:
             runs = variants(names[:count], cluster)
             times: dict[str, list[float]] = {name: [] for name in runs}
-            timed(runs["mtrain"], env)  # warm-up: page cache, sshd's first fork
+            for argv, extra in runs.values():
+                timed(argv, env, extra)  # warm-up: page cache, sshd's first fork
             for _ in range(args.repeat):
-                for name, argv in runs.items():
-                    times[name].append(timed(argv, env))
+                for name, (argv, extra) in runs.items():
+                    times[name].append(timed(argv, env, extra))
             rows.append((count, {name: statistics.median(values) for name, values in times.items()}))
-    print(f"\nmedian wall time of `python -c pass`, one rank per host, {args.repeat} runs each "
+    print(f"\nmedian wall time of `python -c pass`, one rank per host, {args.repeat} runs each, interleaved "
           f"(load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)\n")
-    print(f"{'hosts':>5}  {'mtrain':>8}  {'raw argv':>8}  {'overhead':>8}  {'openssh':>8}")
+    names = ["mtrain", "unshared", "raw argv", "openssh"]
+    print(f"{'hosts':>5}  " + "  ".join(f"{name:>8}" for name in names) + f"  {'mtrain-openssh':>14}  "
+          f"{'unshared-openssh':>16}")
     for count, medians in rows:
-        overhead = medians["mtrain"] - medians["raw argv"]
-        print(f"{count:>5}  {medians['mtrain']:>7.2f}s  {medians['raw argv']:>7.2f}s  "
-              f"{overhead:>+7.2f}s  {medians['openssh']:>7.2f}s")
+        print(f"{count:>5}  " + "  ".join(f"{medians[name]:>7.2f}s" for name in names)
+              + f"  {medians['mtrain'] - medians['openssh']:>+13.2f}s"
+              + f"  {medians['unshared'] - medians['openssh']:>+15.2f}s")
     return 0
 
 
