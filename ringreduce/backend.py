@@ -24,6 +24,7 @@ does), so this module imports no device code and nothing imports it back.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Protocol, Sequence, Union
 
 import numpy as np
@@ -82,8 +83,16 @@ class NumpyBackend:
 
     def __init__(self) -> None:
         # Reused scratch space, one byte buffer per slot, grown on demand so a
-        # steady stream of collectives allocates nothing new.
-        self._scratch: dict = {}
+        # steady stream of collectives allocates nothing new. One set per thread: every
+        # process set's engine runs its collectives in its own thread, at the same time.
+        self._local = threading.local()
+
+    @property
+    def _scratch(self) -> dict:
+        slots = getattr(self._local, "scratch", None)
+        if slots is None:
+            slots = self._local.scratch = {}
+        return slots
 
     def owns(self, array: Any) -> bool:
         return isinstance(array, np.ndarray)
@@ -195,7 +204,14 @@ class DeviceBackend:
         self.device = device
         self.xp = device.xp
         self.name = name
-        self._scratch: dict = {}
+        self._local = threading.local()  # scratch per thread, as NumpyBackend's
+
+    @property
+    def _scratch(self) -> dict:
+        slots = getattr(self._local, "scratch", None)
+        if slots is None:
+            slots = self._local.scratch = {}
+        return slots
 
     def owns(self, array: Any) -> bool:
         return isinstance(array, self.xp.ndarray)
@@ -285,8 +301,21 @@ class StagedBackend(DeviceBackend):
 
     def __init__(self, device: Device, name: str) -> None:
         super().__init__(device, name)
-        self._pinned: "dict[Any, np.ndarray]" = {}
-        self._lane_free: "dict[int, Event]" = {}  # lane -> event after the copy that empties it
+
+    # Pinned buffers and lane events per thread too: each engine thread stages its own transfers.
+    @property
+    def _pinned(self) -> "dict[Any, np.ndarray]":
+        found = getattr(self._local, "pinned", None)
+        if found is None:
+            found = self._local.pinned = {}
+        return found
+
+    @property
+    def _lane_free(self) -> "dict[int, Event]":  # lane -> event after the copy that empties it
+        found = getattr(self._local, "lane_free", None)
+        if found is None:
+            found = self._local.lane_free = {}
+        return found
 
     def staging(self, key: Any, nbytes: int) -> np.ndarray:
         """A reusable pinned byte buffer for ``key``; grown (never shrunk) on demand."""

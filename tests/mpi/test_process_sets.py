@@ -239,15 +239,6 @@ def test_every_op_on_each_set_and_on_the_global_set():
     _check_every_op(rr.global_process_set, list(range(n)))
 
 
-# Every engine shares the host backend's scratch buffers (backend.py: one NumpyBackend, one
-# _scratch dict: the fusion buffer, the ring's segments): two sets' all-reduces running at the
-# same time on one rank overwrite each other's data. Not strict: a run may miss the overlap.
-SHARED_SCRATCH = pytest.mark.xfail(
-    strict=False, reason="set engines share the host backend's scratch buffers (fusion buffer, ring "
-    "segments), so concurrent all-reduces on different sets corrupt each other's results")
-
-
-@SHARED_SCRATCH
 @mpi_test(nps=(2, 3))
 def test_ops_interleaved_across_sets_in_a_different_order_on_each_rank():
     n, me = rr.size(), rr.rank()
@@ -419,8 +410,7 @@ def test_a_pending_op_on_one_set_never_blocks_another_set():
         pending = rr.allreduce_async(np.full(3, me, np.float64), op=rr.Sum, name="global.first")
     assert _wait(pending, "global.first").tolist() == [n * (n - 1) / 2] * 3
     # 2. The other way round: an op pending on the set while the global set runs many ops.
-    # (np=3 only: at np=2 the set is rank 0 alone, where the op would run at once, alongside the
-    # global ones: see SHARED_SCRATCH.)
+    # (np=3 only: at np=2 the set is rank 0 alone, where the op would run at once.)
     if me == 0 and n == 3:
         late = rr.allreduce_async(np.full(2, me), op=rr.Sum, name="near.late", process_set=near)
     for i in range(30):
@@ -435,7 +425,6 @@ def test_a_pending_op_on_one_set_never_blocks_another_set():
         assert _wait(late, "near.late").tolist() == [sum(members)] * 2
 
 
-@SHARED_SCRATCH
 @mpi_test(nps=(2, 3), timeout=120)
 def test_threads_run_ops_on_different_sets_at_the_same_time():
     n, me = rr.size(), rr.rank()
