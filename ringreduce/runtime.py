@@ -666,7 +666,15 @@ def join() -> int:
     part in the ops the other ranks still submit: all-reduces and reduce-scatters count it as
     zeros (the identity for Min, Max and Product), allgathers and alltoalls get no rows from it,
     a broadcast from it raises on the ranks that submitted the broadcast. Blocks until every
-    rank has joined; returns the rank that joined last."""
-    engine = _rt().engine
+    rank has joined; returns the rank that joined last.
+
+    A rank joins every process set it belongs to at once, so a set's op that another member
+    still runs completes with this rank standing in, as on the global set."""
+    runtime = _rt()
     exits.forget_status()
-    return synchronize(engine.submit_join())
+    handles = [state.engine.submit_join() for set_id, state in sorted(runtime.sets.items())
+               if set_id != 0 and state.engine is not None]
+    last = synchronize(runtime.engine.submit_join())
+    for handle in handles:
+        synchronize(handle)
+    return last

@@ -210,3 +210,22 @@ def test_sync_batch_norm_float32_keeps_the_variance_of_data_far_from_zero():
     out = sync(whole[me * 5:(me + 1) * 5])
     assert torch.allclose(out, out_all[me * 5:(me + 1) * 5], atol=2e-3), (out, out_all[me * 5:(me + 1) * 5])
     assert torch.allclose(sync.running_var, reference.running_var, rtol=1e-3)
+
+
+@mpi_test(nps=(3,))
+def test_join_stands_in_on_every_set_the_rank_belongs_to():
+    """Rank 0 joins while rank 2, its partner in set [0, 2], still reduces on that set."""
+    import mtrain.torch as hvd
+    hvd.init()
+    pair = hvd.add_process_set([0, 2])
+    me = hvd.rank()
+    if me == 2:
+        for step in range(3):
+            got = hvd.allreduce(_data(step, (4,)), op=hvd.Sum, name="pair.sum", process_set=pair)
+            assert torch.equal(got, _data(step, (4,))), step  # rank 0 stands in with zeros
+            gathered = hvd.allgather(_data(me, (2, 1)), name="pair.ag", process_set=pair)
+            assert torch.equal(gathered, _data(me, (2, 1)))
+    assert hvd.join() == 2
+    if pair.included():
+        got = hvd.allreduce(torch.full((2,), float(me)), op=hvd.Sum, name="pair.after", process_set=pair)
+        assert torch.equal(got, torch.full((2,), 2.0))
