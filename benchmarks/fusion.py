@@ -129,18 +129,19 @@ def main() -> None:
     for workload, arrays, prefix in (("resnet50", grads, "r"), ("1000x1KiB", tiny, "t")):
         summed = zeros[prefix]
         variants = {}
-        # Each variant names its tensors apart: one name with another op would (rightly)
-        # invalidate the response cache entry of the other variant.
+        # Names: one set per op. One name under another op would (rightly) invalidate the
+        # response cache entry of the other variant each step; variants with the same op share
+        # their names (the same ops, run one variant at a time), which also keeps the job's
+        # names within the response cache (negotiation.CACHE_CAPACITY), as a training job's are.
         for path in paths:
-            variants[f"{fused}, {path}, Average"] = engine_step(arrays, f"{prefix}a{path}", path=path)
-            variants[f"{fused}, {path}, Sum"] = engine_step(summed, f"{prefix}s{path}", rr.Sum, path=path)
-        variants["ringreduce fusion off, ring, Average"] = engine_step(arrays, prefix + "o",
+            variants[f"{fused}, {path}, Average"] = engine_step(arrays, prefix + "a", path=path)
+            variants[f"{fused}, {path}, Sum"] = engine_step(summed, prefix + "s", rr.Sum, path=path)
+        variants["ringreduce fusion off, ring, Average"] = engine_step(arrays, prefix + "a",
                                                                        fusion_threshold_bytes=0)
         if hvd is not None:
             tensors = [torch.from_numpy(a.copy()) for a in arrays]
             for path in paths:
-                variants[f"mtrain.torch allreduce_async_ per tensor, {path}"] = torch_step(tensors, f"{prefix}h{path}",
-                                                                                           path)
+                variants[f"mtrain.torch allreduce_async_ per tensor, {path}"] = torch_step(tensors, prefix + "a", path)
         variants["MPI_Allreduce per tensor (Sum)"] = mpi_step(summed)
         variants["MPI_Allreduce per tensor, then divide (Average)"] = mpi_step(arrays, average=True)
         if torch is not None:
@@ -150,7 +151,7 @@ def main() -> None:
         measure(workload, variants, sum(a.nbytes for a in arrays))
     if args.sweep:
         sweep = {f"sweep fuse {threshold} MiB, alone >= {inplace >> 10} KiB":
-                 engine_step(grads, f"w{threshold}.{inplace}.", fusion_threshold_bytes=threshold * MiB,
+                 engine_step(grads, "ra", fusion_threshold_bytes=threshold * MiB,
                              inplace_min_bytes=inplace)
                  for threshold in (1, 2, 4, 8, 16, 32, 64) for inplace in (256 << 10, 1 << 20, 4 << 20)}
         measure("resnet50", sweep, total)

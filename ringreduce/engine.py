@@ -706,8 +706,10 @@ class Engine:
         """The cached plan of this batch, or a new one. Every rank plans the same batch
         identically: the plan depends only on the agreed signatures, in the agreed order."""
         signatures = [r.signature for r in ready]
-        key = tuple(map(id, signatures))
         config = self.config
+        # The fusion settings are part of the key: a job that switches between settings (a
+        # benchmark, a sweep) keeps one plan per setting instead of replanning at each switch.
+        key = (config.fusion_threshold_bytes, config.inplace_min_bytes, *map(id, signatures))
         plan = self._plans.get(key)
         # Identical signatures are the same objects (``Request.meta`` interns them), so this
         # comparison is one identity check per op; a reused id fails it and replans.
