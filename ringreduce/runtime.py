@@ -50,13 +50,15 @@ class _SetState:
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
-            if not self.engine.alive() and self.comms is not None:
-                self.comms.free()
+            if not self.engine.alive():
+                self.engine.executor.close()  # its shared-memory segment
+                if self.comms is not None:
+                    self.comms.free()
         self.engine, self.comms = None, None
 
 
 class _Runtime:
-    def __init__(self, comms: comm_module.Communicators, engine: Engine, make_engine: Any) -> None:
+    def __init__(self, comms: comm_module.Communicators, engine: Engine, make_engine: Any, admin: MPI.Comm) -> None:
         self.comms = comms
         self.engine = engine
         # Cached so that user threads never call into MPI while the engine thread does.
@@ -70,7 +72,7 @@ class _Runtime:
         self.next_set_id = 1
         self._make_engine = make_engine
         # Set management runs in user threads, on its own communicator: never the engines'.
-        self.admin = comms.world.Dup()
+        self.admin = admin
 
     # -- process sets -------------------------------------------------------
     def state(self, process_set: ProcessSet) -> _SetState:
@@ -180,6 +182,7 @@ class _Runtime:
                     process_set._invalidate()
         self.engine.shutdown()
         if not self.engine.alive():
+            self.engine.executor.close()
             self.admin.Free()
             self.comms.free()
 
@@ -236,8 +239,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         return Engine(Executor(set_comms.world, segment, small, set_comms.local, set_comms.cross),
                       set_comms.world.Dup(), set_config, members)
 
+    admin = comms.world.Dup()  # made before any engine thread calls MPI
     engine = make_engine(comms, world_ranks)
-    _runtime = _Runtime(comms, engine, make_engine)
+    _runtime = _Runtime(comms, engine, make_engine, admin)
     _runtime.homogeneous = homogeneous
     global_process_set.ranks = world_ranks  # as Horovod fills in hvd.global_process_set.ranks
     comm_module.install_abort_on_exception()
