@@ -1,6 +1,7 @@
 """The background engine: name matching, fusion, errors on every rank, stalls, shutdown."""
 import json
 import os
+import re
 import random
 import sys
 import tempfile
@@ -182,8 +183,12 @@ rr.allreduce_async(np.ones(3), name=f"abandoned.{rr.rank()}")
 def test_shutdown_with_ops_in_flight_never_hangs(nprocs):
     result = launch(nprocs, [sys.executable, "-c", SHUTDOWN_SCRIPT], timeout=90)
     assert result.returncode == 0, result.stderr
-    leavers = list(range(1, nprocs))
-    assert f"rank 0 got ShutdownError: rank(s) {leavers} left the job" in result.stdout
+    # Ranks 1.. shut down on their own clocks: the engine stops in the first cycle that sees one
+    # of them leave, so the error names those seen in that cycle (one or more), never rank 0.
+    named = re.search(r"rank 0 got ShutdownError: rank\(s\) \[([0-9, ]+)\] left the job", result.stdout)
+    assert named, result.stdout
+    leavers = [int(r) for r in named.group(1).split(",")]
+    assert leavers and set(leavers) <= set(range(1, nprocs)), leavers
 
 
 @mpi_test(nps=(2,), timeout=240)
