@@ -1,8 +1,8 @@
 """The background engine: name matching, fusion, errors on every rank, stalls, shutdown."""
 import json
 import os
-import re
 import random
+import re
 import sys
 import tempfile
 import time
