@@ -50,6 +50,24 @@ def _login_shell() -> str:
         return "/bin/sh"
 
 
+def _daemon_environment() -> dict[str, str]:
+    """Our environment for the daemon's shell, marked as a nested shell.
+
+    The session's own shell has already read the user's rc file (what it exports is our
+    environment), as OpenSSH's single shell per command does.  Bash reads ~/.bashrc again
+    in any shell that looks started by sshd (SSH_CLIENT set, SHLVL below 2 -- and bash
+    lowers SHLVL when it execs our Python), which costs every launch another rc run on
+    every host (a pyenv or conda init takes a noticeable time); SHLVL 1 here makes that
+    shell level 2."""
+    env = dict(os.environ)
+    try:
+        level = int(env.get("SHLVL") or 0)
+    except ValueError:
+        level = 0
+    env["SHLVL"] = str(max(level, 1))
+    return env
+
+
 def _watch_stdin(stopped: threading.Event, updates_path: str | None = None, pending: bytes = b"") -> str:
     """Until the session ends or goes silent (then: why); heartbeats are lines, and a line
     `update N` carries an elastic job's host-set version, left in `updates_path` for the ranks.
@@ -162,7 +180,7 @@ def _run_guarded(command: str, job_file: str | None, layout: JobLayout | None, u
 
 def _guard(command: str, updates_path: str | None, pending: bytes = b"") -> int:
     become_subreaper()
-    child = subprocess.Popen([_login_shell(), "-c", command], stdin=subprocess.DEVNULL)
+    child = subprocess.Popen([_login_shell(), "-c", command], stdin=subprocess.DEVNULL, env=_daemon_environment())
     done = threading.Event()
     ending = threading.Lock()
 
