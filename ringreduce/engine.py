@@ -235,14 +235,16 @@ class Request:
         interned = _SIGNATURES.get(signature)
         return interned if interned is not None else _intern(signature)
 
-    def describe(self) -> str:
+    def describe(self, members: "Sequence[int] | None" = None) -> str:
+        """What this rank submitted, for error messages; ``members`` maps the engine's ranks to
+        the job's (a process set's root is a rank of the set inside, a job rank to the user)."""
         text = self.kind.name.lower()
         if self.array is not None and self.kind not in _SHAPELESS:
             text += f" {self.array.dtype}{list(self.array.shape)}"
         if self.op is not None:
             text += f" op={ReduceOp(self.op).name}"
         if self.root >= 0:
-            text += f" root_rank={self.root}"
+            text += f" root_rank={self.root if members is None else members[self.root]}"
         if (self.prescale, self.postscale) != (1.0, 1.0):
             text += f" prescale={self.prescale:g} postscale={self.postscale:g}"
         return text
@@ -672,7 +674,7 @@ class Engine:
         reports = []
         for request in self._pending.values():
             if request.state is RequestState.UNREPORTED:
-                reports.append((request.name, request.signature, request.describe()))
+                reports.append((request.name, request.signature, request.describe(self._members)))
                 request.state = RequestState.REPORTED
         pending = sorted(self._pending) if stall_check else None
         gathered = self._control.gather((reports, pending), root=0)

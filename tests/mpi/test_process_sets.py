@@ -356,8 +356,6 @@ def test_mismatch_inside_a_set_raises_on_every_member_naming_global_ranks():
     assert rr.allreduce(np.ones(2), op=rr.Sum).tolist() == [3, 3]
 
 
-@pytest.mark.xfail(strict=True, reason="the mismatch message prints the root's rank within the set "
-                   "(Request.describe in engine.py), not the global root_rank the caller passed")
 @mpi_test(nps=(3,))
 def test_a_root_mismatch_inside_a_set_names_the_global_roots():
     me = rr.rank()
