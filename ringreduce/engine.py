@@ -254,6 +254,52 @@ class Request:
         return self.array.nbytes
 
 
+
+class AllreduceOp(Handle):
+    """One all-reduce submitted on its own: its handle and its request in one object.
+
+    A training step submits one per gradient, so the engine's per-tensor path creates
+    one object instead of a Handle and a Request. The engine sees it as a Request
+    (``handle`` is the op itself, ``index`` 0); the user as a Handle. Fields that are the
+    same for every such op are class attributes (never written per op)."""
+
+    __slots__ = ("name", "array", "backend", "op", "in_place", "prescale", "postscale", "submitted", "state",
+                 "signature", "bit")
+
+    kind = Kind.ALLREDUCE
+    index = 0
+    root = -1
+    splits = None
+    obj = None
+    _grouped = False
+
+    def __init__(self, name: str, array: Any, backend: Any, op: ReduceOp, in_place: bool, prescale: float,
+                 postscale: float, signature: tuple, done_cv: threading.Condition) -> None:
+        self._results: "list[Any]" = [None]
+        self._remaining = 1
+        self._error: "BaseException | None" = None
+        self._done_cv = done_cv
+        self.name = name
+        self.array = array
+        self.backend = backend
+        self.op = op
+        self.in_place = in_place
+        self.prescale = prescale
+        self.postscale = postscale
+        self.state = RequestState.UNREPORTED
+        self.signature = signature
+        self.bit = -1
+
+    @property
+    def handle(self) -> "AllreduceOp":
+        return self  # a property, not a slot: a slot would make each op a reference cycle
+
+    __repr__ = Request.__repr__
+    meta = Request.meta
+    describe = Request.describe
+    nbytes = Request.nbytes
+
+
 _PLACEHOLDER = np.empty(0, dtype=np.uint8)
 _HOST = backend_for(_PLACEHOLDER)  # the backend of every host array
 _HOST_NAME = _HOST.name
@@ -367,7 +413,7 @@ class Engine:
             self._incoming.extend(requests)
 
     def submit_allreduce(self, array: Any, name: "str | None", op: ReduceOp, in_place: bool, prescale: float,
-                         postscale: float) -> Handle:
+                         postscale: float) -> AllreduceOp:
         """``make_request`` and ``submit`` for one all-reduce (arguments already checked), in
         one short call: the per-tensor path of a training step. Same checks, same result."""
         if type(array) is np.ndarray:
@@ -379,15 +425,38 @@ class Engine:
             interned = _SIGNATURES.get(signature)
             if interned is None:
                 interned = _intern(signature)
+            request = AllreduceOp(name or self.auto_name(), array, backend, op, in_place, prescale, postscale,
+                                  interned, self.done_cv)
         else:
-            backend = backend_for(array)
-            interned = None
-        handle = Handle(1, False, self.done_cv)
-        request = Request(Kind.ALLREDUCE, name or self.auto_name(), array, handle, 0, backend, op, -1, None,
-                          in_place, prescale, postscale)
-        request.signature = interned if interned is not None else request.meta()
-        self.submit((request,))
-        return handle
+            request = AllreduceOp(name or self.auto_name(), array, backend_for(array), op, in_place, prescale,
+                                  postscale, (), self.done_cv)
+            request.signature = request.meta()
+        # ``submit`` for one request, inline (same checks, same order).
+        now = time.monotonic()
+        with self._lock:
+            if self._closing or self._closed_error is not None:
+                raise self._closed_error or ShutdownError(
+                    "mtrain was shut down; call init() again before submitting more ops")
+            name = request.name
+            incoming = self._incoming
+            if not incoming:
+                self._first_submit = now
+                last = self._last_batch
+                self._expect_left = len(last) if name in last else 0
+                self._wake.notify()  # the first op of a burst only (see ``submit``)
+            in_flight = self._in_flight
+            if name in in_flight:
+                raise _already_in_flight(name)
+            request.submitted = now
+            in_flight.add(name)
+            if self._expect_left > 0 and name in self._last_batch:
+                self._expect_left -= 1
+                if not self._expect_left:
+                    self._expect_left = -1  # complete: the engine may start now
+                    self._wake.notify()
+            self._last_submit = now
+            incoming.append(request)
+        return request
 
     def _note_waiter(self, delta: int) -> None:
         """A user thread starts (+1) or stops (-1) blocking on one of this engine's handles."""
@@ -511,14 +580,21 @@ class Engine:
         mine = np.zeros(words + 1 + 3 * rank_words, dtype=np.uint64)
         control = 0
         cached: "list[int]" = []  # set in one NumPy call below, not one call per op
+        entries = self._cache.entries
+        unreported, cached_state = RequestState.UNREPORTED, RequestState.CACHED
         for request in self._pending.values():
-            if request.state is RequestState.UNREPORTED:
-                request.bit = self._cache.lookup(request.name, request.signature)
-                if request.bit < 0:
+            state = request.state
+            if state is unreported:
+                # ``ResponseCache.lookup``, inline: this loop runs once per op of every step.
+                entry = entries.get(request.name)
+                if entry is None or not entry[1] == request.signature:
+                    request.bit = -1
                     control |= CONTROL_UNREPORTED
                     continue
-                request.state = RequestState.CACHED
-            if request.state is RequestState.CACHED:
+                request.bit = bit = entry[0]
+                request.state = cached_state
+                cached.append(bit)
+            elif state is cached_state:
                 cached.append(request.bit)
         set_bits(mine, cached)
         if closing:
