@@ -15,7 +15,7 @@ from .backend import is_device_array
 from .collectives import Executor, Kind
 from .engine import Engine, EngineConfig, Handle, env_number, make_request
 from .errors import InvalidArgumentError
-from .ops import Average, ReduceOp, check_op, check_reducible
+from .ops import Adasum, Average, ReduceOp, check_op, check_reducible
 from .process_sets import ProcessSet, global_process_set
 
 
@@ -423,16 +423,29 @@ def _submit(kind: Kind, arrays: "Sequence[np.ndarray | None]", name: "str | None
 def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | None", prescale_factor: float,
                       postscale_factor: float, in_place: bool, grouped: bool,
                       process_set: ProcessSet = global_process_set) -> Handle:
+    if not grouped:  # one tensor, the per-gradient path: the same checks, in the same order, kept short
+        return _submit_one_allreduce(arrays[0], op, name, prescale_factor, postscale_factor, in_place, process_set)
     op = check_op(op)
     for array in arrays:
         check_reducible(array.dtype, op)
-    if not grouped:  # one tensor, the per-gradient path: the engine's short submit
-        engine = _rt().member(process_set).engine
-        exits.forget_status()  # still submitting: any SystemExit noted before was caught, not an exit
-        return engine.submit_allreduce(arrays[0], name, op, in_place, float(prescale_factor),
-                                       float(postscale_factor))
     return _submit(Kind.ALLREDUCE, arrays, name, grouped, process_set, op=op, in_place=in_place,
                    prescale=float(prescale_factor), postscale=float(postscale_factor))
+
+
+def _submit_one_allreduce(array: Any, op: Any, name: "str | None", prescale_factor: float,
+                          postscale_factor: float, in_place: bool, process_set: ProcessSet) -> Handle:
+    """``_submit_allreduce`` for one array: the engine's short submit."""
+    if type(op) is not ReduceOp or op is Adasum:  # a ReduceOp member passes as is (check_op's result)
+        op = check_op(op)
+    if array.dtype.kind == "b":  # only bool arrays restrict the op
+        check_reducible(array.dtype, op)
+    runtime = _runtime
+    if runtime is not None and process_set is global_process_set and process_set.process_set_id == 0:
+        engine = runtime.engine  # the global set's engine: what member() returns for it
+    else:
+        engine = _rt().member(process_set).engine
+    exits.forget_status()  # still submitting: any SystemExit noted before was caught, not an exit
+    return engine.submit_allreduce(array, name, op, in_place, float(prescale_factor), float(postscale_factor))
 
 
 def _check_root(root_rank: int, process_set: ProcessSet = global_process_set) -> int:
