@@ -19,6 +19,7 @@ import torch
 
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import cuda as _cuda
+from mtrain.ringreduce.runtime import _submit_one_allreduce
 from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet, Product,
     ReduceOp, Sum, add_process_set, allgather_object, barrier, broadcast_object, cross_rank, cross_size,
@@ -160,19 +161,23 @@ def _from_numpy(array: np.ndarray) -> torch.Tensor:
 
 class _InPlaceHandle(Handle):
     """An in-place op on a tensor (or a list of them) the runtime writes directly (contiguous,
-    on the CPU): the result is the tensor (or the list) itself. No finishing function per op."""
+    on the CPU): the result is the tensor (or the list) itself. No finishing function per op,
+    and nothing to remember after the wait (the runtime handle keeps its result and its error),
+    so it sets two fields: one is created per gradient."""
 
     __slots__ = ("_tensor",)
+    _finish = None  # never written: shadows the base slot, so it costs nothing per handle
 
     def __init__(self, inner: Any, tensor: "torch.Tensor | List[torch.Tensor]") -> None:
-        self._inner, self._finish, self._done, self._result = inner, None, False, None
+        self._inner = inner
         self._tensor = tensor
 
+    def poll(self) -> bool:
+        return self._inner.done()
+
     def wait(self) -> Any:
-        if not self._done:
-            self._inner.wait()  # raises the op's error
-            self._done, self._result, self._inner = True, self._tensor, None
-        return self._result
+        self._inner.wait()  # raises the op's error (every time it is asked, as before)
+        return self._tensor
 
 
 class _ViewCache:
@@ -224,8 +229,9 @@ def _allreduce_in_place(tensor: torch.Tensor, name: Optional[str], op: Any, pres
             array = _named_views.view(name, tensor)
         else:
             array = _numpy_view(tensor)
-        inner = rr.allreduce_async_(array, op, name, prescale_factor, postscale_factor, process_set=process_set)
-        return _InPlaceHandle(inner, tensor)
+        # The runtime's allreduce_async_ for one array, called directly: the per-gradient path.
+        return _InPlaceHandle(_submit_one_allreduce(array, op, name, prescale_factor, postscale_factor, True,
+                                                    process_set), tensor)
     buffer, land = _inplace_buffer(tensor)
     inner = rr.allreduce_async_(buffer, op, name, prescale_factor, postscale_factor, process_set=process_set)
     return Handle(inner, land)
@@ -261,8 +267,9 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
         process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce of ``tensor``; ``synchronize`` returns ``tensor``."""
-    return _allreduce_in_place(_check_tensor(tensor), name, resolve_op(average, op), prescale_factor,
-                               postscale_factor, process_set)
+    return _allreduce_in_place(_check_tensor(tensor), name,
+                               Average if op is None and average is None else resolve_op(average, op),
+                               prescale_factor, postscale_factor, process_set)
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
