@@ -413,9 +413,12 @@ class Engine:
             self._incoming.extend(requests)
 
     def submit_allreduce(self, array: Any, name: "str | None", op: ReduceOp, in_place: bool, prescale: float,
-                         postscale: float) -> AllreduceOp:
+                         postscale: float, op_class: "type[AllreduceOp] | None" = None) -> AllreduceOp:
         """``make_request`` and ``submit`` for one all-reduce (arguments already checked), in
-        one short call: the per-tensor path of a training step. Same checks, same result."""
+        one short call: the per-tensor path of a training step. Same checks, same result.
+        ``op_class``: a subclass of AllreduceOp to create (a framework's handle), if not AllreduceOp."""
+        if op_class is None:
+            op_class = AllreduceOp
         if type(array) is np.ndarray:
             backend: Any = _HOST
             code = _HOST_DTYPE_CODES.get(array.dtype)
@@ -425,11 +428,11 @@ class Engine:
             interned = _SIGNATURES.get(signature)
             if interned is None:
                 interned = _intern(signature)
-            request = AllreduceOp(name or self.auto_name(), array, backend, op, in_place, prescale, postscale,
-                                  interned, self.done_cv)
+            request = op_class(name or self.auto_name(), array, backend, op, in_place, prescale, postscale,
+                               interned, self.done_cv)
         else:
-            request = AllreduceOp(name or self.auto_name(), array, backend_for(array), op, in_place, prescale,
-                                  postscale, (), self.done_cv)
+            request = op_class(name or self.auto_name(), array, backend_for(array), op, in_place, prescale,
+                               postscale, (), self.done_cv)
             request.signature = request.meta()
         # ``submit`` for one request, inline (same checks, same order).
         now = time.monotonic()
@@ -868,13 +871,24 @@ class Engine:
         self.executor.allreduce_flat(flats, first.op, backend, first.prescale, first.postscale)
         t2 = time.monotonic()
         results = []
-        copy = np.copyto if host else backend.copy
-        for request, view in zip(batch, ring.views):
-            if request.in_place:
-                copy(request.array, view)
-                results.append(request.array)
-            else:
-                results.append(view.copy())
+        if host:
+            # ``array[...] = view``: np.copyto's copy at half its call cost (same dtype and shape:
+            # the view was cut to the op's own), once per packed op of every step.
+            for request, view in zip(batch, ring.views):
+                if request.in_place:
+                    array = request.array
+                    array[...] = view
+                    results.append(array)
+                else:
+                    results.append(view.copy())
+        else:
+            copy = backend.copy
+            for request, view in zip(batch, ring.views):
+                if request.in_place:
+                    copy(request.array, view)
+                    results.append(request.array)
+                else:
+                    results.append(view.copy())
         t3 = time.monotonic()
         for out, flat, was_copied in zip(outs, flats[1 if batch else 0:], copied):
             if was_copied:
