@@ -433,8 +433,10 @@ def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | Non
 
 
 def _submit_one_allreduce(array: Any, op: Any, name: "str | None", prescale_factor: float,
-                          postscale_factor: float, in_place: bool, process_set: ProcessSet) -> Handle:
-    """``_submit_allreduce`` for one array: the engine's short submit."""
+                          postscale_factor: float, in_place: bool, process_set: ProcessSet,
+                          op_class: Any = None) -> Handle:
+    """``_submit_allreduce`` for one array: the engine's short submit. ``op_class``: a subclass of
+    ``engine.AllreduceOp`` for the handle (a framework binding's own), if not AllreduceOp."""
     if type(op) is not ReduceOp or op is Adasum:  # a ReduceOp member passes as is (check_op's result)
         op = check_op(op)
     if array.dtype.kind == "b":  # only bool arrays restrict the op
@@ -445,7 +447,8 @@ def _submit_one_allreduce(array: Any, op: Any, name: "str | None", prescale_fact
     else:
         engine = _rt().member(process_set).engine
     exits.forget_status()  # still submitting: any SystemExit noted before was caught, not an exit
-    return engine.submit_allreduce(array, name, op, in_place, float(prescale_factor), float(postscale_factor))
+    return engine.submit_allreduce(array, name, op, in_place, float(prescale_factor), float(postscale_factor),
+                                   op_class)
 
 
 def _check_root(root_rank: int, process_set: ProcessSet = global_process_set) -> int:
