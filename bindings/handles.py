@@ -11,7 +11,22 @@ from typing import Any, Callable
 import mtrain.ringreduce as rr
 
 
-class Handle:
+class HandleBase:
+    """What ``synchronize`` and ``poll`` accept: an op in flight with ``wait()`` and ``poll()``.
+
+    No fields (empty slots), so a binding may also derive its handle from the runtime's own
+    op (``engine.AllreduceOp``): one object per tensor on the per-gradient path."""
+
+    __slots__ = ()
+
+    def poll(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self) -> Any:
+        raise NotImplementedError
+
+
+class Handle(HandleBase):
     """An op in flight. ``wait()`` returns the framework-level result (once computed, cached)."""
 
     __slots__ = ("_inner", "_finish", "_done", "_result")
@@ -53,15 +68,15 @@ class DeferredHandle(Handle):
         return self.wait()
 
 
-def synchronize(handle: Handle) -> Any:
+def synchronize(handle: HandleBase) -> Any:
     """Wait for ``handle``'s op and return its result; raises the op's error."""
-    if not isinstance(handle, Handle):
+    if not isinstance(handle, HandleBase):
         raise TypeError(f"synchronize() takes a handle returned by an *_async op, got {type(handle).__name__}")
     return handle.wait()
 
 
-def poll(handle: Handle) -> bool:
+def poll(handle: HandleBase) -> bool:
     """True once ``handle``'s op has finished (``synchronize`` will not block)."""
-    if not isinstance(handle, Handle):
+    if not isinstance(handle, HandleBase):
         raise TypeError(f"poll() takes a handle returned by an *_async op, got {type(handle).__name__}")
     return handle.poll()

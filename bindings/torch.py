@@ -19,6 +19,7 @@ import torch
 
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import cuda as _cuda
+from mtrain.ringreduce.engine import AllreduceOp
 from mtrain.ringreduce.runtime import _submit_one_allreduce
 from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet, Product,
@@ -31,7 +32,7 @@ from .build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from . import compression as _compression
 from .gradient_op import check_gradient_op, resolve_op
-from .handles import DeferredHandle, Handle, poll, synchronize  # noqa: F401
+from .handles import DeferredHandle, Handle, HandleBase, poll, synchronize  # noqa: F401
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
@@ -180,6 +181,19 @@ class _InPlaceHandle(Handle):
         return self._tensor
 
 
+class _TensorAllreduce(HandleBase, AllreduceOp):
+    """An in-place all-reduce of one contiguous CPU tensor: the runtime's op and the binding's
+    handle in one object (one per gradient of every step). ``wait()`` returns the tensor."""
+
+    __slots__ = ("_tensor",)
+
+    poll = AllreduceOp.done
+
+    def wait(self) -> Any:
+        AllreduceOp.wait(self)  # raises the op's error
+        return self._tensor
+
+
 class _ViewCache:
     """NumPy views of small CPU tensors, kept from one step to the next under a key (a
     parameter, or an op's name): a training step that all-reduces the same tensors again
@@ -230,8 +244,10 @@ def _allreduce_in_place(tensor: torch.Tensor, name: Optional[str], op: Any, pres
         else:
             array = _numpy_view(tensor)
         # The runtime's allreduce_async_ for one array, called directly: the per-gradient path.
-        return _InPlaceHandle(_submit_one_allreduce(array, op, name, prescale_factor, postscale_factor, True,
-                                                    process_set), tensor)
+        handle = _submit_one_allreduce(array, op, name, prescale_factor, postscale_factor, True, process_set,
+                                       _TensorAllreduce)
+        handle._tensor = tensor  # only this thread reads it, after the submit
+        return handle
     buffer, land = _inplace_buffer(tensor)
     inner = rr.allreduce_async_(buffer, op, name, prescale_factor, postscale_factor, process_set=process_set)
     return Handle(inner, land)
