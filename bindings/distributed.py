@@ -33,6 +33,7 @@ rank already, so the wait ends).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import socket
@@ -147,22 +148,39 @@ class _Completer:
     def __init__(self) -> None:
         self._queue: "queue.SimpleQueue[Tuple[List[Any], Callable[[], Any], torch.futures.Future]]" = \
             queue.SimpleQueue()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="mtrain-distributed-completer", daemon=True)
         self._thread.start()
+        # A daemon thread still inside torch (completing a future) when the interpreter
+        # finalizes is unwound through C++ frames that cannot be unwound: std::terminate,
+        # SIGABRT. At exit it stops touching torch, and finishes what it is doing first.
+        atexit.register(self._close)
+
+    def _close(self) -> None:
+        self._closing = True
+        self._queue.put(None)
+        self._thread.join(timeout=2.0)
 
     def add(self, handles: List[Any], finish: Callable[[], Any], future: torch.futures.Future) -> None:
         self._queue.put((handles, finish, future))
 
     def _run(self) -> None:
         while True:
-            handles, finish, future = self._queue.get()
+            item = self._queue.get()
+            if item is None or self._closing:
+                return
+            handles, finish, future = item
             try:
                 for handle in handles:
                     rr.synchronize(handle)
                 value = finish()
             except Exception as error:  # the op's own error goes to whoever waits on its Work
+                if self._closing:
+                    return
                 future.set_exception(error)
             else:
+                if self._closing:
+                    return
                 future.set_result(value)
 
 
