@@ -76,6 +76,15 @@ def _divide(xp: Any, buf: Any, divisor: int) -> None:
         xp.true_divide(buf, buf.dtype.type(divisor), out=buf)
 
 
+def _per_thread(local: threading.local, name: str) -> dict:
+    """The calling thread's dict ``name`` in ``local``, created empty on first use."""
+    found = getattr(local, name, None)
+    if found is None:
+        found = {}
+        setattr(local, name, found)
+    return found
+
+
 class NumpyBackend:
     """Host memory: NumPy arrays, reductions by NumPy ufuncs in place, MPI on the views."""
 
@@ -89,10 +98,7 @@ class NumpyBackend:
 
     @property
     def _scratch(self) -> dict:
-        slots = getattr(self._local, "scratch", None)
-        if slots is None:
-            slots = self._local.scratch = {}
-        return slots
+        return _per_thread(self._local, "scratch")
 
     def owns(self, array: Any) -> bool:
         return isinstance(array, np.ndarray)
@@ -208,10 +214,7 @@ class DeviceBackend:
 
     @property
     def _scratch(self) -> dict:
-        slots = getattr(self._local, "scratch", None)
-        if slots is None:
-            slots = self._local.scratch = {}
-        return slots
+        return _per_thread(self._local, "scratch")
 
     def owns(self, array: Any) -> bool:
         return isinstance(array, self.xp.ndarray)
@@ -305,17 +308,11 @@ class StagedBackend(DeviceBackend):
     # Pinned buffers and lane events per thread too: each engine thread stages its own transfers.
     @property
     def _pinned(self) -> "dict[Any, np.ndarray]":
-        found = getattr(self._local, "pinned", None)
-        if found is None:
-            found = self._local.pinned = {}
-        return found
+        return _per_thread(self._local, "pinned")
 
     @property
     def _lane_free(self) -> "dict[int, Event]":  # lane -> event after the copy that empties it
-        found = getattr(self._local, "lane_free", None)
-        if found is None:
-            found = self._local.lane_free = {}
-        return found
+        return _per_thread(self._local, "lane_free")
 
     def staging(self, key: Any, nbytes: int) -> np.ndarray:
         """A reusable pinned byte buffer for ``key``; grown (never shrunk) on demand."""

@@ -11,14 +11,8 @@ require("torch", "pip install '.[torch]'")
 
 import torch  # noqa: E402
 
+from tests.bindings.test_torch_parity import _data  # noqa: E402  (distinct per rank and element)
 from tests.mpi.harness import mpi_test  # noqa: E402
-
-
-def _data(r: int, shape, dtype=torch.float64) -> torch.Tensor:
-    """Distinct per rank and per element."""
-    count = int(np.prod(shape)) if len(shape) else 1
-    values = torch.arange(count, dtype=torch.float64) * 0.37 - 1.1 * r + 0.01 * r * r + 0.5
-    return values.reshape(shape).to(dtype)
 
 
 # -- process sets ------------------------------------------------------------------------------
