@@ -261,12 +261,7 @@ def start_command(client: paramiko.SSHClient, command: str, timeout: float,
                 channel.settimeout(None)  # from here on its reader waits as long as the job runs
                 return channel, None, out.decode(errors="replace"), ""
         channel.shutdown_write()
-        err = bytearray()
-        while True:
-            data = channel.recv_stderr(65536)
-            if not data:
-                break
-            err += data
+        err = _read_to_end(channel.recv_stderr)
         if not channel.status_event.wait(timeout):
             raise socket.timeout()
         status = channel.recv_exit_status()
@@ -280,24 +275,25 @@ def start_command(client: paramiko.SSHClient, command: str, timeout: float,
     return channel, status, out.decode(errors="replace"), err.decode(errors="replace")
 
 
+def _read_to_end(recv: Any) -> bytearray:
+    """Everything a channel stream gives until its end (``recv`` is channel.recv or recv_stderr)."""
+    got = bytearray()
+    while True:
+        data = recv(65536)
+        if not data:
+            return got
+        got += data
+
+
 def run_command(client: paramiko.SSHClient, command: str, timeout: float) -> tuple[int, str, str]:
     """Run a shell command string; (exit status, stdout, stderr).  Bounded by `timeout`."""
     channel = client.get_transport().open_session(timeout=timeout)
     channel.settimeout(timeout)
     channel.exec_command(command)
     channel.shutdown_write()
-    out, err = bytearray(), bytearray()
     try:
-        while True:
-            data = channel.recv(65536)
-            if not data:
-                break
-            out += data
-        while True:
-            data = channel.recv_stderr(65536)
-            if not data:
-                break
-            err += data
+        out = _read_to_end(channel.recv)
+        err = _read_to_end(channel.recv_stderr)
         if not channel.status_event.wait(timeout):
             raise socket.timeout()
         status = channel.recv_exit_status()
