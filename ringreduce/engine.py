@@ -14,11 +14,18 @@ engine thread
    by one (``collectives.py``),
 4. completes the handles.
 
-The steady state is a training step that repeats the last one's ops: its batch
-finds its plan (rings, fusion-buffer views) cached, keyed by the ops' interned
-signatures, packs with one NumPy call and completes its handles in one pass.
-Per op, only the submit (one Request and one Handle), a bit in the vector and
-one copy out of the fusion buffer remain.
+The steady state is a training step that repeats the last one's ops. A batch
+that ran whole (every op cached, all of it taken in one cycle) is kept as a
+steady batch (``_Steady``): the names and signatures in submission order, the
+negotiation vector they make, the agreed order and the plan. When the same
+ops come again in the same order, two C-level list comparisons find it; the
+cycle sends the kept vector, and if every rank sent the same (nothing more,
+nothing missing, no news) it runs the batch as it is, with no per-op work
+before the rings. Otherwise the ops become pending ops like any other and the
+cycle goes on from the vectors it already has, so either path gives every
+rank the same decisions. Packing is one NumPy call, unpacking and completing
+one C-level loop each. Per op, only the submit (one object, its handle and its
+request) and one copy out of the fusion buffer remain.
 
 Errors are delivered to the handles of every rank (``synchronize`` raises
 them; the classes live in ``errors.py``): mismatched submissions, stalls past
@@ -27,8 +34,10 @@ forever on a rank that has left.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import operator
 import os
 import sys
 import threading
@@ -175,6 +184,8 @@ _SHAPELESS = frozenset((Kind.BARRIER, Kind.BROADCAST_OBJECT, Kind.ALLGATHER_OBJE
 _SIGNATURES: "dict[tuple, tuple]" = {}
 _SIGNATURES_MAX = 1 << 16
 _ALLREDUCE_CODE = int(Kind.ALLREDUCE)
+_UNREPORTED = RequestState.UNREPORTED  # an Enum member read through its class costs a lookup each time
+_new_object = object.__new__
 _HOST_DTYPE_CODES: "dict[np.dtype, int]" = {}  # dtype_code of host arrays' dtypes seen so far
 
 
@@ -182,6 +193,18 @@ def _intern(signature: tuple) -> tuple:
     if len(_SIGNATURES) >= _SIGNATURES_MAX:
         _SIGNATURES.clear()
     return _SIGNATURES.setdefault(signature, signature)
+
+
+def host_allreduce_signature(array: np.ndarray, op: ReduceOp, prescale: float, postscale: float) -> tuple:
+    """``Request.meta()`` of an all-reduce of host array ``array`` (the interned tuple). A
+    caller that submits the same array with the same arguments every step may keep it and
+    pass it to ``Engine.submit_allreduce``. TypeError for a dtype the runtime cannot reduce."""
+    code = _HOST_DTYPE_CODES.get(array.dtype)
+    if code is None:
+        code = _HOST_DTYPE_CODES[array.dtype] = dtype_code(array.dtype)  # TypeError if unsupported
+    signature = (_ALLREDUCE_CODE, code, array.shape, int(op), -1, prescale, postscale, _HOST_NAME)
+    interned = _SIGNATURES.get(signature)
+    return interned if interned is not None else _intern(signature)
 
 
 class Request:
@@ -261,7 +284,8 @@ class AllreduceOp(Handle):
     A training step submits one per gradient, so the engine's per-tensor path creates
     one object instead of a Handle and a Request. The engine sees it as a Request
     (``handle`` is the op itself, ``index`` 0); the user as a Handle. Fields that are the
-    same for every such op are class attributes (never written per op)."""
+    same for every such op are class attributes (never written per op). Created only by
+    ``Engine.submit_allreduce``."""
 
     __slots__ = ("name", "array", "backend", "op", "in_place", "prescale", "postscale", "submitted", "state",
                  "signature", "bit")
@@ -273,22 +297,8 @@ class AllreduceOp(Handle):
     obj = None
     _grouped = False
 
-    def __init__(self, name: str, array: Any, backend: Any, op: ReduceOp, in_place: bool, prescale: float,
-                 postscale: float, signature: tuple, done_cv: threading.Condition) -> None:
-        self._results: "list[Any]" = [None]
-        self._remaining = 1
-        self._error: "BaseException | None" = None
-        self._done_cv = done_cv
-        self.name = name
-        self.array = array
-        self.backend = backend
-        self.op = op
-        self.in_place = in_place
-        self.prescale = prescale
-        self.postscale = postscale
-        self.state = RequestState.UNREPORTED
-        self.signature = signature
-        self.bit = -1
+    # No __init__: ``Engine.submit_allreduce`` fills the fields of a new op inline (a call
+    # frame less on the per-tensor path).
 
     @property
     def handle(self) -> "AllreduceOp":
@@ -347,7 +357,12 @@ class Engine:
         # Batches seen before, by the identities of their ops' signatures: the rings and the
         # fusion-buffer views each needs (``_Plan``), so a repeated step plans nothing.
         self._plans: "dict[tuple, _Plan]" = {}
+        # Whole batches seen before, to run again as they were (``_Steady``), by their first
+        # op's name and their length.
+        self._steady: "dict[tuple[str, int], _Steady]" = {}
         self.plans_built = self.plans_reused = 0  # for tests and benchmarks
+        self.steady_cycles = 0  # cycles that ran the steady batch as learned (for tests)
+        self.steady_fallbacks = 0  # cycles that sent a steady batch but another rank differed
         self._fusion: "dict[Any, Any]" = {}  # backend -> this engine's fusion buffer (bytes)
         # join(): set by the user thread; the rest is the engine thread's.
         self._join_handle: "Handle | None" = None
@@ -413,30 +428,40 @@ class Engine:
             self._incoming.extend(requests)
 
     def submit_allreduce(self, array: Any, name: "str | None", op: ReduceOp, in_place: bool, prescale: float,
-                         postscale: float, op_class: "type[AllreduceOp] | None" = None) -> AllreduceOp:
+                         postscale: float, op_class: "type[AllreduceOp] | None" = None,
+                         signature: "tuple | None" = None) -> AllreduceOp:
         """``make_request`` and ``submit`` for one all-reduce (arguments already checked), in
         one short call: the per-tensor path of a training step. Same checks, same result.
-        ``op_class``: a subclass of AllreduceOp to create (a framework's handle), if not AllreduceOp."""
-        if op_class is None:
-            op_class = AllreduceOp
-        if type(array) is np.ndarray:
-            backend: Any = _HOST
-            code = _HOST_DTYPE_CODES.get(array.dtype)
-            if code is None:
-                code = _HOST_DTYPE_CODES[array.dtype] = dtype_code(array.dtype)  # TypeError if unsupported
-            signature = (_ALLREDUCE_CODE, code, array.shape, int(op), -1, prescale, postscale, _HOST_NAME)
-            interned = _SIGNATURES.get(signature)
-            if interned is None:
-                interned = _intern(signature)
-            request = op_class(name or self.auto_name(), array, backend, op, in_place, prescale, postscale,
-                               interned, self.done_cv)
+        ``op_class``: a subclass of AllreduceOp to create (a framework's handle), if not AllreduceOp.
+        ``signature``: ``host_allreduce_signature`` of these arguments, if the caller kept it."""
+        request = _new_object(op_class or AllreduceOp)
+        request._results = [None]
+        request._remaining = 1
+        request._error = None
+        request._done_cv = self.done_cv
+        request.name = name or self.auto_name()
+        request.array = array
+        request.op = op
+        request.in_place = in_place
+        request.prescale = prescale
+        request.postscale = postscale
+        request.state = _UNREPORTED
+        request.bit = -1
+        if signature is not None:
+            request.backend = _HOST
+            request.signature = signature
+        elif type(array) is np.ndarray:
+            request.backend = _HOST
+            request.signature = host_allreduce_signature(array, op, prescale, postscale)
         else:
-            request = op_class(name or self.auto_name(), array, backend_for(array), op, in_place, prescale,
-                               postscale, (), self.done_cv)
+            request.backend = backend_for(array)
             request.signature = request.meta()
-        # ``submit`` for one request, inline (same checks, same order).
+        # ``submit`` for one request, inline (same checks, same order). Explicit acquire and
+        # release: a ``with`` block costs twice as much, once per tensor.
         now = time.monotonic()
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._closing or self._closed_error is not None:
                 raise self._closed_error or ShutdownError(
                     "mtrain was shut down; call init() again before submitting more ops")
@@ -459,6 +484,8 @@ class Engine:
                     self._wake.notify()
             self._last_submit = now
             incoming.append(request)
+        finally:
+            lock.release()
         return request
 
     def _note_waiter(self, delta: int) -> None:
@@ -514,17 +541,14 @@ class Engine:
             traceback.print_exc()
             self._fail_all(EngineError(f"mtrain's background engine failed: {exc!r}"))
 
-    def _take_incoming(self) -> bool:
-        """Move submitted ops into the pending table; returns whether we are closing."""
+    def _take_incoming(self) -> "tuple[bool, list[Request]]":
+        """The ops submitted since the last cycle, and whether we are closing."""
         with self._lock:
             self._hold()
             incoming, self._incoming = self._incoming, []
             self._expect_left = 0
             closing = self._closing
-        pending = self._pending
-        for request in incoming:
-            pending[request.name] = request
-        return closing
+        return closing, incoming
 
     def _hold(self) -> None:
         """Wait (under ``self._lock``) until the next cycle should start.
@@ -572,20 +596,25 @@ class Engine:
             self._wake.wait(left)
 
     def _cycle(self) -> bool:
-        closing = self._take_incoming()
+        closing, incoming = self._take_incoming()
         if self._join_handle is not None and not self._joined:
             self._joined = True  # from now on this rank stands in for every op with zeros
+        if incoming and not closing and not self._pending and not self._joined and not self._stall_check_next:
+            steady = self._steady.get((incoming[0].name, len(incoming)))
+            if steady is not None and steady.matches(incoming, self._cache.version):
+                return self._cycle_steady(steady, incoming)
+        pending = self._pending
+        for request in incoming:
+            pending[request.name] = request
         # The vector: cache bits | control word | "rank r is leaving" | "rank r has ops pending"
         # | "rank r has joined".
         words = self._cache.words
-        rank_words = (self._size + 63) // 64
-        leaving_at, busy_at, joined_at = words + 1, words + 1 + rank_words, words + 1 + 2 * rank_words
-        mine = np.zeros(words + 1 + 3 * rank_words, dtype=np.uint64)
+        mine = self._vector_for(words)
         control = 0
         cached: "list[int]" = []  # set in one NumPy call below, not one call per op
         entries = self._cache.entries
         unreported, cached_state = RequestState.UNREPORTED, RequestState.CACHED
-        for request in self._pending.values():
+        for request in pending.values():
             state = request.state
             if state is unreported:
                 # ``ResponseCache.lookup``, inline: this loop runs once per op of every step.
@@ -606,18 +635,75 @@ class Engine:
             control |= CONTROL_STALL_CHECK
             self._stall_check_next = False
         mine[words] = np.uint64(control)
+        rank_words = (self._size + 63) // 64
         if closing:
-            set_bit(mine[leaving_at:busy_at], self._rank)
-        if self._pending:
-            set_bit(mine[busy_at:joined_at], self._rank)
+            set_bit(mine[words + 1:words + 1 + rank_words], self._rank)
+        if pending:
+            set_bit(mine[words + 1 + rank_words:words + 1 + 2 * rank_words], self._rank)
         mine_and = mine
         if self._joined:
-            set_bit(mine[joined_at:], self._rank)
+            set_bit(mine[words + 1 + 2 * rank_words:], self._rank)
             # A joined rank agrees to every cached op (the AND half), yet holds none (the OR half):
             # an op is ready once every rank that has not joined holds it.
             mine_and = mine.copy()
             mine_and[:words] = ~np.uint64(0)
         everywhere, anywhere = self._and_or(mine_and, mine)
+        # A batch that ran whole, all of it submitted since the last cycle, is what the next
+        # step will probably submit again: learn it (``_Steady``).
+        whole = (len(pending) == len(incoming) and bool(incoming) and not closing and not self._joined)
+        cache_version = self._cache.version
+        alive = self._decide(everywhere, anywhere, words)
+        if alive and whole and not self._pending and self._cache.version == cache_version:
+            steady = _Steady.learn(incoming, self._cache, self._vector_for(words), words, self._rank, self._size)
+            if steady is not None:
+                key = (incoming[0].name, len(incoming))
+                if key not in self._steady and len(self._steady) >= PLAN_CACHE_SIZE:
+                    del self._steady[next(iter(self._steady))]  # the oldest
+                self._steady[key] = steady
+        return alive
+
+    def _vector_for(self, words: int) -> np.ndarray:
+        """A zeroed negotiation vector for a cache of ``words`` words (see ``_cycle``)."""
+        return np.zeros(words + 1 + 3 * ((self._size + 63) // 64), dtype=np.uint64)
+
+    def _cycle_steady(self, steady: "_Steady", incoming: "list[Request]") -> bool:
+        """A cycle whose ops are exactly the steady batch's, submitted in the same order: its
+        vector, order and plan are known, so nothing is done per op before the rings. The
+        vector is the one ``_cycle`` would build (every rank may take either way)."""
+        mine = steady.vector.copy()
+        everywhere, anywhere = self._and_or(mine, mine)
+        words = steady.words
+        if not steady.agreed(everywhere, anywhere):
+            # Another rank lacks some of them, or has more, or news (a shutdown, a join, a new
+            # name): these ops are cached pending ops like any other, and the cycle goes on.
+            self.steady_fallbacks += 1
+            pending = self._pending
+            cached_state = RequestState.CACHED
+            for request, bit in zip(incoming, steady.bits):
+                request.state, request.bit = cached_state, bit
+                pending[request.name] = request
+            return self._decide(everywhere, anywhere, words)
+        if self._coordinator is not None:
+            coordinator = self._coordinator
+            if coordinator.first_seen or coordinator.warned:
+                for name in steady.names:
+                    coordinator.forget(name)
+            self._stall_check_next = coordinator.stall_check_due(time.monotonic())
+        ready = list(map(incoming.__getitem__, steady.order))
+        if steady.plan is None or not steady.plan.fits(self.config):
+            steady.plan = self._plan_for(ready)
+        else:
+            self.plans_reused += 1
+        self.steady_cycles += 1
+        self._execute(ready, steady.plan, steady.ready_names)
+        self._wake_waiters()
+        return True
+
+    def _decide(self, everywhere: np.ndarray, anywhere: np.ndarray, words: int) -> bool:
+        """The rest of a cycle, from the negotiated vectors: who is leaving or joined, the
+        coordinator round if anyone has news, then the ready ops. False: the job is shutting down."""
+        rank_words = (self._size + 63) // 64
+        leaving_at, busy_at, joined_at = words + 1, words + 1 + rank_words, words + 1 + 2 * rank_words
         agreed_control = int(anywhere[words])
         if agreed_control & CONTROL_SHUTDOWN:
             self._note_shutdown(bits_of(anywhere[leaving_at:busy_at]), bits_of(anywhere[busy_at:joined_at]))
@@ -764,7 +850,10 @@ class Engine:
         return self._control.bcast(responses, root=0)
 
     # -- execution ------------------------------------------------------------
-    def _execute(self, ready: "list[Request]") -> None:
+    def _execute(self, ready: "list[Request]", plan: "_Plan | None" = None,
+                 names: "list[str] | None" = None) -> None:
+        """Run the ready ops (in the agreed order) by ``plan`` (the cached one if not given);
+        ``names``: theirs, in that order, if known."""
         start = time.monotonic()
         timeline = self._timeline
         if timeline is not None and self._mark_cycles:
@@ -772,16 +861,20 @@ class Engine:
         if timeline is not None:
             for request in ready:
                 timeline.span(request.name, "NEGOTIATE", request.submitted, start)
-        plan = self._plan_for(ready)
+        if plan is None:
+            plan = self._plan_for(ready)
         if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
             self._step_names = []
-        self._step_names.extend([r.name for r in ready])
+        self._step_names.extend(names if names is not None else list(map(_NAME, ready)))
         if self._waiters:
             self._step_waited = True
         for index in plan.one_by_one:
             self._run_one(ready[index])
+        take = ready.__getitem__
         for ring in plan.rings:
-            self._run_ring(ring, [ready[i] for i in ring.packed], [ready[i] for i in ring.alone])
+            # The common batch is one ring that packs every op: no list to build.
+            batch = ready if ring.packs_all else list(map(take, ring.packed))
+            self._run_ring(ring, batch, list(map(take, ring.alone)))
 
     def _plan_for(self, ready: "list[Request]") -> "_Plan":
         """The cached plan of this batch, or a new one. Every rank plans the same batch
@@ -856,7 +949,8 @@ class Engine:
                 ring.bind(buffer)
             fused = ring.fused
             if host:  # one call packs every tensor, whatever its shape or strides
-                np.concatenate([r.array for r in batch], axis=None, out=fused)
+                arrays = list(map(_ARRAY, batch))
+                np.concatenate(arrays, axis=None, out=fused)
             else:
                 for request, view in zip(batch, ring.views):
                     backend.copy(view, request.array)
@@ -870,10 +964,14 @@ class Engine:
             copied.append(was_copied)
         self.executor.allreduce_flat(flats, first.op, backend, first.prescale, first.postscale)
         t2 = time.monotonic()
-        results = []
-        if host:
-            # ``array[...] = view``: np.copyto's copy at half its call cost (same dtype and shape:
-            # the view was cut to the op's own), once per packed op of every step.
+        results: "list[Any]"
+        if host and batch and all(map(_IN_PLACE, batch)):
+            # ``array[...] = view`` for every op, in one C-level loop: np.copyto's copy at half
+            # its call cost (same dtype and shape: the view was cut to the op's own).
+            _consume(map(operator.setitem, arrays, itertools.repeat(Ellipsis), ring.views))
+            results = arrays
+        elif host:
+            results = []
             for request, view in zip(batch, ring.views):
                 if request.in_place:
                     array = request.array
@@ -882,6 +980,7 @@ class Engine:
                 else:
                     results.append(view.copy())
         else:
+            results = []
             copy = backend.copy
             for request, view in zip(batch, ring.views):
                 if request.in_place:
@@ -907,7 +1006,7 @@ class Engine:
 
     def _complete_all(self, requests: "list[Request]", results: "list[Any]") -> None:
         """``_finish`` for many successful ops at once: one lock acquisition for all of them."""
-        names = [r.name for r in requests]
+        names = list(map(_NAME, requests))
         with self._lock:
             self._in_flight.difference_update(names)
         for request, result in zip(requests, results):
@@ -955,16 +1054,75 @@ class Engine:
             self.done_cv.notify_all()
 
 
+_NAME = operator.attrgetter("name")
+_SIGNATURE = operator.attrgetter("signature")
+_ARRAY = operator.attrgetter("array")
+_IN_PLACE = operator.attrgetter("in_place")
+_consume = collections.deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
+
+
+class _Steady:
+    """The last batch that ran whole in the cycle that took it, every op cached: the names
+    and signatures in the order they were submitted, and what a cycle derives from them
+    (the negotiation vector, the agreed order of execution, the plan). A training step
+    submits the same batch again, in the same order; ``matches`` checks that with two
+    C-level list comparisons instead of a lookup per op.
+
+    Valid only while the response cache stays as it was (``ResponseCache.version``): the
+    bits, and so the vector and the order, come from it."""
+
+    __slots__ = ("names", "signatures", "bits", "order", "ready_names", "vector", "words", "version",
+                 "expected", "head", "joined_at", "plan")
+
+    @staticmethod
+    def learn(incoming: "list[Request]", cache: ResponseCache, vector: np.ndarray, words: int, rank: int,
+              size: int) -> "_Steady | None":
+        """``incoming`` as a steady batch, or None if not every op of it is cached."""
+        cached_state = RequestState.CACHED
+        if not all(request.state is cached_state for request in incoming):
+            return None  # unnamed ops (never cached) go through the coordinator every time
+        steady = _Steady()
+        steady.names = list(map(_NAME, incoming))
+        steady.signatures = list(map(_SIGNATURE, incoming))
+        steady.bits = [request.bit for request in incoming]
+        # The agreed order is ascending bit order (``_decide``), whatever the submission order.
+        steady.order = sorted(range(len(incoming)), key=steady.bits.__getitem__)
+        steady.ready_names = [steady.names[i] for i in steady.order]
+        rank_words = (size + 63) // 64
+        set_bits(vector, steady.bits)
+        set_bit(vector[words + 1 + rank_words:words + 1 + 2 * rank_words], rank)  # this rank has ops pending
+        steady.vector, steady.words, steady.version = vector, words, cache.version
+        steady.expected = vector[:words].tobytes()
+        # Cache bits, control word (no news) and "leaving" bits (none): what every rank must
+        # have sent for the batch to run as it is; "joined" bits: none.
+        steady.head = vector[:words + 1 + rank_words].tobytes()
+        steady.joined_at = words + 1 + 2 * rank_words
+        steady.plan = None
+        return steady
+
+    def matches(self, incoming: "list[Request]", version: int) -> bool:
+        return (version == self.version and len(incoming) == len(self.names)
+                and list(map(_NAME, incoming)) == self.names
+                and list(map(_SIGNATURE, incoming)) == self.signatures)
+
+    def agreed(self, everywhere: np.ndarray, anywhere: np.ndarray) -> bool:
+        """Whether every rank sent this batch and nothing else: then it runs as learned."""
+        return (everywhere[:self.words].tobytes() == self.expected
+                and anywhere[:len(self.head) // 8].tobytes() == self.head
+                and not anywhere[self.joined_at:].any())
+
+
 class _Ring:
     """One ring of a plan: the batch positions it packs into the fusion buffer and those it
     reduces in their own memory, and views of the fusion buffer for each packed op (cut
     once per buffer, so a repeated step packs and unpacks without slicing)."""
 
-    __slots__ = ("packed", "alone", "packed_bytes", "dtype", "pieces", "buffer", "fused", "views")
+    __slots__ = ("packed", "alone", "packs_all", "packed_bytes", "dtype", "pieces", "buffer", "fused", "views")
 
     def __init__(self, packed: "list[int]", alone: "list[int]", packed_bytes: int, dtype: np.dtype,
-                 pieces: "list[tuple[tuple, int]]") -> None:
+                 pieces: "list[tuple[tuple, int]]", batch_size: int) -> None:
         self.packed, self.alone, self.packed_bytes, self.dtype = packed, alone, packed_bytes, dtype
+        self.packs_all = packed == list(range(batch_size))  # every op of the batch, in order
         self.pieces = pieces  # (shape, element count) of each packed op, in order
         self.buffer: Any = None
         self.fused: Any = None
@@ -1002,7 +1160,11 @@ class _Plan:
             alone = [allreduces[j] for j in ring.in_place]
             dtype = ready[(packed or alone)[0]].array.dtype
             pieces = [(tuple(ready[i].array.shape), ready[i].array.size) for i in packed]
-            self.rings.append(_Ring(packed, alone, ring.packed_bytes, dtype, pieces))
+            self.rings.append(_Ring(packed, alone, ring.packed_bytes, dtype, pieces, len(ready)))
+
+    def fits(self, config: EngineConfig) -> bool:
+        """Planned with ``config``'s fusion settings."""
+        return self.threshold == config.fusion_threshold_bytes and self.inplace_min == config.inplace_min_bytes
 
 
 def set_bits(words: np.ndarray, bits: "list[int]") -> None:

@@ -61,6 +61,10 @@ class ResponseCache:
     def __init__(self) -> None:
         self.entries: "dict[str, tuple[int, Any]]" = {}
         self.names: "list[str | None]" = []
+        # Counts the changes that move a cached name's bit or the vector's length (an invalidation,
+        # a name cached anew, a new word): what was learned from the bits before is stale then.
+        # A name cached for the first time within the current words moves nothing.
+        self.version = 0
 
     @property
     def words(self) -> int:
@@ -72,13 +76,17 @@ class ResponseCache:
 
     def apply(self, response: Response) -> None:
         if response.verdict is Verdict.READY and response.bit >= 0:
+            words = self.words
             if response.bit == len(self.names):
                 self.names.append(response.name)
             self.names[response.bit] = response.name
+            if response.name in self.entries or self.words != words:
+                self.version += 1
             self.entries[response.name] = (response.bit, response.meta)
         elif response.verdict is Verdict.INVALIDATE:
             bit, _ = self.entries.pop(response.name)
             self.names[bit] = None  # a tombstone keeps later bits where they are
+            self.version += 1
 
     @staticmethod
     def cacheable(name: str) -> bool:

@@ -434,21 +434,25 @@ def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | Non
 
 def _submit_one_allreduce(array: Any, op: Any, name: "str | None", prescale_factor: float,
                           postscale_factor: float, in_place: bool, process_set: ProcessSet,
-                          op_class: Any = None) -> Handle:
+                          op_class: Any = None, signature: "tuple | None" = None) -> Handle:
     """``_submit_allreduce`` for one array: the engine's short submit. ``op_class``: a subclass of
-    ``engine.AllreduceOp`` for the handle (a framework binding's own), if not AllreduceOp."""
-    if type(op) is not ReduceOp or op is Adasum:  # a ReduceOp member passes as is (check_op's result)
-        op = check_op(op)
-    if array.dtype.kind == "b":  # only bool arrays restrict the op
-        check_reducible(array.dtype, op)
+    ``engine.AllreduceOp`` for the handle (a framework binding's own), if not AllreduceOp.
+    ``signature``: ``engine.host_allreduce_signature`` of a host array with these (checked)
+    arguments, if the caller kept it from an earlier submit; the checks then need not run again."""
+    if signature is None:
+        if type(op) is not ReduceOp or op is Adasum:  # a ReduceOp member passes as is (check_op's result)
+            op = check_op(op)
+        if array.dtype.kind == "b":  # only bool arrays restrict the op
+            check_reducible(array.dtype, op)
+        prescale_factor, postscale_factor = float(prescale_factor), float(postscale_factor)
     runtime = _runtime
     if runtime is not None and process_set is global_process_set and process_set.process_set_id == 0:
         engine = runtime.engine  # the global set's engine: what member() returns for it
     else:
         engine = _rt().member(process_set).engine
     exits.forget_status()  # still submitting: any SystemExit noted before was caught, not an exit
-    return engine.submit_allreduce(array, name, op, in_place, float(prescale_factor), float(postscale_factor),
-                                   op_class)
+    return engine.submit_allreduce(array, name, op, in_place, prescale_factor, postscale_factor, op_class,
+                                   signature)
 
 
 def _check_root(root_rank: int, process_set: ProcessSet = global_process_set) -> int:

@@ -213,3 +213,149 @@ def test_ops_finish_without_anyone_waiting():
         for i, handle in enumerate(handles):
             assert rr.synchronize(handle).tolist() == ((np.arange(5) + i) * rr.size()).tolist()
     del me
+
+
+# A long cycle time: a burst that repeats the last step is held until all of it is here, so
+# on any machine every step after the first two is one whole batch (the steady batch).
+STEADY = {"MTRAIN_CYCLE_TIME_MS": "50"}
+
+
+def _steady_specs():
+    """A step of mixed ops: two dtypes (two rings), odd sizes and a zero-size one, in place and
+    out of place, a group, and a scaled op."""
+    return [("w.a", (257,), np.float32, "inplace"), ("w.b", (0,), np.float32, "inplace"),
+            ("w.c", (3, 7), np.float64, "copy"), ("w.d", (1,), np.float32, "inplace"),
+            ("w.e", (1023,), np.float64, "inplace"), ("w.f", (2,), np.float32, "group"),
+            ("w.g", (13,), np.float32, "scaled")]
+
+
+def _submit_step(me: int, step: int, order: "list[int]"):
+    specs = _steady_specs()
+    arrays = {k: _exact(me, specs[k][1], specs[k][2], k + step) for k in range(len(specs))}
+    group = [_exact(me, (2,), np.float32, 50 + step), _exact(me, (5,), np.float32, 60 + step)]
+    handles = {}
+    for k in order:
+        name, _, _, mode = specs[k]
+        if mode == "inplace":
+            handles[k] = rr.allreduce_async_(arrays[k], op=rr.Sum, name=name)
+        elif mode == "copy":
+            handles[k] = rr.allreduce_async(arrays[k], op=rr.Sum, name=name)
+        elif mode == "group":
+            handles[k] = rr.grouped_allreduce_async_(group, op=rr.Sum, name=name)
+        else:
+            handles[k] = rr.allreduce_async_(arrays[k], op=rr.Sum, name=name, prescale_factor=0.5,
+                                             postscale_factor=4.0)
+    return arrays, group, handles
+
+
+def _check_step(step: int, arrays, group, handles) -> None:
+    for k, (name, shape, dtype, mode) in enumerate(_steady_specs()):
+        result = rr.synchronize(handles[k])
+        if mode == "group":
+            assert result[0] is group[0] and result[1] is group[1], name
+            assert np.array_equal(group[0], _sum_over_ranks((2,), np.float32, 50 + step)), f"step {step} {name}"
+            assert np.array_equal(group[1], _sum_over_ranks((5,), np.float32, 60 + step)), f"step {step} {name}"
+            continue
+        expected = _sum_over_ranks(shape, dtype, k + step) * (2.0 if mode == "scaled" else 1.0)
+        assert result.shape == shape and result.dtype == np.dtype(dtype), name
+        assert np.array_equal(result, expected), f"step {step} {name} ({mode})"
+        assert (result is arrays[k]) == (mode != "copy"), name
+
+
+@mpi_test(nps=(1, 2, 3), env=STEADY)
+def test_repeated_steps_run_as_the_steady_batch_in_each_ranks_own_order():
+    me = rr.rank()
+    engine = _engine()
+    # Each rank submits in an order of its own (the same every step): the agreed order of
+    # execution is the cache's, so the ranks must still pack alike.
+    order = list(range(len(_steady_specs())))
+    random.Random(me).shuffle(order)
+    for step in range(10):
+        _check_step(step, *_submit_step(me, step, order))
+    assert engine.steady_cycles >= 5, engine.steady_cycles
+    # Bit for bit the same everywhere (Sum of the same values, packed in the same order).
+    arrays, group, handles = _submit_step(me, 99, order)
+    _check_step(99, arrays, group, handles)
+    results = [rr.synchronize(handles[k]) for k in sorted(handles)]  # a second wait returns the same
+    blob = b"".join(r.tobytes() for r in results if not isinstance(r, list)) + b"".join(g.tobytes() for g in group)
+    assert all(b == blob for b in MPI.COMM_WORLD.allgather(blob))
+
+
+@mpi_test(nps=(2, 3), env=STEADY)
+def test_a_steady_batch_another_rank_changes_still_runs_right():
+    """Once the batch is steady, the last rank brings something else: an extra op the others
+    submit only later, only part of the batch at first, and a shape that differs. Every rank
+    still gets the right results (or the same error), and the batch becomes steady again."""
+    n, me = rr.size(), rr.rank()
+    last = n - 1
+    order = list(range(len(_steady_specs())))
+    world = MPI.COMM_WORLD  # the test's own signals, apart from the runtime's communicators
+    for step in range(4):
+        _check_step(step, *_submit_step(me, step, order))
+    # An extra op on the last rank only, in the same burst as the batch: the batch runs; the
+    # extra op waits until the others submit it (after the batch is done).
+    extra = np.full(3, me + 1.0)
+    if me == last:
+        extra_handle = rr.allreduce_async_(extra, op=rr.Sum, name="w.extra")
+    _check_step(4, *_submit_step(me, 4, order))
+    if me != last:
+        extra_handle = rr.allreduce_async_(extra, op=rr.Sum, name="w.extra")
+    assert rr.synchronize(extra_handle).tolist() == [n * (n + 1) / 2] * 3
+    # Part of the batch at first on the last rank: that part runs, the rest when it comes.
+    if me == last:
+        arrays, group, handles = _submit_step(me, 5, order[:3])
+        for k in order[:3]:
+            rr.synchronize(handles[k])
+        world.Barrier()
+        more = _submit_step(me, 5, order[3:])
+        arrays.update({k: more[0][k] for k in order[3:]})
+        group, handles = more[1], {**handles, **more[2]}
+    else:
+        arrays, group, handles = _submit_step(me, 5, order)
+        world.Barrier()
+    _check_step(5, arrays, group, handles)
+    if me != last:  # they sent the steady batch; the last rank's differed both times
+        assert _engine().steady_fallbacks >= 2, _engine().steady_fallbacks
+    # A shape that differs on the last rank: that op fails on every rank, the rest completes.
+    shape = (258,) if me == last else (257,)
+    odd = rr.allreduce_async_(np.ones(shape, np.float32), op=rr.Sum, name="w.a")
+    with pytest.raises(rr.MismatchError, match="'w.a'"):
+        rr.synchronize(odd)
+    steady_before = _engine().steady_cycles
+    for step in range(6, 12):
+        _check_step(step, *_submit_step(me, step, order))
+    assert _engine().steady_cycles > steady_before
+
+
+STEADY_LEAVER_SCRIPT = """
+import numpy as np, mtrain.ringreduce as rr
+rr.init()
+arrays = [np.full(5, rr.rank() + 1.0) for _ in range(4)]
+for step in range(6):
+    for h in [rr.allreduce_async_(a, op=rr.Sum, name=f"g{i}") for i, a in enumerate(arrays)]:
+        rr.synchronize(h)
+steady = rr.runtime._rt().sets[0].engine.steady_cycles
+if rr.rank() == rr.size() - 1:
+    rr.shutdown()  # leaves while the others submit the steady batch again
+    print("left after", steady, "steady cycles")
+else:
+    try:  # the leaver may be seen while these are submitted, or after
+        for h in [rr.allreduce_async_(a, op=rr.Sum, name=f"g{i}") for i, a in enumerate(arrays)]:
+            rr.synchronize(h)
+    except rr.ShutdownError as e:
+        print("got ShutdownError:", e)
+    else:
+        print("no error")
+"""
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_rank_leaving_while_the_others_run_the_steady_batch_is_named(nprocs):
+    import sys
+    from tests.mpi.harness import launch
+    result = launch(nprocs, [sys.executable, "-c", STEADY_LEAVER_SCRIPT], timeout=90, env=STEADY)
+    assert result.returncode == 0, result.stderr
+    steady = [int(s) for s in __import__("re").findall(r"left after (\d+) steady cycles", result.stdout)]
+    assert steady and steady[0] >= 2, result.stdout
+    assert result.stdout.count(f"got ShutdownError: rank(s) [{nprocs - 1}] left the job") == nprocs - 1, \
+        result.stdout

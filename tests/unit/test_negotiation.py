@@ -141,3 +141,22 @@ def test_set_bit_and_bits_of_round_trip(bits):
         set_bit(words, bit)
     assert bits_of(words) == bits
     assert sum(bin(int(w)).count("1") for w in words) == len(bits)
+
+
+def test_cache_version_moves_only_when_a_cached_names_bit_or_the_vector_length_moves():
+    cache = ResponseCache()
+    versions = [cache.version]
+
+    def apply(*responses):
+        for response in responses:
+            cache.apply(response)
+        versions.append(cache.version)
+    apply(*[Response(Verdict.READY, f"w{i}", i, "m") for i in range(63)])  # the first word (from none)
+    apply(Response(Verdict.READY, "noname.1", -1, "m"))  # not cached
+    apply(Response(Verdict.READY, "w63", 63, "m"))  # still one word: nothing moved
+    apply(Response(Verdict.READY, "w64", 64, "m"))  # a second word: the vector grows
+    apply(Response(Verdict.INVALIDATE, "w5"))  # a bit leaves
+    apply(Response(Verdict.READY, "w5", 5, "other"))  # the name comes back (its tombstone bit)
+    apply(Response(Verdict.READY, "w5", 65, "again"))  # an existing name moves to another bit
+    assert versions == [0, 1, 1, 1, 2, 3, 3, 4], versions
+    assert cache.entries["w5"] == (65, "again") and cache.words == 2
