@@ -190,7 +190,10 @@ class _TensorAllreduce(HandleBase, AllreduceOp):
     poll = AllreduceOp.done
 
     def wait(self) -> Any:
-        AllreduceOp.wait(self)  # raises the op's error
+        if self._remaining and self._error is None:
+            self._block()
+        if self._error is not None:
+            raise self._error  # the op's error (every time it is asked)
         return self._tensor
 
 
@@ -213,16 +216,46 @@ class _ViewCache:
     def view(self, key: Any, tensor: torch.Tensor) -> np.ndarray:
         """``_numpy_view(tensor)`` for a contiguous CPU tensor, reused when still valid."""
         entry = self._entries.get(key)
-        if entry is not None and entry[0] is tensor and entry[1] == tensor.data_ptr() and entry[2] == tensor.shape:
+        if entry is not None and self._valid(entry, tensor):
             return entry[3]
         array = _numpy_view(tensor)
         if array.nbytes <= self.MAX_BYTES:
             if len(self._entries) >= self.MAX_ENTRIES:
                 self._entries.clear()
-            self._entries[key] = (tensor, tensor.data_ptr(), tensor.shape, array)
+            # [tensor, its data_ptr, its shape, the view, the last submit's arguments (see submit)]
+            self._entries[key] = [tensor, tensor.data_ptr(), tensor.shape, array, None]
         else:
             self._entries.pop(key, None)
         return array
+
+    @staticmethod
+    def _valid(entry: list, tensor: Any) -> bool:
+        # Only checked tensors (CPU, dense, contiguous) are kept, so a valid entry needs no
+        # further checks but contiguity (``as_strided_`` may change strides in place,
+        # keeping memory and shape).
+        return (entry[0] is tensor and entry[1] == tensor.data_ptr() and entry[2] == tensor.shape
+                and tensor.is_contiguous())
+
+    def submit(self, key: Any, tensor: Any, op: Any, name: Optional[str], prescale_factor: float,
+               postscale_factor: float, process_set: ProcessSet) -> "_TensorAllreduce | None":
+        """The in-place all-reduce of ``tensor`` from its view kept under ``key``, or None (and
+        nothing submitted) if there is none. The per-gradient path of a training step: with the
+        same arguments as last time, the runtime's checked op, factors and signature are reused."""
+        entry = self._entries.get(key)  # ``_valid``, inline: this runs once per gradient
+        if entry is None or not (entry[0] is tensor and entry[1] == tensor.data_ptr()
+                                 and entry[2] == tensor.shape and tensor.is_contiguous()):
+            return None
+        last = entry[4]
+        if last is not None and last[0] is op and last[1] == prescale_factor and last[2] == postscale_factor:
+            handle = _submit_one_allreduce(entry[3], last[3], name, last[4], last[5], True, process_set,
+                                           _TensorAllreduce, last[6])
+        else:
+            handle = _submit_one_allreduce(entry[3], op, name, prescale_factor, postscale_factor, True,
+                                           process_set, _TensorAllreduce)
+            entry[4] = (op, prescale_factor, postscale_factor, handle.op, handle.prescale, handle.postscale,
+                        handle.signature)
+        handle._tensor = tensor  # only this thread reads it, after the submit
+        return handle
 
     def clear(self) -> None:
         self._entries.clear()
@@ -283,9 +316,14 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
         process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce of ``tensor``; ``synchronize`` returns ``tensor``."""
-    return _allreduce_in_place(_check_tensor(tensor), name,
-                               Average if op is None and average is None else resolve_op(average, op),
-                               prescale_factor, postscale_factor, process_set)
+    op = Average if op is None and average is None else resolve_op(average, op)
+    if name is not None:
+        # The per-gradient path of a training loop: a tensor all-reduced under this name
+        # before, its view kept (and so checked) then.
+        handle = _named_views.submit(name, tensor, op, name, prescale_factor, postscale_factor, process_set)
+        if handle is not None:
+            return handle
+    return _allreduce_in_place(_check_tensor(tensor), name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -828,6 +866,9 @@ class _DistributedOptimizer:
         pre, post = 1.0, 1.0
         if self.op == Average:  # the runtime divides by size after the postscale
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        handle = self._gradient_views.submit(p, compressed, self.op, name, pre, post, self.process_set)
+        if handle is not None:  # this gradient's view from the last step
+            return handle, ctx
         handle = _allreduce_in_place(_check_tensor(compressed), name, self.op, pre, post, self.process_set,
                                      self._gradient_views, p)
         return handle, ctx

@@ -78,3 +78,39 @@ def test_optimizer_gradients_with_and_without_set_to_none():
         ref_opt.step()
         for p, q in zip(model.parameters(), reference.parameters()):
             assert torch.allclose(p, q, rtol=1e-10, atol=1e-12), f"step {step}"
+
+
+@mpi_test(nps=(1, 2, 3))
+def test_a_kept_view_follows_each_steps_op_and_factors():
+    """A kept view also keeps the last submit's checked op, factors and signature; a step that
+    changes any of them (the op, as an enum or as Horovod's int, a prescale or postscale
+    factor, average=) must be checked and reduced as asked, not as the step before."""
+    import mtrain.torch as hvd
+    n, me = hvd.size(), hvd.rank()
+    kept = _values(me, (6,), 0)
+    summed = _expected_sum(n, (6,), 0)
+    everyone = [_values(r, (6,), 0) for r in range(n)]
+    cases = [
+        ({"op": hvd.Sum}, summed),
+        ({"op": hvd.Sum}, summed),  # reused as it was
+        ({"op": 1}, summed),  # Horovod's int for Sum
+        ({"op": hvd.Max}, torch.stack(everyone).max(0).values),
+        ({"op": hvd.Sum, "prescale_factor": 0.5}, summed * 0.5),
+        ({"op": hvd.Sum, "prescale_factor": 0.5, "postscale_factor": 4.0}, summed * 2.0),
+        ({}, summed / n),  # the default: Average
+        ({"average": False}, summed),
+        ({"op": hvd.Min}, torch.stack(everyone).min(0).values),
+        ({"op": hvd.Min}, torch.stack(everyone).min(0).values),
+    ]
+    for step, (kwargs, expected) in enumerate(cases):
+        kept.copy_(_values(me, (6,), 0))
+        result = hvd.synchronize(hvd.allreduce_async_(kept, name="kept", **kwargs))
+        assert result is kept
+        assert torch.allclose(result, expected, rtol=1e-12), f"step {step} {kwargs}: {result} != {expected}"
+    # A bad op after a cached one is still refused, with the usual error.
+    import pytest
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.allreduce_async_(kept, name="kept", op=hvd.Adasum)
+    with pytest.raises(ValueError, match="unsupported reduction op"):
+        hvd.allreduce_async_(kept, name="kept", op="nonsense")
+    assert torch.equal(hvd.allreduce_(kept.copy_(_values(me, (6,), 0)), name="kept", op=hvd.Sum), summed)
