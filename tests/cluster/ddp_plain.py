@@ -36,5 +36,7 @@ print(json.dumps({"rank": rank, "world": world, "host": socket.gethostname(),
                   "local_rank": int(os.environ["LOCAL_RANK"]), "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
                   "group_rank": int(os.environ["GROUP_RANK"]), "group_world_size": int(os.environ["GROUP_WORLD_SIZE"]),
                   "params": [p.detach().double().flatten().tolist() for p in model.parameters()]}), flush=True)
-# No destroy_process_group(): in torch 2.13, freeing a gloo group right after a gloo collective
-# can deadlock inside torch now and then (its destructor waits on a thread that waits for the GIL).
+# As torch asks: without it, gloo's worker threads are still alive when the interpreter
+# finalizes, and one that frees a tensor then needs the GIL it can no longer get: the
+# process dies with "terminate called without an active exception" (SIGABRT) now and then.
+dist.destroy_process_group()
