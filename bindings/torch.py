@@ -190,6 +190,7 @@ class _TensorAllreduce(HandleBase, AllreduceOp):
     poll = AllreduceOp.done
 
     def wait(self) -> Any:
+        # ``Handle.wait`` inline (one frame less per gradient), returning the tensor.
         if self._remaining and self._error is None:
             self._block()
         if self._error is not None:
@@ -213,11 +214,9 @@ class _ViewCache:
     def __init__(self) -> None:
         self._entries: "dict[Any, tuple[torch.Tensor, int, Any, np.ndarray]]" = {}
 
-    def view(self, key: Any, tensor: torch.Tensor) -> np.ndarray:
-        """``_numpy_view(tensor)`` for a contiguous CPU tensor, reused when still valid."""
-        entry = self._entries.get(key)
-        if entry is not None and self._valid(entry, tensor):
-            return entry[3]
+    def keep(self, key: Any, tensor: torch.Tensor) -> np.ndarray:
+        """``_numpy_view(tensor)`` of a checked, contiguous CPU tensor, kept under ``key`` for
+        ``submit`` (called once ``submit`` found no view of it there)."""
         array = _numpy_view(tensor)
         if array.nbytes <= self.MAX_BYTES:
             if len(self._entries) >= self.MAX_ENTRIES:
@@ -228,20 +227,15 @@ class _ViewCache:
             self._entries.pop(key, None)
         return array
 
-    @staticmethod
-    def _valid(entry: list, tensor: Any) -> bool:
-        # Only checked tensors (CPU, dense, contiguous) are kept, so a valid entry needs no
-        # further checks but contiguity (``as_strided_`` may change strides in place,
-        # keeping memory and shape).
-        return (entry[0] is tensor and entry[1] == tensor.data_ptr() and entry[2] == tensor.shape
-                and tensor.is_contiguous())
-
     def submit(self, key: Any, tensor: Any, op: Any, name: Optional[str], prescale_factor: float,
                postscale_factor: float, process_set: ProcessSet) -> "_TensorAllreduce | None":
         """The in-place all-reduce of ``tensor`` from its view kept under ``key``, or None (and
         nothing submitted) if there is none. The per-gradient path of a training step: with the
         same arguments as last time, the runtime's checked op, factors and signature are reused."""
-        entry = self._entries.get(key)  # ``_valid``, inline: this runs once per gradient
+        entry = self._entries.get(key)
+        # Only checked tensors (CPU, dense, contiguous) are kept, so the very tensor with the
+        # same memory and shape needs no further check but contiguity (``as_strided_`` may
+        # change strides in place, keeping memory and shape).
         if entry is None or not (entry[0] is tensor and entry[1] == tensor.data_ptr()
                                  and entry[2] == tensor.shape and tensor.is_contiguous()):
             return None
@@ -267,16 +261,17 @@ _named_views = _ViewCache()  # for ops the caller names: names recur every step
 def _allreduce_in_place(tensor: torch.Tensor, name: Optional[str], op: Any, prescale_factor: float,
                         postscale_factor: float, process_set: ProcessSet,
                         views: "_ViewCache | None" = None, key: Any = None) -> Handle:
-    """Start an in-place all-reduce of a checked tensor: the per-gradient path, kept short.
-    ``views`` and ``key``: where this tensor's NumPy view may be kept for the next step."""
+    """Start an in-place all-reduce of a checked tensor whose view is not kept (yet): a tensor's
+    first step. ``views`` and ``key``: where its NumPy view is kept for ``_ViewCache.submit``
+    to take the next steps."""
     if tensor.is_cpu and tensor.is_contiguous():
         if key is not None:
-            array = views.view(key, tensor)  # type: ignore[union-attr]
+            array = views.keep(key, tensor)  # type: ignore[union-attr]
         elif name is not None:
-            array = _named_views.view(name, tensor)
+            array = _named_views.keep(name, tensor)
         else:
             array = _numpy_view(tensor)
-        # The runtime's allreduce_async_ for one array, called directly: the per-gradient path.
+        # The runtime's allreduce_async_ for one array, called directly.
         handle = _submit_one_allreduce(array, op, name, prescale_factor, postscale_factor, True, process_set,
                                        _TensorAllreduce)
         handle._tensor = tensor  # only this thread reads it, after the submit

@@ -635,14 +635,14 @@ class Engine:
             control |= CONTROL_STALL_CHECK
             self._stall_check_next = False
         mine[words] = np.uint64(control)
-        rank_words = (self._size + 63) // 64
+        leaving_at, busy_at, joined_at = self._offsets(words)
         if closing:
-            set_bit(mine[words + 1:words + 1 + rank_words], self._rank)
+            set_bit(mine[leaving_at:busy_at], self._rank)
         if pending:
-            set_bit(mine[words + 1 + rank_words:words + 1 + 2 * rank_words], self._rank)
+            set_bit(mine[busy_at:joined_at], self._rank)
         mine_and = mine
         if self._joined:
-            set_bit(mine[words + 1 + 2 * rank_words:], self._rank)
+            set_bit(mine[joined_at:], self._rank)
             # A joined rank agrees to every cached op (the AND half), yet holds none (the OR half):
             # an op is ready once every rank that has not joined holds it.
             mine_and = mine.copy()
@@ -654,7 +654,8 @@ class Engine:
         cache_version = self._cache.version
         alive = self._decide(everywhere, anywhere, words)
         if alive and whole and not self._pending and self._cache.version == cache_version:
-            steady = _Steady.learn(incoming, self._cache, self._vector_for(words), words, self._rank, self._size)
+            steady = _Steady.learn(incoming, self._cache.version, self._vector_for(words), words,
+                                   self._offsets(words), self._rank)
             if steady is not None:
                 key = (incoming[0].name, len(incoming))
                 if key not in self._steady and len(self._steady) >= PLAN_CACHE_SIZE:
@@ -662,9 +663,16 @@ class Engine:
                 self._steady[key] = steady
         return alive
 
+    def _offsets(self, words: int) -> "tuple[int, int, int]":
+        """Where the "leaving", "ranks with ops pending" and "joined" bits start in the vector
+        of a cache of ``words`` words (after the cache bits and the control word)."""
+        rank_words = (self._size + 63) // 64
+        return words + 1, words + 1 + rank_words, words + 1 + 2 * rank_words
+
     def _vector_for(self, words: int) -> np.ndarray:
         """A zeroed negotiation vector for a cache of ``words`` words (see ``_cycle``)."""
-        return np.zeros(words + 1 + 3 * ((self._size + 63) // 64), dtype=np.uint64)
+        joined_at = self._offsets(words)[2]
+        return np.zeros(joined_at + (self._size + 63) // 64, dtype=np.uint64)
 
     def _cycle_steady(self, steady: "_Steady", incoming: "list[Request]") -> bool:
         """A cycle whose ops are exactly the steady batch's, submitted in the same order: its
@@ -702,8 +710,7 @@ class Engine:
     def _decide(self, everywhere: np.ndarray, anywhere: np.ndarray, words: int) -> bool:
         """The rest of a cycle, from the negotiated vectors: who is leaving or joined, the
         coordinator round if anyone has news, then the ready ops. False: the job is shutting down."""
-        rank_words = (self._size + 63) // 64
-        leaving_at, busy_at, joined_at = words + 1, words + 1 + rank_words, words + 1 + 2 * rank_words
+        leaving_at, busy_at, joined_at = self._offsets(words)
         agreed_control = int(anywhere[words])
         if agreed_control & CONTROL_SHUTDOWN:
             self._note_shutdown(bits_of(anywhere[leaving_at:busy_at]), bits_of(anywhere[busy_at:joined_at]))
@@ -1062,7 +1069,7 @@ _consume = collections.deque(maxlen=0).extend  # runs an iterator to its end, ke
 
 
 class _Steady:
-    """The last batch that ran whole in the cycle that took it, every op cached: the names
+    """A batch that ran whole in the cycle that took it, every op cached: the names
     and signatures in the order they were submitted, and what a cycle derives from them
     (the negotiation vector, the agreed order of execution, the plan). A training step
     submits the same batch again, in the same order; ``matches`` checks that with two
@@ -1075,9 +1082,10 @@ class _Steady:
                  "expected", "head", "joined_at", "plan")
 
     @staticmethod
-    def learn(incoming: "list[Request]", cache: ResponseCache, vector: np.ndarray, words: int, rank: int,
-              size: int) -> "_Steady | None":
-        """``incoming`` as a steady batch, or None if not every op of it is cached."""
+    def learn(incoming: "list[Request]", version: int, vector: np.ndarray, words: int,
+              offsets: "tuple[int, int, int]", rank: int) -> "_Steady | None":
+        """``incoming`` as a steady batch, or None if not every op of it is cached. ``vector``:
+        a zeroed vector for ``words`` cache words, ``offsets``: ``Engine._offsets`` of it."""
         cached_state = RequestState.CACHED
         if not all(request.state is cached_state for request in incoming):
             return None  # unnamed ops (never cached) go through the coordinator every time
@@ -1088,15 +1096,15 @@ class _Steady:
         # The agreed order is ascending bit order (``_decide``), whatever the submission order.
         steady.order = sorted(range(len(incoming)), key=steady.bits.__getitem__)
         steady.ready_names = [steady.names[i] for i in steady.order]
-        rank_words = (size + 63) // 64
+        _, busy_at, joined_at = offsets
         set_bits(vector, steady.bits)
-        set_bit(vector[words + 1 + rank_words:words + 1 + 2 * rank_words], rank)  # this rank has ops pending
-        steady.vector, steady.words, steady.version = vector, words, cache.version
+        set_bit(vector[busy_at:joined_at], rank)  # this rank has ops pending
+        steady.vector, steady.words, steady.version = vector, words, version
         steady.expected = vector[:words].tobytes()
         # Cache bits, control word (no news) and "leaving" bits (none): what every rank must
         # have sent for the batch to run as it is; "joined" bits: none.
-        steady.head = vector[:words + 1 + rank_words].tobytes()
-        steady.joined_at = words + 1 + 2 * rank_words
+        steady.head = vector[:busy_at].tobytes()
+        steady.joined_at = joined_at
         steady.plan = None
         return steady
 

@@ -6,6 +6,7 @@ tensors from zero_grad(set_to_none=True), gradients kept with set_to_none=False,
 a tensor given new storage or resized under the same name) and check every result.
 """
 import numpy as np
+import pytest
 
 from tests.bindings.requires import require
 
@@ -108,7 +109,6 @@ def test_a_kept_view_follows_each_steps_op_and_factors():
         assert result is kept
         assert torch.allclose(result, expected, rtol=1e-12), f"step {step} {kwargs}: {result} != {expected}"
     # A bad op after a cached one is still refused, with the usual error.
-    import pytest
     with pytest.raises(ValueError, match="Adasum"):
         hvd.allreduce_async_(kept, name="kept", op=hvd.Adasum)
     with pytest.raises(ValueError, match="unsupported reduction op"):

@@ -7,6 +7,8 @@ in-place and out-of-place ops and groups mixed in one batch, scaling, and a
 mismatch on a name whose plan is cached. Data differ per rank and per element.
 """
 import random
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from mpi4py import MPI
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import runtime
 from tests.mpi.data import values
-from tests.mpi.harness import mpi_test
+from tests.mpi.harness import launch, mpi_test
 
 # Small fusion settings so that a handful of tensors already needs several rings,
 # packed and in-place ones together.
@@ -351,11 +353,9 @@ else:
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_a_rank_leaving_while_the_others_run_the_steady_batch_is_named(nprocs):
-    import sys
-    from tests.mpi.harness import launch
     result = launch(nprocs, [sys.executable, "-c", STEADY_LEAVER_SCRIPT], timeout=90, env=STEADY)
     assert result.returncode == 0, result.stderr
-    steady = [int(s) for s in __import__("re").findall(r"left after (\d+) steady cycles", result.stdout)]
+    steady = [int(s) for s in re.findall(r"left after (\d+) steady cycles", result.stdout)]
     assert steady and steady[0] >= 2, result.stdout
     assert result.stdout.count(f"got ShutdownError: rank(s) [{nprocs - 1}] left the job") == nprocs - 1, \
         result.stdout
