@@ -11,7 +11,9 @@ Prints an nccl-tests-style table per implementation and size:
 
 Implementations: ``ringreduce`` is the public API (engine included, with the
 algorithm MTRAIN_ALLREDUCE_ALGORITHM picks, auto by default); ``rr-ring``,
-``rr-shm`` and ``rr-hierarchical`` are the Executor's all-reduce paths called
+``rr-shm`` and ``rr-hierarchical`` (auto's transports: the peers' buffers read
+by cross-memory attach from 8 MiB up, the shared segment below), ``-cma`` and
+``-segment`` (one transport forced) are the Executor's all-reduce paths called
 directly (what the engine runs for a fused buffer, without its ~40-250 us per op),
 each where it applies. The variants run interleaved, one call each per round, so
 a drifting VM favours none. ``--plot FILE.png`` also draws busbw vs size.
@@ -143,10 +145,16 @@ def main() -> None:
     cross = comm.Split(color=local.Get_rank(), key=me)
     hosts = comm.allreduce(1 if local.Get_rank() == 0 else 0)
     executors = {}
-    for algorithm in ("ring", "shm"):
+    # rr-shm (or rr-hierarchical on several hosts) is what auto runs: the peers' buffers read
+    # by cross-memory attach from 8 MiB up where the kernel allows it, the shared segment
+    # below; the -cma and -segment variants force one transport.
+    for algorithm, transport in (("ring", None), ("shm", "auto"), ("shm", "cma"), ("shm", "segment")):
         executor = Executor(comm, ring.DEFAULT_SEGMENT_BYTES, ring.DEFAULT_SMALL_BYTES, local, cross,
-                            algorithm=algorithm)
-        executors[f"rr-{executor.allreduce_path}"] = executor  # rr-shm, or rr-hierarchical on several hosts
+                            algorithm=algorithm, shm_transport=transport)
+        name = f"rr-{executor.allreduce_path}"
+        if executor.shared is not None and transport != "auto":
+            name += f"-{executor.shared.transport}"
+        executors.setdefault(name, executor)
     backend = NumpyBackend()
 
     sizes = []
@@ -224,6 +232,7 @@ def host_traffic(comm: MPI.Comm, local: MPI.Comm, impls: "dict[str, Callable[[],
         # Hierarchical: each local rank rings its n/L chunk over the H hosts: 2(H-1)/H * n per host.
         "rr-hierarchical": 2 * (hosts - 1) / hosts * nbytes,
     }
+    expected["rr-hierarchical-segment"] = expected["rr-hierarchical-cma"] = expected["rr-hierarchical"]
     expected["ringreduce"] = expected["rr-hierarchical" if per_host > 1 and n % hosts == 0 else "rr-ring"]
     for name, fn in impls.items():
         if name == "memcpy":

@@ -38,6 +38,7 @@ class Kind(enum.IntEnum):
 ALGORITHM_VARIABLE = "MTRAIN_ALLREDUCE_ALGORITHM"
 ALGORITHMS = ("auto", "ring", "shm", "hierarchical")
 STRIPE_VARIABLE = "MTRAIN_SHM_STRIPE_BYTES"  # the shared-memory path's stripe (shm.py); tuning and tests
+TRANSPORT_VARIABLE = "MTRAIN_SHM_TRANSPORT"  # cma, segment, or auto (shm.py)
 
 
 def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> str:
@@ -50,6 +51,16 @@ def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> str:
     if text not in ALGORITHMS:
         raise ValueError(f"{ALGORITHM_VARIABLE}={environ[ALGORITHM_VARIABLE]!r} is not an all-reduce "
                          f"algorithm; set it to one of {', '.join(ALGORITHMS)} (or unset it for auto)")
+    return text
+
+
+def transport_from_environment(environ: "dict[str, str] | None" = None) -> str:
+    """The shared-memory transport asked for: MTRAIN_SHM_TRANSPORT, else auto."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(TRANSPORT_VARIABLE, "").strip().lower() or "auto"
+    if text not in shm.TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_VARIABLE}={environ[TRANSPORT_VARIABLE]!r} is not a shared-memory "
+                         f"transport; set it to one of {', '.join(shm.TRANSPORTS)} (or unset it for auto)")
     return text
 
 
@@ -73,20 +84,27 @@ class Executor:
     Host-buffer all-reduces take one of two paths, chosen once here:
 
     * ``ring``: ``ring.allreduce`` over ``comm`` (point-to-point messages);
-    * shared memory (``shm.py``): the ranks of a host reduce through one shared
-      segment; with several hosts, each rank then runs the ring over ``cross`` on
-      its chunk only (hierarchical). Needs ``local`` with more than one rank and
-      the same number of ranks on every host (``cross`` lines up equal chunks).
+    * shared memory (``shm.py``): the ranks of a host reduce their chunks straight
+      from each other's buffers (cross-memory attach), or through one shared segment
+      where the kernel refuses that; with several hosts, each rank then runs the ring
+      over ``cross`` on its chunk only (hierarchical). Needs ``local`` with more than
+      one rank and the same number of ranks on every host (``cross`` lines up equal
+      chunks).
 
     MTRAIN_ALLREDUCE_ALGORITHM: ``ring`` forces the ring; ``shm`` and ``hierarchical``
     ask for the shared-memory path (which is hierarchical as soon as there are
     several hosts); ``auto`` (default) takes shared memory where it can. Where it
     cannot (one rank per host, uneven hosts), and for device buffers, the ring runs.
+    MTRAIN_SHM_TRANSPORT (``shm_transport``): ``auto`` (default) reads the peers'
+    buffers (cma) from 8 MiB up where the kernel allows it and uses the shared segment
+    below; ``cma`` reads them at every size (and says so on stderr where the kernel
+    refuses); ``segment`` always goes through the shared segment.
     """
 
     def __init__(self, comm: MPI.Comm, segment_bytes: int, small_bytes: int,
                  local: "MPI.Comm | None" = None, cross: "MPI.Comm | None" = None,
-                 algorithm: "str | None" = None, shm_stripe_bytes: "int | None" = None) -> None:
+                 algorithm: "str | None" = None, shm_stripe_bytes: "int | None" = None,
+                 shm_transport: "str | None" = None) -> None:
         self.comm = comm
         # ``comm`` split by host (``local``) and by local rank across hosts (``cross``); None
         # when the caller has no such split (then every collective runs on ``comm`` alone).
@@ -101,6 +119,7 @@ class Executor:
         self.algorithm = algorithm_from_environment() if algorithm is None else algorithm
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+        transport = transport_from_environment() if shm_transport is None else shm_transport
         # auto: buffers the ring reduces by one gather (N·bytes <= small_bytes) stay on the ring,
         # whose single MPI_Allgather (~7 us at np=2) beats two shared-memory barriers and the
         # copies around them (~20 us); from there up shared memory wins (benchmarks/allreduce.py).
@@ -115,7 +134,10 @@ class Executor:
                 if shm_stripe_bytes is None:
                     shm_stripe_bytes = _stripe_from_environment()
                 shared = shm.SharedMemoryAllreduce(comm, local, None if one_host else cross,
-                                                   segment_bytes, small_bytes, shm_stripe_bytes)
+                                                   segment_bytes, small_bytes, shm_stripe_bytes,
+                                                   transport=transport)
+                if transport == "cma" and not shared.cma and self.rank == 0:
+                    sys.stderr.write(f"mtrain: {shared.notice}; shared memory uses the segment instead\n")
                 if shared.error is None:
                     self.shared = shared
                 elif self.rank == 0:

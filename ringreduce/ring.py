@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from mpi4py import MPI
 
@@ -98,17 +98,19 @@ class Layout:
 
     def pieces(self, lo: int, hi: int, seg: int) -> "list[Buffer]":
         """Views covering logical [lo, hi), each at most ``seg`` elements, each in one buffer."""
-        views = []
+        return [view for _, _, view in self.spans(lo, hi, seg)]
+
+    def spans(self, lo: int, hi: int, seg: int) -> "Iterator[tuple[int, int, Buffer]]":
+        """``pieces`` with where each view is: (buffer index, element offset in it, view)."""
         index = max(bisect.bisect_right(self.starts, lo) - 1, 0)
         while lo < hi and index < len(self.bufs):
             base = self.starts[index]
             end = min(hi, self.starts[index + 1])
             buf = self.bufs[index]
             for start in range(lo, end, seg):
-                views.append(buf[start - base:min(start + seg, end) - base])
+                yield index, start - base, buf[start - base:min(start + seg, end) - base]
             lo = end
             index += 1
-        return views
 
 
 def as_layout(buf: "Buffer | Layout") -> Layout:

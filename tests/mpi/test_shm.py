@@ -79,8 +79,27 @@ def _same_bits(got, want, what):
                              f"expected {want.reshape(-1)[bad]!r} (rank-order reference)")
 
 
-def _executor(comm, local, cross, algorithm, stripe=None):
-    return Executor(comm, 512 << 10, 16 << 10, local, cross, algorithm=algorithm, shm_stripe_bytes=stripe)
+def _executor(comm, local, cross, algorithm, stripe=None, transport="auto", block=None, cma_min=None):
+    """``stripe``: the segment's stripe; ``block``: bytes cma reads per call; ``cma_min``:
+    auto's size from which cma runs (small here, so test sizes take both transports)."""
+    executor = Executor(comm, 512 << 10, 16 << 10, local, cross, algorithm=algorithm, shm_stripe_bytes=stripe,
+                        shm_transport=transport)
+    if executor.shared is not None:
+        if transport != "segment":
+            _expect_cma(executor.shared)
+        if block:
+            executor.shared.cma_block_bytes = block
+        if cma_min is not None:
+            executor.shared.cma_min_bytes = cma_min
+    return executor
+
+
+def _expect_cma(shared):
+    """Cross-memory attach is taken where the kernel allows it; CI (root) must allow it."""
+    if os.environ.get("CI"):
+        assert shared.cma, f"cross-memory attach refused in CI: {shared.notice}"
+    elif not shared.cma:
+        print(f"note: this machine refuses cross-memory attach ({shared.notice}); the segment ran")
 
 
 def _host_split(comm):
@@ -159,6 +178,17 @@ def test_algorithm_from_environment():
     assert all(name in message for name in collectives.ALGORITHMS)
 
 
+def test_transport_from_environment():
+    assert collectives.transport_from_environment({}) == "auto"
+    for value in ("auto", "cma", "segment"):
+        assert collectives.transport_from_environment({"MTRAIN_SHM_TRANSPORT": value}) == value
+    assert collectives.transport_from_environment({"MTRAIN_SHM_TRANSPORT": " CMA "}) == "cma"
+    with pytest.raises(ValueError) as raised:
+        collectives.transport_from_environment({"MTRAIN_SHM_TRANSPORT": "xpmem"})
+    message = str(raised.value)
+    assert "MTRAIN_SHM_TRANSPORT='xpmem'" in message and "cma, segment" in message
+
+
 def test_bad_algorithm_fails_when_the_executor_is_made(monkeypatch):
     monkeypatch.setenv("MTRAIN_ALLREDUCE_ALGORITHM", "fastest")
     with pytest.raises(ValueError, match="MTRAIN_ALLREDUCE_ALGORITHM='fastest'"):
@@ -208,16 +238,27 @@ test_api_shm = mpi_test(nps=(1, 2, 3), timeout=240, env={"MTRAIN_ALLREDUCE_ALGOR
 test_api_hierarchical = mpi_test(nps=(2, 3), timeout=240,
                                  env={"MTRAIN_ALLREDUCE_ALGORITHM": "hierarchical"})(_api_body)
 # Horovod's switch, and stripes of a few hundred bytes so large tensors take many stripes.
-test_api_horovod_hierarchical_small_stripes = mpi_test(
-    nps=(2, 3), timeout=240, env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "MTRAIN_SHM_STRIPE_BYTES": "384"},
+# The segment transport (forced) with stripes of a few hundred bytes, so large tensors take many.
+test_api_horovod_hierarchical_segment_small_stripes = mpi_test(
+    nps=(2, 3), timeout=240, env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "MTRAIN_SHM_STRIPE_BYTES": "384",
+                                  "MTRAIN_SHM_TRANSPORT": "segment"},
 )(_api_body)
 
+_GROUPED_ENV = {"MTRAIN_ALLREDUCE_ALGORITHM": "shm", "MTRAIN_FUSION_THRESHOLD_BYTES": "4096",
+                "MTRAIN_FUSION_INPLACE_MIN_BYTES": "2048"}
 
-@mpi_test(nps=(2, 3), env={"MTRAIN_ALLREDUCE_ALGORITHM": "shm", "MTRAIN_SHM_STRIPE_BYTES": "256",
-                           "MTRAIN_FUSION_THRESHOLD_BYTES": "4096", "MTRAIN_FUSION_INPLACE_MIN_BYTES": "2048"})
+
+@mpi_test(nps=(2, 3), env=dict(_GROUPED_ENV, MTRAIN_SHM_TRANSPORT="cma"))
 def test_grouped_through_the_engine():
-    """Fused and in-place tensors in one all-reduce (several flats), many stripes."""
+    """Fused and in-place tensors in one all-reduce (several flats: the peers' buffers are
+    read piece by piece), through the transport the environment forces."""
     n, me = rr.size(), rr.rank()
+    transport = os.environ["MTRAIN_SHM_TRANSPORT"]
+    shared = rr.runtime._runtime.engine.executor.shared
+    if transport == "segment":
+        assert shared.transport == "segment"
+    else:
+        _expect_cma(shared)
     counts = [0, 1, 5, 300, 700, 2049, 10_007, 3]
     for op in OPS:
         inputs = [[values(r, (c,), np.float32, op) for c in counts] for r in range(n)]
@@ -225,6 +266,12 @@ def test_grouped_through_the_engine():
         for k, got in enumerate(results):
             want = rank_order([inputs[r][k] for r in range(n)], op)
             _same_bits(got, want, f"grouped {op.name} tensor {k} ({counts[k]} elements) np={n} rank {me}")
+    assert shared.calls > 0, "nothing went through shared memory"
+
+
+test_grouped_through_the_engine_segment_many_stripes = mpi_test(
+    nps=(2, 3), env=dict(_GROUPED_ENV, MTRAIN_SHM_TRANSPORT="segment", MTRAIN_SHM_STRIPE_BYTES="256"),
+)(test_grouped_through_the_engine.rank_body)
 
 
 # -- the Executor directly: several flats, tiny stripes, every op and scaling ---------
@@ -234,10 +281,18 @@ def test_grouped_through_the_engine():
 def test_shared_memory_executor_matches_rank_order():
     comm = MPI.COMM_WORLD
     local, cross = _host_split(comm)
-    for stripe in (128, 1000, None):  # many stripes (some chunks empty), a few, one
-        executor = _executor(comm, local, cross, "shm", stripe)
+    # Cross-memory attach in blocks of a few elements, and of the default size; auto with
+    # both transports by size; then the segment in many stripes (some chunks empty), a few, one.
+    for transport, stripe, block, cma_min in (("cma", None, 40, None), ("cma", None, None, None),
+                                              ("auto", 200, 40, 400), ("segment", 128, None, None),
+                                              ("segment", 1000, None, None), ("segment", None, None, None)):
+        executor = _executor(comm, local, cross, "shm", stripe, transport, block, cma_min)
+        if executor.shared is not None and transport == "cma":
+            assert executor.shared.transport == "cma"
         assert executor.allreduce_path == ("shm" if comm.Get_size() > 1 else "ring")
-        _run_cases(executor, comm, rank_order, _SOME_DTYPES, f"shm stripe {stripe}")
+        if executor.shared is not None and transport == "segment":
+            assert executor.shared.transport == "segment"
+        _run_cases(executor, comm, rank_order, _SOME_DTYPES, f"shm {transport} stripe {stripe} block {block} cma from {cma_min}")
         executor.close()
 
 
@@ -245,9 +300,10 @@ def test_shared_memory_executor_matches_rank_order():
 def test_every_supported_dtype_on_shared_memory():
     comm = MPI.COMM_WORLD
     local, cross = _host_split(comm)
-    executor = _executor(comm, local, cross, "shm", 200)
     dtypes = [d for d in SUPPORTED_DTYPES if d not in _SOME_DTYPES]
-    _run_cases(executor, comm, rank_order, dtypes, "shm", scalings=((1.0, 1.0), (0.25, 3.0)))
+    for transport, stripe, block in (("cma", None, 200), ("segment", 200, None)):
+        executor = _executor(comm, local, cross, "shm", stripe, transport, block)
+        _run_cases(executor, comm, rank_order, dtypes, f"shm {transport}", scalings=((1.0, 1.0), (0.25, 3.0)))
 
 
 @mpi_test(nps=(2, 3))
@@ -262,7 +318,7 @@ def test_device_buffers_keep_the_ring():
     inputs = [values(r, (1001,), np.float64) for r in range(n)]
     mine = inputs[me].copy()
     executor.allreduce_flat([mine], rr.Sum, device)
-    assert executor.shared._stripes_done == 0, "device buffers went through shared memory"
+    assert executor.shared.calls == 0, "device buffers went through shared memory"
     assert_matches(mine, reference(inputs, rr.Sum), "device buffer on the ring")
 
 
@@ -273,15 +329,17 @@ def test_device_buffers_keep_the_ring():
 def test_hierarchical_two_hosts_of_two():
     comm = MPI.COMM_WORLD
     local, cross = _fake_hosts(comm, 2)
-    for algorithm, stripe in (("hierarchical", 96), ("auto", None), ("shm", 1000)):
-        executor = _executor(comm, local, cross, algorithm, stripe)
+    for algorithm, stripe, transport in (("hierarchical", 96, "segment"), ("hierarchical", None, "cma"),
+                                         ("auto", 200, "auto"), ("shm", 1000, "segment")):
+        executor = _executor(comm, local, cross, algorithm, stripe, transport, 96 if transport != "segment" else None,
+                             cma_min=400 if transport == "auto" else None)
         assert executor.allreduce_path == "hierarchical", (algorithm, executor.allreduce_path)
 
         def two_hosts(inputs, op, prescale, postscale):
             return two_level(inputs, op, 2, prescale, postscale)
 
         dtypes = [np.float32, np.int32, np.uint8, np.bool_] if algorithm != "hierarchical" else _SOME_DTYPES
-        _run_cases(executor, comm, two_hosts, dtypes, f"{algorithm} 2x2 stripe {stripe}")
+        _run_cases(executor, comm, two_hosts, dtypes, f"{algorithm} {transport} 2x2 stripe {stripe}")
         executor.close()
     # Forced ring: the same answers (to rounding), through the flat ring.
     ring_executor = _executor(comm, local, cross, "ring")
