@@ -310,5 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `mtrain` command: `main`, then out without the interpreter's teardown."""
+    from mtrain.launcher.process_tools import exit_now
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

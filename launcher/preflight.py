@@ -41,8 +41,9 @@ else:
 print(json.dumps(found), flush=True)
 if len(sys.argv) > 3 and found.get("version") == sys.argv[2] and "error" not in found:
     # The launcher keeps this session: wait for its go line, then guard the job's daemon here.
+    from mtrain.launcher.process_tools import exit_now
     from mtrain.launcher.remote_guard import after_probe
-    sys.exit(after_probe(float(sys.argv[3])))
+    exit_now(after_probe(float(sys.argv[3])))
 """
 
 

@@ -29,16 +29,13 @@ from __future__ import annotations
 import collections
 import os
 import re
-import shutil
-import tempfile
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-from mtrain.launcher.process_tools import die_with_parent, exit_code, kill_group
+from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ErrorReport, ExitRecord, FailureCause, JobLayout,
                             exception_line)
 
@@ -107,7 +104,7 @@ def child_environment(env, error_file: str, rank: int = 0) -> dict[str, str]:
     child = dict(env)
     child[ENV_ERROR_FILE] = error_file
     template = child.get(ENV_JOB_FILE, "")
-    layout = JobLayout.read(template.format(host=socket.gethostname())) if "{host}" in template else None
+    layout = JobLayout.read(template.format(host=os.uname().nodename)) if "{host}" in template else None
     if layout is not None and rank < sum(layout.slots):
         for name, value in layout.rank_environment(rank).items():
             child.setdefault(name, value)
@@ -116,6 +113,35 @@ def child_environment(env, error_file: str, rank: int = 0) -> dict[str, str]:
     if local.isdigit() and int(local) > (os.cpu_count() or 1):
         child.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     return child
+
+
+def _scratch_directory() -> str:
+    """A new private directory for the rank's error file: tempfile.mkdtemp's job, without
+    importing tempfile and shutil (with random and hashlib, ~5 ms of every wrapper's start)."""
+    base = os.environ.get("TMPDIR") or "/tmp"
+    for _ in range(16):
+        path = os.path.join(base, f"mtrain-rank-{os.urandom(6).hex()}")
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:
+            continue
+        except OSError:
+            break  # an unusable $TMPDIR: tempfile knows the fallbacks
+    import tempfile
+    return tempfile.mkdtemp(prefix="mtrain-rank-")
+
+
+def _remove_scratch(scratch: str, error_file: str) -> None:
+    for remove, path in ((os.unlink, error_file), (os.rmdir, scratch)):
+        try:
+            remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError:  # something else was left there
+            import shutil
+            shutil.rmtree(scratch, ignore_errors=True)
+            return
 
 
 def _set_child_deathsig() -> None:
@@ -132,18 +158,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     die_with_parent(signal.SIGTERM)
     rank = rank_from_env(os.environ)
-    host = socket.gethostname()
+    host = os.uname().nodename  # socket.gethostname(), without importing socket
     stopping = threading.Event()
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
-    scratch = tempfile.mkdtemp(prefix="mtrain-rank-")
+    scratch = _scratch_directory()
     error_file = os.path.join(scratch, "error.json")
     try:
         child = subprocess.Popen(argv, stdout=out_write, stderr=err_write,
                                  env=child_environment(os.environ, error_file, rank),
                                  start_new_session=True, preexec_fn=_set_child_deathsig)
     except OSError as error:
-        shutil.rmtree(scratch, ignore_errors=True)
+        _remove_scratch(scratch, error_file)
         os.close(out_write)
         os.close(err_write)
         message = f"cannot start {argv[0]!r}: {error.strerror}"
@@ -181,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     for relay in relays:
         relay.join(timeout=2.0)
     report = ErrorReport.read(error_file)
-    shutil.rmtree(scratch, ignore_errors=True)
+    _remove_scratch(scratch, error_file)
     with lock:
         _write_record(exit_record(rank, host, returncode, stopped, tuple(tail), end, report,
                                   err_relay.saw_mpi_abort, err_relay.last_exception))
@@ -204,4 +230,4 @@ def _write_record(record: ExitRecord) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

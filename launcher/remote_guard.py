@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 
-from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, signal_process
+from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
 from mtrain.records import HostUpdates, JobLayout, host_path, updates_file
 
 HEARTBEAT_TIMEOUT = 8.0
@@ -217,4 +217,4 @@ def _guard(command: str, updates_path: str | None, pending: bytes = b"") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

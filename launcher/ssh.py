@@ -35,9 +35,51 @@ class _DeferredInvoke(types.ModuleType):
         return getattr(real, name)
 
 
+class _VersionOnlyMetadata(types.ModuleType):
+    """Stands in for `importlib.metadata` while paramiko is imported: its __init__ reads only
+    its own version there, and the real module costs ~20 ms (email, zipfile, csv, a scan of
+    sys.path) of every launch. The version comes from paramiko's dist-info folder name; any
+    other use, or a layout without that folder, gets the real module."""
+
+    def version(self, name: str) -> str:
+        for entry in sys.path:
+            try:
+                if os.path.isdir(os.path.join(entry or ".", name)):
+                    found = [f for f in os.listdir(entry or ".")
+                             if f.startswith(f"{name}-") and f.endswith(".dist-info")]
+                    if len(found) == 1:
+                        return found[0][len(name) + 1:-len(".dist-info")]
+                    break
+            except OSError:
+                continue
+        return self._real().version(name)
+
+    def _real(self) -> Any:
+        _restore_metadata(self)
+        return importlib.import_module("importlib.metadata")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real(), name)
+
+
+def _restore_metadata(stand_in: types.ModuleType) -> None:
+    if sys.modules.get("importlib.metadata") is stand_in:
+        del sys.modules["importlib.metadata"]
+    if getattr(importlib, "metadata", None) is stand_in:
+        del importlib.metadata
+
+
 if "invoke" not in sys.modules:
     sys.modules["invoke"] = _DeferredInvoke("invoke")
-import paramiko  # noqa: E402
+_metadata = None
+if "importlib.metadata" not in sys.modules and "paramiko" not in sys.modules:
+    _metadata = sys.modules["importlib.metadata"] = _VersionOnlyMetadata("importlib.metadata")
+    importlib.metadata = _metadata  # type: ignore[attr-defined]  # `from importlib import metadata`
+try:
+    import paramiko  # noqa: E402
+finally:
+    if _metadata is not None:
+        _restore_metadata(_metadata)
 
 from mtrain.launcher.config import SshOptions
 

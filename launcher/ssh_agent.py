@@ -33,7 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from mtrain.launcher.process_tools import die_with_parent
+from mtrain.launcher.process_tools import die_with_parent, exit_now
 
 if TYPE_CHECKING:
     from mtrain.launcher.config import SshOptions
@@ -295,8 +295,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown (paramiko's threads): mtrain waits for its agents to end.
-    os._exit(status)
+    exit_now(main())  # mtrain waits for its agents to end

@@ -19,7 +19,6 @@ any rank could report why.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import select
@@ -277,7 +276,7 @@ class Job:
             if failure.report and failure.returncode in (-signal.SIGTERM, -signal.SIGKILL):
                 # It raised, told the runtime so, and was aborting with status 1 when a peer's
                 # abort stopped it first (two ranks raising at once): its own status is 1.
-                failure = dataclasses.replace(failure, returncode=1)
+                failure = failure.replace(returncode=1)
             if say:
                 print_failure_report(failure, records, self.verbose)
             return exit_code(failure.returncode) or 1
