@@ -21,8 +21,7 @@ def _setup():
     return tf, hvd, n, me, mine, trunc, summed
 
 
-@mpi_test(nps=(2, 3), timeout=180)
-def test_reducescatter_integer_scaling_truncates_toward_zero():
+def _reducescatter_integer_scaling_truncates_toward_zero():
     tf, hvd, n, me, mine, trunc, summed = _setup()
     lo = 7 // n * me + min(me, 7 % n)
     rows = slice(lo, lo + 7 // n + (1 if me < 7 % n else 0))
@@ -36,8 +35,7 @@ def test_reducescatter_integer_scaling_truncates_toward_zero():
         assert np.array_equal(got, trunc(summed, 1.0 / n)[rows]), f"grouped_reducescatter in a graph {dtype}"
 
 
-@mpi_test(nps=(2, 3), timeout=180)
-def test_allreduce_integer_average_is_one_scaling():
+def _allreduce_integer_average_is_one_scaling():
     tf, hvd, n, me, _, trunc, _ = _setup()
     # Non-negative values here: how the runtime rounds a negative scaled integer is its own test.
     mine = lambda r: np.arange(14).reshape(7, 2) * (r + 1) + 3 * r  # noqa: E731
@@ -54,8 +52,7 @@ def test_allreduce_integer_average_is_one_scaling():
         assert np.allclose(got[1], sum(0.5 * (mine(r) + 0.25) for r in range(n)) / n), "mixed, floats"
 
 
-@mpi_test(nps=(2, 3), timeout=180)
-def test_allreduce_negative_integers_truncate_toward_zero():
+def _allreduce_negative_integers_truncate_toward_zero():
     tf, hvd, n, me, mine, trunc, summed = _setup()
     for dtype in (tf.int32, tf.int64):
         x = tf.constant(mine(me), dtype)
@@ -65,3 +62,11 @@ def test_allreduce_negative_integers_truncate_toward_zero():
         assert np.array_equal(got, trunc(summed, 3.0 / n)), f"grouped_allreduce Average {dtype}"
         got = tf.function(lambda t: hvd.allreduce(t, op=hvd.Average, prescale_factor=0.5))(x)
         assert np.array_equal(got, trunc(summed, 1.0 / n)), f"allreduce Average in a graph {dtype}"
+
+
+@mpi_test(nps=(2, 3), timeout=300)
+def test_integer_scaling_truncates_toward_zero_in_one_scaling():
+    """The three checks above in one job per size (TensorFlow's start-up is most of a job)."""
+    _reducescatter_integer_scaling_truncates_toward_zero()
+    _allreduce_integer_average_is_one_scaling()
+    _allreduce_negative_integers_truncate_toward_zero()

@@ -25,7 +25,7 @@ def _model(keras, seed: int):
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
 
 
-@mpi_test(nps=(2, 3), timeout=300)
+@mpi_test(nps=(3,), timeout=300)
 def test_sync_batch_norm_partial_optimizers_and_callback():
     tf, keras = _setup()
     import mtrain.keras as khvd
