@@ -71,16 +71,18 @@ def _record(cls: type) -> type:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"cannot assign to field {name!r} of a frozen {cls.__name__}")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r} of a frozen {cls.__name__}")
+
     def _asdict(self) -> dict:
         return {name: getattr(self, name) for name in names}
 
     def replace(self, **changes) -> object:
         return cls(**{**_asdict(self), **changes})
 
-    for function in (__init__, __eq__, __hash__, __repr__, __setattr__, _asdict, replace):
+    for function in (__init__, __eq__, __hash__, __repr__, __setattr__, __delattr__, _asdict, replace):
         function.__qualname__ = f"{cls.__qualname__}.{function.__name__}"
         setattr(cls, function.__name__, function)
-    cls.__delattr__ = __setattr__  # type: ignore[attr-defined]
     cls._fields = names  # type: ignore[attr-defined]
     return cls
 

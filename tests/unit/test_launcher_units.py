@@ -210,3 +210,48 @@ def test_paramiko_starts_without_importing_invoke_until_ssh_config_needs_it():
             "assert sys.modules['invoke'].Context is c.invoke.Context\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_paramiko_gets_its_version_without_importlib_metadata_which_still_works_after():
+    code = ("import sys, importlib, mtrain.launcher.ssh, paramiko\n"
+            "assert 'importlib.metadata' not in sys.modules, 'the stand-in was left behind'\n"
+            "assert not hasattr(importlib, 'metadata'), 'the stand-in was left on importlib'\n"
+            "from importlib import metadata\n"
+            "assert type(metadata).__name__ == 'module' and metadata.version('paramiko') == paramiko.__version__\n"
+            "assert metadata.distribution('paramiko').metadata['Name'].lower() == 'paramiko'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_wrapper_leaves_its_scratch_directory_behind_in_no_case(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMPI_COMM_WORLD_RANK": "0"}
+    code = ("from mtrain.records import FailureCause, report_error\n"
+            "report_error('it failed', FailureCause.OWN)\n"
+            "raise SystemExit(4)")
+    for argv in ([sys.executable, "-c", code], [sys.executable, "-c", "pass"], ["/nonexistent/program"]):
+        done = subprocess.run([sys.executable, "-m", "mtrain.launcher.rank", "--", *argv], capture_output=True,
+                              timeout=60, env=env)
+        assert done.returncode in (4, 0, 127), done.stderr
+        assert list(tmp_path.iterdir()) == [], f"{argv}: left {list(tmp_path.iterdir())}"
+    # An unusable $TMPDIR: the wrapper still runs the rank (tempfile's own fallbacks).
+    done = subprocess.run([sys.executable, "-m", "mtrain.launcher.rank", "--", sys.executable, "-c", "print(7)"],
+                          capture_output=True, timeout=60, env={**env, "TMPDIR": str(tmp_path / "missing")})
+    assert done.returncode == 0 and b"[0]<stdout>:7" in done.stdout, done.stderr
+
+
+def test_records_are_frozen_compare_by_value_and_take_defaults():
+    record = ExitRecord(3, "h", 1, False, 2.5)
+    assert record == ExitRecord(rank=3, host="h", returncode=1, stopped=False, time=2.5)
+    assert hash(record) == hash(ExitRecord(3, "h", 1, False, 2.5)) and record != ExitRecord(3, "h", 2, False, 2.5)
+    assert (record.stderr_tail, record.report, record.mpi_abort) == ((), "", False)
+    assert record.replace(returncode=9).returncode == 9 and record.returncode == 1
+    assert repr(record).startswith("ExitRecord(rank=3, host='h', returncode=1,")
+    with pytest.raises(AttributeError):
+        record.rank = 4
+    with pytest.raises(AttributeError):
+        del record.host
+    with pytest.raises(TypeError, match="missing field 'time'"):
+        ExitRecord(3, "h", 1, False)
+    with pytest.raises(TypeError, match="unexpected or repeated field 'rank'"):
+        ExitRecord(3, "h", 1, False, 2.5, rank=4)
+    assert ExitRecord.decode(record.encode()[len(EXIT_MARKER):]) == record
