@@ -274,6 +274,7 @@ class SharedMemoryAllreduce:
         self.cma = False
         if transport != "segment":
             self._reader, self._pids, why = probe_cross_memory(local)
+            self._world_ranks = local.allgather(comm.Get_rank())  # names a peer in errors
             failed = comm.allreduce(1 if why else 0, op=MPI.MAX)
             self.cma = not failed
             if failed:
@@ -343,7 +344,7 @@ class SharedMemoryAllreduce:
                        postscale: float) -> None:
         size, me = self.local_size, self.local_rank
         dtype, itemsize = layout.dtype, layout.itemsize
-        read, pids = self._reader.read, self._pids
+        read = self._read
         # Start: every rank's buffer is ready, and everyone learns where its pieces are.
         mine = np.fromiter((b.ctypes.data for b in layout.bufs), dtype=np.uint64, count=len(layout.bufs))
         bases = np.empty((size, len(mine)), dtype=np.uint64)
@@ -364,7 +365,7 @@ class SharedMemoryAllreduce:
             here[0, 0] = addresses[id(target)]
             here[0, 1] = there[0, 1] = n * itemsize
             there[0, 0] = int(bases[k, index]) + offset * itemsize
-            read(pids[k], here, there, n * itemsize)
+            read(k, here, there, n * itemsize)
             return target[:n]
 
         lo, hi = bounds[me]
@@ -398,8 +399,15 @@ class SharedMemoryAllreduce:
             here = np.array([(view.ctypes.data, view.nbytes) for _, _, view in spans], dtype=np.uint64)
             remote = np.array([(int(bases[k, index]) + offset * itemsize, view.nbytes)
                                for index, offset, view in spans], dtype=np.uint64)
-            read(pids[k], here, remote, (hi - lo) * itemsize)
+            read(k, here, remote, (hi - lo) * itemsize)
         barrier()
+
+    def _read(self, k: int, here: np.ndarray, there: np.ndarray, nbytes: int) -> None:
+        try:
+            self._reader.read(self._pids[k], here, there, nbytes)
+        except OSError as exc:
+            raise OSError(f"shared-memory all-reduce: cannot read rank {self._world_ranks[k]}'s buffer "
+                          f"({exc}); did that rank exit?") from None
 
     def _allreduce_segment(self, layout: ring.Layout, op: ReduceOp, backend: NumpyBackend,
                            postscale: float) -> None:
