@@ -3,29 +3,31 @@ r"""All-reduce through shared memory among the ranks of one host, hierarchical a
 Two transports (``transport``: auto takes cma from ``cma_min_bytes`` up where the
 kernel allows it, and the segment below and elsewhere; each can be forced):
 
-``cma``: each rank reads its peers' buffers directly, with Linux's cross-memory attach (``process_vm_readv(2)``,
-through ctypes; the ranks are the same user, so no setting is changed for it).
-The logical buffer (a ``ring.Layout``) is cut into L chunks
-(``ring.even_bounds``); local rank j owns chunk j::
+``cma``: each rank reads its peers' buffers directly, with Linux's cross-memory
+attach (``process_vm_readv(2)``, through ctypes; the ranks are the same user, so
+no setting is changed for it). The logical buffer (a ``ring.Layout``) is cut
+into L chunks (``ring.even_bounds``); local rank j owns chunk j::
 
     allgather      every rank: the addresses of its buffer's pieces (also the start barrier)
-    reduce         rank j: chunk j, in cache-sized blocks: each peer's block is read into
-                   a scratch block that stays in L2 and reduced into the rank's own buffer,
-                   in local rank order (((x0 op x1) op x2) …); finish (Average, postscale)
+    reduce         rank j: chunk j, in blocks of ``cma_block_bytes``: each peer's block is
+                   read into a scratch block that stays in the last-level cache and is
+                   reduced into the rank's own buffer, in local rank order
+                   (((x0 op x1) op x2) …); finish (Average, postscale)
     barrier        every chunk is final; nobody reads an input any more
     copy out       rank j: every other chunk, from its owner's buffer straight into its own
                    (one system call moves the whole chunk, page by page)
     barrier        nobody reads this rank's buffer any more: the caller may touch it
 
-Memory traffic per rank is one read of its buffer and its chunk's inputs, one
-write of the result: about 1.5 reads and 1 write of the buffer at L = 2, against
-a memcpy's 1 and 1. No shared segment, no copies into scratch regions, no
-point-to-point messages.
+Memory traffic per rank: its chunk and the peers' inputs for it read once, the
+result written once, every other chunk read from its owner and written once;
+about 1.5 reads and 1 write of the buffer at L = 2, against a memcpy's 1 and 1.
+No shared segment, no copies into scratch regions, no point-to-point messages.
 
-``segment`` (where cross-memory attach is refused: another user, a container's
-seccomp filter, Yama's ptrace_scope ≥ 1 without CAP_SYS_PTRACE): the L ranks map
-one shared segment and go through it in stripes of ``stripe_bytes``; each stripe
-is cut into L chunks and local rank j owns chunk j. Every rank has a slot in the
+``segment`` (small buffers, and every buffer where cross-memory attach is
+refused: another user, a container's seccomp filter, Yama's ptrace_scope ≥ 1
+without CAP_SYS_PTRACE): the L ranks map one shared segment and go through it
+in stripes of ``stripe_bytes``; each stripe is cut into L chunks and local rank
+j owns chunk j. Every rank has a slot in the
 segment, in two halves that alternate between stripes; a half holds one region
 per chunk, at fixed byte offsets::
 
