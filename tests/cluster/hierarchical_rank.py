@@ -60,5 +60,6 @@ print(json.dumps({
     "rank": rank, "size": size, "host": socket.gethostname(), "local_size": rr.local_size(),
     "cross_size": rr.cross_size(), "algorithm": os.environ.get("MTRAIN_ALLREDUCE_ALGORITHM", ""),
     "path": runtime._runtime.engine.executor.allreduce_path, "problems": problems,
+    "transport": getattr(runtime._runtime.engine.executor.shared, "transport", None),
 }), flush=True)
 rr.shutdown()
