@@ -360,11 +360,13 @@ class SharedMemoryAllreduce:
         peer_block, acc_block = scratch[:block], scratch[block:]
         here = np.empty((1, 2), dtype=np.uint64)
         there = np.empty((1, 2), dtype=np.uint64)
-        addresses = {id(peer_block): peer_block.ctypes.data, id(acc_block): acc_block.ctypes.data}
+        peer = (peer_block, peer_block.ctypes.data)
+        accumulator = (acc_block, acc_block.ctypes.data)
 
-        def fetch(k: int, index: int, offset: int, target: np.ndarray, n: int) -> np.ndarray:
-            """Local rank k's elements [offset, offset + n) of buffer ``index``, into ``target``."""
-            here[0, 0] = addresses[id(target)]
+        def fetch(k: int, index: int, offset: int, into: "tuple[np.ndarray, int]", n: int) -> np.ndarray:
+            """Local rank k's elements [offset, offset + n) of buffer ``index``, into ``into``
+            (a scratch block and its address)."""
+            target, here[0, 0] = into
             here[0, 1] = there[0, 1] = n * itemsize
             there[0, 0] = int(bases[k, index]) + offset * itemsize
             read(k, here, there, n * itemsize)
@@ -374,15 +376,15 @@ class SharedMemoryAllreduce:
         for index, offset, own in layout.spans(lo, hi, block):
             n = own.size
             if me >= 2:
-                acc = fetch(0, index, offset, acc_block, n)
+                acc = fetch(0, index, offset, accumulator, n)
                 for k in range(1, me):
-                    reduce(acc, fetch(k, index, offset, peer_block, n), out=acc)
+                    reduce(acc, fetch(k, index, offset, peer, n), out=acc)
                 reduce(acc, own, out=own)
             else:
                 # x0 op x1 == x1 op x0 for every op here: the rank's own buffer accumulates.
-                reduce(own, fetch(1 - me, index, offset, peer_block, n), out=own)
+                reduce(own, fetch(1 - me, index, offset, peer, n), out=own)
             for k in range(max(2, me + 1), size):
-                reduce(own, fetch(k, index, offset, peer_block, n), out=own)
+                reduce(own, fetch(k, index, offset, peer, n), out=own)
             if finish is not None:
                 finish(own)
         if hierarchical:
