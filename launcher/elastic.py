@@ -260,7 +260,7 @@ class ElasticDriver:
                                   failure.time)
         else:
             if failure is not None:  # the program's own error: not something a new host fixes
-                print_failure_report(failure, records, self.config.verbose)
+                print_failure_report(failure, records, self.config.verbose, generation.size)
             return status or 1
         self.resets += 1
         limit = self.settings.reset_limit

@@ -96,6 +96,7 @@ class Generation:
     # Filled in by launch(): where a new host-set version goes (this host's file for its ranks,
     # and the file the SSH agents forward to their hosts), then how the job ended.
     updates_paths: list[str] = dataclasses.field(default_factory=list)
+    size: int = 0   # ranks in this generation
     records: list[ExitRecord] = dataclasses.field(default_factory=list)
     host_problems: list[AgentEvent] = dataclasses.field(default_factory=list)
     interrupted: bool = False
@@ -179,7 +180,8 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                                 report_failures=generation is None)
             status = job.run()
             if generation is not None:
-                generation.records, generation.host_problems = list(job.records), list(job.host_problems)
+                generation.size, generation.records = config.num_proc, list(job.records)
+                generation.host_problems = list(job.host_problems)
                 generation.interrupted = job.interrupted is not None
             return status
         finally:

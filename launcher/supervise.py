@@ -126,6 +126,7 @@ class Job:
         self.on_resume, self.report_failures = on_resume, report_failures
         self.host_problems: list[AgentEvent] = []
         self.quiet = False
+        self.ranks = ranks
         self.sink = _OutputSink(output_dir, ranks, verbose)
         self.records: list[ExitRecord] = []
         self.launcher_tail: list[str] = []
@@ -278,7 +279,7 @@ class Job:
                 # abort stopped it first (two ranks raising at once): its own status is 1.
                 failure = failure.replace(returncode=1)
             if say:
-                print_failure_report(failure, records, self.verbose)
+                print_failure_report(failure, records, self.verbose, self.ranks)
             return exit_code(failure.returncode) or 1
         unreachable = [e for e in host_problems if e.kind is AgentEventKind.CONNECT_FAILED]
         if unreachable:
@@ -296,8 +297,14 @@ class Job:
             return exit_code(mpirun_status) or 1
         return 0
 
-def print_failure_report(failure: ExitRecord, records: Sequence[ExitRecord], verbose: bool) -> None:
-    """mtrain's report of a failed job: the first failure in one line, then what followed."""
+def print_failure_report(failure: ExitRecord, records: Sequence[ExitRecord], verbose: bool,
+                         size: int = 0) -> None:
+    """mtrain's report of a failed job: the first failure in one line, then what followed.
+
+    Of a job of `size` ranks, a rank with no record was stopped before its wrapper could
+    write one: Open MPI's launcher sends SIGKILL to a rank's process group a moment after
+    SIGTERM (within milliseconds), so on a busy host a stopped wrapper often dies first.
+    """
     print(f"mtrain: job failed; first failure: {failure.describe()}", file=sys.stderr)
     # A reason in one line is enough (the full traceback is above, prefixed with the rank);
     # without one, the rank's last words are the best clue (a signal, a silent exit).
@@ -305,7 +312,9 @@ def print_failure_report(failure: ExitRecord, records: Sequence[ExitRecord], ver
         print(f"mtrain: last stderr lines of rank {failure.rank}:", file=sys.stderr)
         for line in failure.stderr_tail:
             print(f"    {line}", file=sys.stderr)
-    others = sorted(r.rank for r in records if r.failed and r is not failure)
+    reported = {r.rank for r in records}
+    silent = {rank for rank in range(size) if rank not in reported}
+    others = sorted({r.rank for r in records if r.failed and r is not failure} | silent)
     if len(others) == 1:
         print(f"mtrain: rank {others[0]} was stopped or failed after it", file=sys.stderr)
     elif others:

@@ -10,7 +10,7 @@ import pytest
 from mtrain.launcher.config import SshOptions
 from mtrain.launcher.rank import child_environment, exit_record
 from mtrain.launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
-from mtrain.launcher.supervise import first_failure
+from mtrain.launcher.supervise import first_failure, print_failure_report
 from mtrain.records import (EXIT_MARKER, AgentEvent, AgentEventKind, AgentEventReader, ErrorReport, ExitRecord,
                             FailureCause, Gate, exception_line, report_error)
 
@@ -151,6 +151,20 @@ def test_first_failure_prefers_own_failures_over_stopped_ranks():
 def test_first_failure_falls_back_to_stopped_and_none_when_all_ok():
     assert first_failure([_exit(1, -15, True, 2.0), _exit(0, -9, True, 1.0)]).rank == 0
     assert first_failure([_exit(0, 0, False, 1.0)]) is None
+
+
+def test_failure_report_names_ranks_stopped_before_they_could_report(capsys):
+    # Open MPI SIGKILLs a stopped rank's process group milliseconds after SIGTERM: on a busy
+    # host the wrapper of rank 2 dies before writing its record, yet it was stopped all the same.
+    failure, finished = _exit(1, 3, False, 1.0, "boom"), _exit(3, 0, False, 0.5)
+    print_failure_report(failure, [failure, _exit(0, -15, True, 1.2), finished], verbose=False, size=5)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "mtrain: job failed; first failure: rank 1 on h: exit code 3 (boom)"
+    assert err[-1] == "mtrain: ranks 0, 2, 4 were stopped or failed after it"
+    print_failure_report(failure, [failure], verbose=False, size=2)
+    assert capsys.readouterr().err.splitlines()[-1] == "mtrain: rank 0 was stopped or failed after it"
+    print_failure_report(failure, [failure, finished], verbose=False)  # size unknown: records only
+    assert "after it" not in capsys.readouterr().err
 
 
 def test_first_failure_weighs_evidence_when_failures_are_too_close_for_clocks():
