@@ -282,11 +282,11 @@ test_grouped_through_the_engine_segment_many_stripes = mpi_test(
 def test_shared_memory_executor_matches_rank_order():
     comm = MPI.COMM_WORLD
     local, cross = _host_split(comm)
-    # Cross-memory attach in blocks of a few elements, and of the default size; auto with
-    # both transports by size (its segment in stripes of a few elements); then the segment in
-    # many stripes (some chunks empty), and in one.
-    for transport, stripe, block, cma_min in (("cma", None, 40, None), ("cma", None, None, None),
-                                              ("auto", 200, 40, 400), ("segment", 128, None, None),
+    # Cross-memory attach in blocks (and stripes) of a few elements, and of the default size;
+    # auto with both transports by size (its segment in stripes of a few elements); then the
+    # segment in many stripes (some chunks empty), and in one.
+    for transport, stripe, block, cma_min in (("cma", None, 120, None), ("cma", None, None, None),
+                                              ("auto", 200, None, 400), ("segment", 128, None, None),
                                               ("segment", None, None, None)):
         executor = _executor(comm, local, cross, "shm", stripe, transport, block, cma_min)
         if executor.shared is not None and transport == "cma":
