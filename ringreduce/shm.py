@@ -112,9 +112,10 @@ DEFAULT_STRIPE_BYTES = 2 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
 # cma: bytes read from a peer per system call, and each rank's part of a stripe on one host.
 # Each call pins the peer's pages first, so larger reads cost less per byte, while a smaller
-# stripe's results are still in the owner's cache when the peers copy them out: on the 2-core
-# VM 1 MiB stripes beat 2 MiB ones and the whole buffer at once (16-32 MiB, np=2: 7.4 and
-# 8.9 GB/s busbw, medians of 5 runs, against 6.9 and 7.9 with 2 MiB and 7.0 and 7.3 unstriped).
+# stripe's results are still in the owner's cache when the peers copy them out. On the 2-core
+# VM, np=2, same runs: at 16 MiB 1 MiB stripes beat the whole buffer at once (2 MiB reads) in
+# 8 of 9 runs, by up to 28%, and 2 MiB stripes in 5 of 5; at 32 MiB they won 6 of 9; at
+# 64 MiB the whole buffer won 3 of 4 (by 10-20%: a barrier per stripe, and more stripes).
 DEFAULT_CMA_BLOCK_BYTES = 1 << 20
 # auto: buffers from this size may take cma (see the module docstring), smaller ones the
 # segment (whose stripes avoid the per-call and per-page cost of cross-memory attach); the
