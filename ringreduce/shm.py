@@ -114,7 +114,7 @@ DEFAULT_BLOCK_BYTES = 256 << 10
 # Each call pins the peer's pages first, so larger reads cost less per byte, while a smaller
 # stripe's results are still in the owner's cache when the peers copy them out. On the 2-core
 # VM, np=2, same runs: at 16 MiB 1 MiB stripes beat the whole buffer at once (2 MiB reads) in
-# 8 of 9 runs, by up to 28%, and 2 MiB stripes in 5 of 5; at 32 MiB they won 6 of 9; at
+# 7 of 9 runs, by up to 28%, and 2 MiB stripes in 5 of 5; at 32 MiB they won 5 of 9; at
 # 64 MiB the whole buffer won 3 of 4 (by 10-20%: a barrier per stripe, and more stripes).
 DEFAULT_CMA_BLOCK_BYTES = 1 << 20
 # auto: buffers from this size may take cma (see the module docstring), smaller ones the
