@@ -34,9 +34,7 @@ which is where PyTorch's and TensorFlow's tensors live (16-64 MiB at np=2 on the
 both). So auto runs each set of buffers from ``cma_min_bytes`` up (a training
 step's same shapes, step after step) through cma and the segment by turns for its
 first ``TRIAL_CALLS`` calls, and then keeps the transport whose slowest rank was
-faster, cma only by a margin (``choose``: one small all-reduce over ``comm``, once
-per set; a noisy host makes single timings unreliable, and the segment's speed
-does not depend on the pages, so a wrong pick of it costs least). Both
+faster (``choose``: one small all-reduce over ``comm``, once per set). Both
 reduce every element in the same order, so the choice never changes a result.
 
 ``segment`` (small buffers, and every buffer where cross-memory attach is
@@ -125,11 +123,8 @@ DEFAULT_CMA_BLOCK_BYTES = 1 << 20
 DEFAULT_CMA_MIN_BYTES = 8 << 20
 # auto: calls of a set of buffers that try the transports by turns (the fastest of each
 # transport's calls counts), and the number of sets remembered (beyond it: cma, untried).
-TRIAL_CALLS = 6
+TRIAL_CALLS = 4
 _MAX_TRIED_SETS = 256
-# auto keeps cma only where it beats the segment by this much: the segment's speed does not
-# depend on the pages, so a wrong pick of it costs less than a wrong pick of cma.
-CMA_MARGIN = 0.95
 _LINE = 64  # regions start on cache lines: no two ranks write the same line
 
 _UFUNC_NAMES = {ReduceOp.Sum: "add", Average: "add", Min: "minimum", Max: "maximum",
@@ -413,11 +408,10 @@ class SharedMemoryAllreduce:
         return None if trial is None else trial.choice
 
     def choose(self, cma_seconds: float, segment_seconds: float) -> str:
-        """Collective over ``comm``: the transport whose slowest rank took less time (cma by
-        ``CMA_MARGIN`` at least)."""
+        """Collective over ``comm``: the transport whose slowest rank took less time."""
         slowest = np.array([cma_seconds, segment_seconds], dtype=np.float64)
         self.comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-        return "cma" if slowest[0] < CMA_MARGIN * slowest[1] else "segment"
+        return "cma" if slowest[0] <= slowest[1] else "segment"
 
     def _finisher(self, op: ReduceOp, dtype: np.dtype, backend: NumpyBackend,
                   postscale: float) -> Callable[[Any], None]:

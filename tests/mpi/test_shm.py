@@ -331,7 +331,6 @@ def test_auto_tries_both_transports_then_keeps_one_everywhere():
     # finds cma slow, so every rank takes the segment; then the last rank alone finds it slow.
     assert shared.choose(5.0 if me == n - 1 else 1.0, 2.0) == "segment"
     assert shared.choose(1.0, 3.0 if me == n - 1 else 0.5) == "cma"
-    assert shared.choose(1.0, 1.02) == "segment", "cma must be faster by a margin"
 
 
 @mpi_test(nps=(2, 3))
