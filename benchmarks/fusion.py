@@ -9,10 +9,9 @@ variants take turns (one step each per round), so a drifting machine favours non
 * ringreduce, engine with fusion (defaults; Average as training uses, and Sum
   to match the peers, which only sum), under each all-reduce path the job can
   take: ``ring`` (point-to-point) and ``shm`` (through shared memory, where the
-  ranks share a host; MTRAIN_ALLREDUCE_ALGORITHM: with auto's transport, which
-  from 8 MiB up is whichever of cross-memory attach and the shared segment its
-  first calls measured faster, and ``shm-segment`` through the shared segment
-  always), and with fusion off,
+  ranks share a host; MTRAIN_ALLREDUCE_ALGORITHM: peers' buffers read by
+  cross-memory attach, and ``shm-segment`` through the shared segment), and with
+  fusion off,
 * Horovod-style user code through mtrain.torch: ``allreduce_async_`` on every
   tensor (names formatted once, as ``DistributedOptimizer`` does), then
   ``synchronize`` each,

@@ -95,10 +95,9 @@ class Executor:
     ask for the shared-memory path (which is hierarchical as soon as there are
     several hosts); ``auto`` (default) takes shared memory where it can. Where it
     cannot (one rank per host, uneven hosts), and for device buffers, the ring runs.
-    MTRAIN_SHM_TRANSPORT (``shm_transport``): ``auto`` (default) uses the shared
-    segment below 8 MiB and, from there up where the kernel allows it, whichever of the
-    segment and reading the peers' buffers (cma) measured faster on the same buffers'
-    first calls (shm.SharedMemoryAllreduce.choose); ``cma`` reads them at every size (and says so on stderr where the kernel
+    MTRAIN_SHM_TRANSPORT (``shm_transport``): ``auto`` (default) reads the peers'
+    buffers (cma) from 8 MiB up where the kernel allows it and uses the shared segment
+    below; ``cma`` reads them at every size (and says so on stderr where the kernel
     refuses); ``segment`` always goes through the shared segment.
     """
 

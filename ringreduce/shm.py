@@ -1,8 +1,7 @@
 r"""All-reduce through shared memory among the ranks of one host, hierarchical across hosts.
 
-Two transports (``transport``: auto tries cma from ``cma_min_bytes`` up where the
-kernel allows it and keeps it where it measures faster, see below, and takes the
-segment for smaller buffers and elsewhere; each can be forced):
+Two transports (``transport``: auto takes cma from ``cma_min_bytes`` up where the
+kernel allows it, and the segment below and elsewhere; each can be forced):
 
 ``cma``: each rank reads its peers' buffers directly, with Linux's cross-memory
 attach (``process_vm_readv(2)``, through ctypes; the ranks are the same user, so
@@ -25,17 +24,6 @@ mostly out of the last-level cache the owner has just written it to: at L = 2
 about what a memcpy of the buffer moves (1.5 reads and 1 write without the
 stripes). No shared segment, no copies into scratch regions, no point-to-point
 messages.
-
-Which transport a buffer takes under auto is measured, not guessed: cross-memory
-attach pins the peer's pages one at a time, so it is fastest on huge pages (NumPy
-asks for them from 4 MiB up) and slower than the segment on ordinary 4 KiB pages,
-which is where PyTorch's and TensorFlow's tensors live (16-64 MiB at np=2 on the
-2-core VM: cma 8.0 GB/s on NumPy's buffers and 5.3 on torch's, the segment 7.5 on
-both). So auto runs each set of buffers from ``cma_min_bytes`` up (a training
-step's same shapes, step after step) through cma and the segment by turns for its
-first ``TRIAL_CALLS`` calls, and then keeps the transport whose slowest rank was
-faster (``choose``: one small all-reduce over ``comm``, once per set). Both
-reduce every element in the same order, so the choice never changes a result.
 
 ``segment`` (small buffers, and every buffer where cross-memory attach is
 refused: another user, a container's seccomp filter, Yama's ptrace_scope ≥ 1
@@ -95,7 +83,6 @@ import mmap
 import os
 import sys
 import tempfile
-import time
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -117,14 +104,9 @@ DEFAULT_BLOCK_BYTES = 256 << 10
 # 7 of 9 runs, by up to 28%, and 2 MiB stripes in 5 of 5; at 32 MiB they won 5 of 9; at
 # 64 MiB the whole buffer won 3 of 4 (by 10-20%: a barrier per stripe, and more stripes).
 DEFAULT_CMA_BLOCK_BYTES = 1 << 20
-# auto: buffers from this size may take cma (see the module docstring), smaller ones the
-# segment (whose stripes avoid the per-call and per-page cost of cross-memory attach); the
-# two tied at 8 MiB on that VM even on huge pages.
+# auto: buffers from this size take cma, smaller ones the segment (whose stripes avoid the
+# per-call and per-page cost of cross-memory attach); the two tied at 8 MiB on that VM.
 DEFAULT_CMA_MIN_BYTES = 8 << 20
-# auto: calls of a set of buffers that try the transports by turns (the fastest of each
-# transport's calls counts), and the number of sets remembered (beyond it: cma, untried).
-TRIAL_CALLS = 4
-_MAX_TRIED_SETS = 256
 _LINE = 64  # regions start on cache lines: no two ranks write the same line
 
 _UFUNC_NAMES = {ReduceOp.Sum: "add", Average: "add", Min: "minimum", Max: "maximum",
@@ -262,23 +244,6 @@ def probe_cross_memory(local: MPI.Comm) -> "tuple[CrossMemory | None, list[int],
     return reader, [pid for pid, _, _ in everyone], None
 
 
-class _Trial:
-    """auto's trial of the two transports on one set of buffers."""
-
-    __slots__ = ("calls", "best", "choice")
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.best: "dict[str, float]" = {"cma": float("inf"), "segment": float("inf")}
-        self.choice: "str | None" = None
-
-    def record(self, transport: str, seconds: float) -> bool:
-        """Note one timed call; True when the trial is complete (time to choose)."""
-        self.best[transport] = min(self.best[transport], seconds)
-        self.calls += 1
-        return self.calls == TRIAL_CALLS
-
-
 class SharedMemoryAllreduce:
     """The algorithm above for one Executor, through cross-memory attach or the shared
     segment of its ``local`` ranks (``transport``: auto tries cma first).
@@ -287,8 +252,7 @@ class SharedMemoryAllreduce:
     segment is mapped unless cma alone is asked for); ``error`` is then None on every rank,
     or says on every rank why there is no shared-memory path at all. ``notice`` says why
     cma is not available, when it is not. With both, auto sends buffers of at least
-    ``cma_min_bytes`` through the transport measured fastest for them (``choose``) and
-    smaller ones through the segment.
+    ``cma_min_bytes`` through cma and smaller ones through the segment.
     """
 
     def __init__(self, comm: MPI.Comm, local: MPI.Comm, cross: "MPI.Comm | None",
@@ -309,9 +273,6 @@ class SharedMemoryAllreduce:
         self.block_bytes = block_bytes  # the segment's reduction block
         self.cma_block_bytes = cma_block_bytes
         self.calls = 0  # all-reduces run (tests: what reached this path)
-        self.runs = {"cma": 0, "segment": 0}  # all-reduces each transport ran
-        # auto: per set of buffers (dtype and sizes: the same on every rank), the trial so far.
-        self._trials: "dict[tuple, _Trial]" = {}
         self._scratch = np.empty(0, dtype=np.uint8)
         self._map: "mmap.mmap | None" = None
         self.segment: "np.ndarray | None" = None
@@ -368,50 +329,10 @@ class SharedMemoryAllreduce:
         if layout.size == 0:
             return
         self.calls += 1
-        trial = None
-        if not self.cma or layout.size * layout.itemsize < self.cma_min_bytes:
-            transport = "segment"
-        elif self.segment is None:
-            transport = "cma"
+        if self.cma and (self.segment is None or layout.size * layout.itemsize >= self.cma_min_bytes):
+            self._allreduce_cma(layout, op, backend, postscale)
         else:
-            transport, trial = self._auto(layout)
-        self.runs[transport] += 1
-        run = self._allreduce_cma if transport == "cma" else self._allreduce_segment
-        if trial is None:
-            run(layout, op, backend, postscale)
-            return
-        started = time.perf_counter()
-        run(layout, op, backend, postscale)
-        if trial.record(transport, time.perf_counter() - started):
-            trial.choice = self.choose(trial.best["cma"], trial.best["segment"])
-
-    @staticmethod
-    def _key(layout: ring.Layout) -> tuple:
-        return (layout.dtype.str, *(b.size for b in layout.bufs))  # shapes agree on every rank
-
-    def _auto(self, layout: ring.Layout) -> "tuple[str, _Trial | None]":
-        """auto with both transports at hand: the one chosen for these buffers, or the
-        trial's next one (and the trial, to record its time)."""
-        key = self._key(layout)
-        trial = self._trials.get(key)
-        if trial is None:
-            if len(self._trials) >= _MAX_TRIED_SETS:
-                return "cma", None
-            trial = self._trials[key] = _Trial()
-        if trial.choice is not None:
-            return trial.choice, None
-        return ("cma" if trial.calls % 2 == 0 else "segment"), trial
-
-    def chosen(self, layout: "Any | ring.Layout") -> "str | None":
-        """The transport auto settled on for buffers like ``layout``; None while untried."""
-        trial = self._trials.get(self._key(ring.as_layout(layout)))
-        return None if trial is None else trial.choice
-
-    def choose(self, cma_seconds: float, segment_seconds: float) -> str:
-        """Collective over ``comm``: the transport whose slowest rank took less time."""
-        slowest = np.array([cma_seconds, segment_seconds], dtype=np.float64)
-        self.comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-        return "cma" if slowest[0] <= slowest[1] else "segment"
+            self._allreduce_segment(layout, op, backend, postscale)
 
     def _finisher(self, op: ReduceOp, dtype: np.dtype, backend: NumpyBackend,
                   postscale: float) -> Callable[[Any], None]:
