@@ -11,8 +11,8 @@ Prints an nccl-tests-style table per implementation and size:
 
 Implementations: ``ringreduce`` is the public API (engine included, with the
 algorithm MTRAIN_ALLREDUCE_ALGORITHM picks, auto by default); ``rr-ring``,
-``rr-shm`` and ``rr-hierarchical`` (auto's transports: the peers' buffers read
-by cross-memory attach from 8 MiB up, the shared segment below), ``-cma`` and
+``rr-shm`` and ``rr-hierarchical`` (auto's transport: the shared segment),
+``-cma`` (the peers' buffers read by cross-memory attach) and
 ``-segment`` (one transport forced) are the Executor's all-reduce paths called
 directly (what the engine runs for a fused buffer, without its ~40-250 us per op),
 each where it applies. The variants run interleaved, one call each per round, so
@@ -145,9 +145,8 @@ def main() -> None:
     cross = comm.Split(color=local.Get_rank(), key=me)
     hosts = comm.allreduce(1 if local.Get_rank() == 0 else 0)
     executors = {}
-    # rr-shm (or rr-hierarchical on several hosts) is what auto runs: the peers' buffers read
-    # by cross-memory attach from 8 MiB up where the kernel allows it, the shared segment
-    # below; the -cma and -segment variants force one transport.
+    # rr-shm (or rr-hierarchical on several hosts) is what auto runs (the shared segment);
+    # the -cma and -segment variants force one transport.
     for algorithm, transport in (("ring", None), ("shm", "auto"), ("shm", "cma"), ("shm", "segment")):
         executor = Executor(comm, ring.DEFAULT_SEGMENT_BYTES, ring.DEFAULT_SMALL_BYTES, local, cross,
                             algorithm=algorithm, shm_transport=transport)

@@ -9,9 +9,9 @@ variants take turns (one step each per round), so a drifting machine favours non
 * ringreduce, engine with fusion (defaults; Average as training uses, and Sum
   to match the peers, which only sum), under each all-reduce path the job can
   take: ``ring`` (point-to-point) and ``shm`` (through shared memory, where the
-  ranks share a host; MTRAIN_ALLREDUCE_ALGORITHM: peers' buffers read by
-  cross-memory attach, and ``shm-segment`` through the shared segment), and with
-  fusion off,
+  ranks share a host; MTRAIN_ALLREDUCE_ALGORITHM: auto's transport, the shared
+  segment, and ``shm-cma``, the peers' buffers read by cross-memory attach), and
+  with fusion off,
 * Horovod-style user code through mtrain.torch: ``allreduce_async_`` on every
   tensor (names formatted once, as ``DistributedOptimizer`` does), then
   ``synchronize`` each,
@@ -74,15 +74,18 @@ def main() -> None:
     defaults = engine.config
     executor = engine.executor
     # The paths this job can take: the ring always; shared memory when the ranks share a host,
-    # by cross-memory attach where the kernel allows it (shm) and through the segment.
+    # through the segment (auto: shm) and by cross-memory attach where the kernel allows it.
     shared = getattr(executor, "shared", None)
     paths = {"ring": None} if shared is None else {"ring": None, "shm": shared}
-    if shared is not None and shared.cma and shared.cross is None:
+    if shared is not None and shared.cross is None:
         # Its own communicators: the engine thread runs the all-reduce, on its own.
         world = comm.Dup()
-        paths["shm-segment"] = shm.SharedMemoryAllreduce(
-            world, world.Split_type(MPI.COMM_TYPE_SHARED, key=me), None, executor.segment_bytes,
-            executor.small_bytes, transport="segment")
+        forced = shm.SharedMemoryAllreduce(world, world.Split_type(MPI.COMM_TYPE_SHARED, key=me), None,
+                                           executor.segment_bytes, executor.small_bytes, transport="cma")
+        if forced.cma and shared.transport != "cma":
+            paths["shm-cma"] = forced
+        else:
+            forced.close()
 
     shapes = resnet50_gradient_shapes()
     grads = [np.random.default_rng(me * 1000 + i).standard_normal(s).astype(np.float32) * 1e-3

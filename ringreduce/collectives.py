@@ -95,10 +95,10 @@ class Executor:
     ask for the shared-memory path (which is hierarchical as soon as there are
     several hosts); ``auto`` (default) takes shared memory where it can. Where it
     cannot (one rank per host, uneven hosts), and for device buffers, the ring runs.
-    MTRAIN_SHM_TRANSPORT (``shm_transport``): ``auto`` (default) reads the peers'
-    buffers (cma) from 8 MiB up where the kernel allows it and uses the shared segment
-    below; ``cma`` reads them at every size (and says so on stderr where the kernel
-    refuses); ``segment`` always goes through the shared segment.
+    MTRAIN_SHM_TRANSPORT (``shm_transport``): ``auto`` (default) goes through the shared
+    segment, and reads the peers' buffers (cma) only where the segment cannot be mapped;
+    ``cma`` reads them (fastest on huge pages; says so on stderr and takes the segment
+    where the kernel refuses); ``segment`` always goes through the shared segment.
     """
 
     def __init__(self, comm: MPI.Comm, segment_bytes: int, small_bytes: int,

@@ -1,7 +1,7 @@
 r"""All-reduce through shared memory among the ranks of one host, hierarchical across hosts.
 
-Two transports (``transport``: auto takes cma from ``cma_min_bytes`` up where the
-kernel allows it, and the segment below and elsewhere; each can be forced):
+Two transports (``transport``: auto takes the segment, and cma where the segment
+cannot be mapped; each can be forced):
 
 ``cma``: each rank reads its peers' buffers directly, with Linux's cross-memory
 attach (``process_vm_readv(2)``, through ctypes; the ranks are the same user, so
@@ -25,9 +25,20 @@ about what a memcpy of the buffer moves (1.5 reads and 1 write without the
 stripes). No shared segment, no copies into scratch regions, no point-to-point
 messages.
 
-``segment`` (small buffers, and every buffer where cross-memory attach is
-refused: another user, a container's seccomp filter, Yama's ptrace_scope ≥ 1
-without CAP_SYS_PTRACE): the L ranks map one shared segment and go through it
+Cross-memory attach pins the peer's pages one at a time, so it is fast on huge
+pages and slow on ordinary 4 KiB pages, which is where PyTorch's and
+TensorFlow's tensors live. At np=2 on the 2-core VM, same runs: on NumPy's
+buffers (huge pages from 4 MiB up) cma beat the segment by 7-29% at 16-64 MiB;
+on torch's, the segment beat cma by 17-40%, and the fused ResNet-50 step ran
+1.6x faster than MPI per tensor through the segment and 1.3x through cma. The
+segment's speed does not depend on the pages, and nothing cheap tells a
+buffer's page size (a trial of both on a job's first calls did not predict its
+steady state: pages are still being faulted in and collapsed then), so auto
+takes the segment; MTRAIN_SHM_TRANSPORT=cma is for buffers on huge pages.
+
+``segment`` (auto, and every buffer where cross-memory attach is refused:
+another user, a container's seccomp filter, Yama's ptrace_scope ≥ 1 without
+CAP_SYS_PTRACE): the L ranks map one shared segment and go through it
 in stripes of ``stripe_bytes``; each stripe is cut into L chunks and local rank
 j owns chunk j. Every rank has a slot in the
 segment, in two halves that alternate between stripes; a half holds one region
@@ -104,9 +115,6 @@ DEFAULT_BLOCK_BYTES = 256 << 10
 # 7 of 9 runs, by up to 28%, and 2 MiB stripes in 5 of 5; at 32 MiB they won 5 of 9; at
 # 64 MiB the whole buffer won 3 of 4 (by 10-20%: a barrier per stripe, and more stripes).
 DEFAULT_CMA_BLOCK_BYTES = 1 << 20
-# auto: buffers from this size take cma, smaller ones the segment (whose stripes avoid the
-# per-call and per-page cost of cross-memory attach); the two tied at 8 MiB on that VM.
-DEFAULT_CMA_MIN_BYTES = 8 << 20
 _LINE = 64  # regions start on cache lines: no two ranks write the same line
 
 _UFUNC_NAMES = {ReduceOp.Sum: "add", Average: "add", Min: "minimum", Max: "maximum",
@@ -245,20 +253,20 @@ def probe_cross_memory(local: MPI.Comm) -> "tuple[CrossMemory | None, list[int],
 
 
 class SharedMemoryAllreduce:
-    """The algorithm above for one Executor, through cross-memory attach or the shared
-    segment of its ``local`` ranks (``transport``: auto tries cma first).
+    """The algorithm above for one Executor, through the shared segment of its ``local``
+    ranks or cross-memory attach (``transport``: cma; else the segment, and for auto cma
+    where the segment cannot be mapped).
 
-    Construction is collective over ``comm`` (every host agrees on the transports; the
-    segment is mapped unless cma alone is asked for); ``error`` is then None on every rank,
-    or says on every rank why there is no shared-memory path at all. ``notice`` says why
-    cma is not available, when it is not. With both, auto sends buffers of at least
-    ``cma_min_bytes`` through cma and smaller ones through the segment.
+    Construction is collective over ``comm`` (every host agrees on the transport);
+    ``error`` is then None on every rank, or says on every rank why there is no
+    shared-memory path at all. ``notice`` says why cma is not available, when it was
+    asked for and is not.
     """
 
     def __init__(self, comm: MPI.Comm, local: MPI.Comm, cross: "MPI.Comm | None",
                  segment_bytes: int, small_bytes: int, stripe_bytes: "int | None" = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, transport: str = "auto",
-                 cma_block_bytes: int = DEFAULT_CMA_BLOCK_BYTES, cma_min_bytes: int = DEFAULT_CMA_MIN_BYTES) -> None:
+                 cma_block_bytes: int = DEFAULT_CMA_BLOCK_BYTES) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown shared-memory transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
         stripe_bytes = stripe_bytes or DEFAULT_STRIPE_BYTES
@@ -279,37 +287,38 @@ class SharedMemoryAllreduce:
         self.error: "str | None" = None
         self.notice: "str | None" = None
         self.cma = False
-        if transport != "segment":
-            self._reader, self._pids, why = probe_cross_memory(local)
-            self._world_ranks = local.allgather(comm.Get_rank())  # names a peer in errors
-            failed = comm.allreduce(1 if why else 0, op=MPI.MAX)
-            self.cma = not failed
-            if failed:
-                self.notice = why or "another host cannot use cross-memory attach"
-        self.cma_min_bytes = 0 if transport == "cma" else cma_min_bytes
-        if self.cma and transport == "cma":
+        if transport == "cma" and self._probe_cma():
             return
         # One region per chunk of a stripe, in bytes, on a cache-line boundary.
         self.region_bytes = max(_LINE, -(-stripe_bytes // self.local_size // _LINE) * _LINE)
         self._stripes_done = 0  # halves alternate across calls too
         mapped, error = map_shared(local, 2 * self.local_size * self.local_size * self.region_bytes)
         failed = comm.allreduce(1 if error else 0, op=MPI.MAX)
-        self._map = None if failed else mapped
-        if failed and mapped is not None:
+        if not failed:
+            self._map = mapped
+            self.segment = np.frombuffer(mapped, dtype=np.uint8)
+            return
+        if mapped is not None:
             mapped.close()
-        self.segment = np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else None
+        if transport == "auto" and self._probe_cma():
+            return  # no segment (a small /dev/shm, say): cma for every buffer
+        self.error = error or "another host could not map its shared memory"
+
+    def _probe_cma(self) -> bool:
+        """Collective over ``comm``: can every rank read its local peers' memory? Sets
+        ``cma``, or ``notice`` with why not."""
+        self._reader, self._pids, why = probe_cross_memory(self.local)
+        self._world_ranks = self.local.allgather(self.comm.Get_rank())  # names a peer in errors
+        failed = self.comm.allreduce(1 if why else 0, op=MPI.MAX)
+        self.cma = not failed
         if failed:
-            if self.cma:
-                self.cma_min_bytes = 0  # cma for every size, then
-            else:
-                self.error = error or "another host could not map its shared memory"
+            self.notice = why or "another host cannot use cross-memory attach"
+        return self.cma
 
     @property
     def transport(self) -> str:
-        """What runs: ``cma``, ``segment``, or ``cma+segment`` (by size, see cma_min_bytes)."""
-        if not self.cma:
-            return "segment"
-        return "cma" if self.segment is None else "cma+segment"
+        """What runs: ``cma`` or ``segment``."""
+        return "cma" if self.cma else "segment"
 
     def _temp(self, nbytes: int) -> np.ndarray:
         """This instance's own scratch (engines of different process sets run at once, so
@@ -329,7 +338,7 @@ class SharedMemoryAllreduce:
         if layout.size == 0:
             return
         self.calls += 1
-        if self.cma and (self.segment is None or layout.size * layout.itemsize >= self.cma_min_bytes):
+        if self.cma:
             self._allreduce_cma(layout, op, backend, postscale)
         else:
             self._allreduce_segment(layout, op, backend, postscale)

@@ -28,11 +28,12 @@ def _ranks(stdout: str) -> "dict[int, dict]":
     return out
 
 
-@pytest.mark.parametrize("algorithm, path", [("hierarchical", "hierarchical"), ("auto", "hierarchical"),
-                                             ("ring", "ring")])
-def test_two_hosts_of_two(cluster, algorithm, path):
+@pytest.mark.parametrize("algorithm, transport, path", [("hierarchical", "cma", "hierarchical"),
+                                                        ("auto", "auto", "hierarchical"), ("ring", "auto", "ring")])
+def test_two_hosts_of_two(cluster, algorithm, transport, path):
     done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", "-x", f"MTRAIN_ALLREDUCE_ALGORITHM={algorithm}",
-                      PYTHON, str(HERE / "hierarchical_rank.py"), timeout=240)
+                      "-x", f"MTRAIN_SHM_TRANSPORT={transport}", PYTHON, str(HERE / "hierarchical_rank.py"),
+                      timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = _ranks(done.stdout)
     assert sorted(ranks) == [0, 1, 2, 3], done.stdout[-4000:]
@@ -40,10 +41,10 @@ def test_two_hosts_of_two(cluster, algorithm, path):
         assert data["host"] == ("mtr-a" if rank < 2 else "mtr-b"), data
         assert (data["local_size"], data["cross_size"]) == (2, 2), data
         assert data["algorithm"] == algorithm and data["path"] == path, data
-        if path == "hierarchical" and os.environ.get("CI"):
-            # Both transports by size (the grouped 12 MiB op takes cma): namespace hosts share
-            # the pid namespace, so cross-memory attach works between their ranks (root, CI).
-            assert data["transport"] == "cma+segment", data
+        if path == "hierarchical" and (transport == "auto" or os.environ.get("CI")):
+            # auto takes the segment; cma, asked for, works between the namespace hosts' ranks,
+            # which share the pid namespace (root, CI; elsewhere it may fall back to the segment).
+            assert data["transport"] == ("cma" if transport == "cma" else "segment"), data
         assert data["problems"] == [], f"rank {rank}: wrong results for {data['problems']}"
 
 

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import collectives
+from mtrain.ringreduce import collectives, shm
 from mtrain.ringreduce.backend import DeviceBackend, NumpyBackend
 from mtrain.ringreduce.collectives import Executor, algorithm_from_environment
 from mtrain.ringreduce.ops import SUPPORTED_DTYPES
@@ -79,18 +79,17 @@ def _same_bits(got, want, what):
                              f"expected {want.reshape(-1)[bad]!r} (rank-order reference)")
 
 
-def _executor(comm, local, cross, algorithm, stripe=None, transport="auto", block=None, cma_min=None):
-    """``stripe``: the segment's stripe; ``block``: bytes cma reads per call; ``cma_min``:
-    auto's size from which cma runs (small here, so test sizes take both transports)."""
+def _executor(comm, local, cross, algorithm, stripe=None, transport="auto", block=None):
+    """``stripe``: the segment's stripe; ``block``: bytes cma reads per call."""
     executor = Executor(comm, 512 << 10, 16 << 10, local, cross, algorithm=algorithm, shm_stripe_bytes=stripe,
                         shm_transport=transport)
     if executor.shared is not None:
-        if transport != "segment":
+        if transport == "cma":
             _expect_cma(executor.shared)
+        else:
+            assert executor.shared.transport == "segment", transport
         if block:
             executor.shared.cma_block_bytes = block
-        if cma_min is not None:
-            executor.shared.cma_min_bytes = cma_min
     return executor
 
 
@@ -283,19 +282,31 @@ def test_shared_memory_executor_matches_rank_order():
     comm = MPI.COMM_WORLD
     local, cross = _host_split(comm)
     # Cross-memory attach in blocks (and stripes) of a few elements, and of the default size;
-    # auto with both transports by size (its segment in stripes of a few elements); then the
-    # segment in many stripes (some chunks empty), and in one.
-    for transport, stripe, block, cma_min in (("cma", None, 120, None), ("cma", None, None, None),
-                                              ("auto", 200, None, 400), ("segment", 128, None, None),
-                                              ("segment", None, None, None)):
-        executor = _executor(comm, local, cross, "shm", stripe, transport, block, cma_min)
-        if executor.shared is not None and transport == "cma":
-            assert executor.shared.transport == "cma"
+    # then the segment (auto's) in many stripes (some chunks empty), and in one.
+    for transport, stripe, block in (("cma", None, 120), ("cma", None, None), ("auto", 200, None),
+                                     ("segment", 128, None), ("segment", None, None)):
+        executor = _executor(comm, local, cross, "shm", stripe, transport, block)
         assert executor.allreduce_path == ("shm" if comm.Get_size() > 1 else "ring")
-        if executor.shared is not None and transport == "segment":
-            assert executor.shared.transport == "segment"
-        _run_cases(executor, comm, rank_order, _SOME_DTYPES, f"shm {transport} stripe {stripe} block {block} cma from {cma_min}")
+        _run_cases(executor, comm, rank_order, _SOME_DTYPES, f"shm {transport} stripe {stripe} block {block}")
         executor.close()
+
+
+@mpi_test(nps=(2, 3))
+def test_auto_reads_the_peers_buffers_where_the_segment_cannot_be_mapped():
+    """No room for the segment (here: no such folder): auto falls back to cma; the segment
+    transport, forced, leaves the all-reduces to the ring (and rank 0 says why)."""
+    comm = MPI.COMM_WORLD
+    local, cross = _host_split(comm)
+    shm._shm_dir = lambda: "/nonexistent-mtrain-test"
+    auto = Executor(comm, 512 << 10, 16 << 10, local, cross, algorithm="shm", shm_transport="auto")
+    if auto.shared is None:  # cross-memory attach refused too: the ring runs
+        assert not os.environ.get("CI"), "cross-memory attach refused in CI"
+    else:
+        assert auto.shared.transport == "cma" and auto.shared.segment is None
+        _run_cases(auto, comm, rank_order, [np.float32, np.int64], "auto without a segment",
+                   scalings=((1.0, 1.0),))
+    segment = Executor(comm, 512 << 10, 16 << 10, local, cross, algorithm="shm", shm_transport="segment")
+    assert segment.shared is None and segment.allreduce_path == "ring"
 
 
 @mpi_test(nps=(2, 3))
@@ -333,8 +344,7 @@ def test_hierarchical_two_hosts_of_two():
     local, cross = _fake_hosts(comm, 2)
     for algorithm, stripe, transport in (("hierarchical", 96, "segment"), ("hierarchical", None, "cma"),
                                          ("auto", 200, "auto"), ("shm", 1000, "segment")):
-        executor = _executor(comm, local, cross, algorithm, stripe, transport, 96 if transport != "segment" else None,
-                             cma_min=400 if transport == "auto" else None)
+        executor = _executor(comm, local, cross, algorithm, stripe, transport, 96 if transport == "cma" else None)
         assert executor.allreduce_path == "hierarchical", (algorithm, executor.allreduce_path)
 
         def two_hosts(inputs, op, prescale, postscale):
