@@ -81,7 +81,7 @@ last-level cache: a rank's input is written into the segment and read by its
 peer a moment later, so main memory sees little more than each rank reading its
 buffer and writing the result back while the stripes fit the cache. Where the
 cache is small or busy, the traffic is about twice a memcpy's (copy in, reduce,
-publish, copy out), which is why cma comes first.
+publish, copy out); cma on huge pages does better there.
 
 The segment (2·L·stripe_bytes) is a file in /dev/shm that local rank 0 creates
 and every rank maps once, when the Executor is made; rank 0 unlinks it as soon
