@@ -19,8 +19,8 @@ import torch
 
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import cuda as _cuda
-from mtrain.ringreduce.engine import AllreduceOp
-from mtrain.ringreduce.runtime import _submit_one_allreduce
+from mtrain.ringreduce.requests import AllreduceOp
+from mtrain.ringreduce.runtime import submit_allreduce
 from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet, Product,
     ReduceOp, Sum, add_process_set, allgather_object, barrier, broadcast_object, cross_rank, cross_size,
@@ -241,10 +241,10 @@ class _ViewCache:
             return None
         last = entry[4]
         if last is not None and last[0] is op and last[1] == prescale_factor and last[2] == postscale_factor:
-            handle = _submit_one_allreduce(entry[3], last[3], name, last[4], last[5], True, process_set,
+            handle = submit_allreduce(entry[3], last[3], name, last[4], last[5], True, process_set,
                                            _TensorAllreduce, last[6])
         else:
-            handle = _submit_one_allreduce(entry[3], op, name, prescale_factor, postscale_factor, True,
+            handle = submit_allreduce(entry[3], op, name, prescale_factor, postscale_factor, True,
                                            process_set, _TensorAllreduce)
             entry[4] = (op, prescale_factor, postscale_factor, handle.op, handle.prescale, handle.postscale,
                         handle.signature)
@@ -272,7 +272,7 @@ def _allreduce_in_place(tensor: torch.Tensor, name: Optional[str], op: Any, pres
         else:
             array = _numpy_view(tensor)
         # The runtime's allreduce_async_ for one array, called directly.
-        handle = _submit_one_allreduce(array, op, name, prescale_factor, postscale_factor, True, process_set,
+        handle = submit_allreduce(array, op, name, prescale_factor, postscale_factor, True, process_set,
                                        _TensorAllreduce)
         handle._tensor = tensor  # only this thread reads it, after the submit
         return handle

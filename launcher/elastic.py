@@ -32,7 +32,7 @@ import uuid
 from mtrain.launcher.config import ElasticSettings, LaunchConfig
 from mtrain.launcher.hosts import HostSlots, is_local, local_names
 from mtrain.launcher.supervise import first_failure, print_failure_report
-from mtrain.records import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_EXIT_STATUS, AgentEventKind,
+from mtrain.launcher.records import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_EXIT_STATUS, AgentEventKind,
                             ElasticResume, ExitRecord)
 
 DISCOVERY_INTERVAL = 1.0      # seconds between runs of the discovery script while a generation runs

@@ -22,7 +22,7 @@ from mtrain.launcher.config import LaunchConfig, MpiKind
 from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
-from mtrain.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, AgentEvent, ElasticResume,
+from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, AgentEvent, ElasticResume,
                             ExitRecord, Gate, HostUpdates, JobLayout, host_path, updates_file)
 
 if TYPE_CHECKING:

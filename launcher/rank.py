@@ -19,7 +19,7 @@ failure, and the wrapper hides Open MPI's "Delaying for…" line and marks the
 record `mpi_abort` (evidence the supervisor weighs; see supervise.first_failure).
 
 The runtime sharpens the report through $MTRAIN_ERROR_FILE (the idea of
-torchelastic's error file): an `ErrorReport` (mtrain.records) written there
+torchelastic's error file): an `ErrorReport` (mtrain.launcher.records) written there
 before the rank exits says why it fails and whether the failure began here or
 in a peer.  Without one, the last line the rank printed to stderr stands in as
 its reason, so a failure before `init()` reads the same as one after.
@@ -36,7 +36,7 @@ import threading
 import time
 
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
-from mtrain.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ErrorReport, ExitRecord, FailureCause, JobLayout,
+from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ErrorReport, ExitRecord, FailureCause, JobLayout,
                             exception_line)
 
 TAIL_LINES = 15

@@ -11,7 +11,7 @@ PRRTE's daemon forks and calls setsid(), so killing a process group is not
 enough: the guard makes itself a child subreaper, so every descendant stays
 under it even when its parent exits, and signals the whole tree.
 
-With `--job-file`, the guard first writes the job's layout (mtrain.records.
+With `--job-file`, the guard first writes the job's layout (mtrain.launcher.records.
 JobLayout) to that path template, "{host}" replaced by this host's name, for
 the rank wrappers here, and removes it when the job ends.
 
@@ -37,7 +37,7 @@ import threading
 import time
 
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
-from mtrain.records import HostUpdates, JobLayout, host_path, updates_file
+from mtrain.launcher.records import HostUpdates, JobLayout, host_path, updates_file
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0

@@ -395,7 +395,7 @@ class ConnectionMaster:
         def heartbeat() -> None:
             # Keeps the guard's watchdog fed and gives TCP something to time out on; carries
             # an elastic job's host-set versions to the guard.
-            from mtrain.records import HostUpdates
+            from mtrain.launcher.records import HostUpdates
             sent = 0
             while not done.is_set() and transport.is_active():
                 version = HostUpdates.read(self.updates) if self.updates else 0

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Callable, Sequence
 
 from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_process
-from mtrain.records import (EXIT_MARKER, RESUME_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
+from mtrain.launcher.records import (EXIT_MARKER, RESUME_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
                             signal_name,
                             ElasticResume, ExitRecord, Gate, StopReason)
 

@@ -1,5 +1,5 @@
 """ringreduce: the collective runtime inside every mtrain rank."""
-from .engine import Handle
+from .requests import AllreduceOp, Handle, Signature
 from .errors import EngineError, HorovodInternalError, InvalidArgumentError, JoinedError, MismatchError, ShutdownError, StallError
 from .process_sets import ProcessSet, global_process_set
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
@@ -47,12 +47,13 @@ from .runtime import (
     size,
     start_timeline,
     stop_timeline,
+    submit_allreduce,
     synchronize,
 )
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum",
-    "EngineError", "Handle", "HorovodInternalError", "InvalidArgumentError", "JoinedError", "MismatchError", "NotInitializedError", "ShutdownError", "StallError",
+    "AllreduceOp", "EngineError", "Handle", "Signature", "HorovodInternalError", "InvalidArgumentError", "JoinedError", "MismatchError", "NotInitializedError", "ShutdownError", "StallError",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "cross_rank", "cross_size",
@@ -60,5 +61,5 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async", "is_homogeneous", "start_timeline", "stop_timeline",
     "ProcessSet", "add_process_set", "global_process_set", "remove_process_set",
     "init", "is_initialized", "join", "local_rank", "local_size", "mpi_threads_supported", "poll", "rank",
-    "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
+    "reducescatter", "reducescatter_async", "shutdown", "size", "submit_allreduce", "synchronize",
 ]

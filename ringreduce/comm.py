@@ -10,7 +10,7 @@ import traceback
 # MULTIPLE by default, which also lets user code call MPI from its own threads.
 from mpi4py import MPI
 
-from mtrain.records import FailureCause, report_error
+from mtrain.launcher.records import FailureCause, report_error
 
 from . import exits
 

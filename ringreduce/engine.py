@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mtrain.records import FailureCause, report_error
+from mtrain.launcher.records import FailureCause, report_error
 
 from . import cuda, fusion
 from .backend import NumpyBackend, backend_for
@@ -57,6 +57,8 @@ from .errors import EngineError, InvalidArgumentError, JoinedError, ShutdownErro
 from .negotiation import (CONTROL_SHUTDOWN, CONTROL_STALL_CHECK, CONTROL_UNREPORTED, Coordinator,
                           RequestState, ResponseCache, bits_of, set_bit)
 from .ops import ReduceOp, dtype_code, dtype_from_code
+from .requests import (HOST as _HOST, PLACEHOLDER as _PLACEHOLDER, UNNAMED_PREFIX, AllreduceOp, Completion, Handle,
+                       Request, Signature, host_allreduce_signature)
 from .timeline import Timeline
 
 # Chosen by measurement on the 2-core development VM (benchmarks/fusion.py):
@@ -113,206 +115,6 @@ def env_number(name: str, default: float) -> float:
     if value < 0:
         raise ValueError(f"{name}={raw!r} must not be negative")
     return value
-
-
-class Completion(threading.Condition):
-    """Where handles wait: the engine notifies it once per batch it completes.
-
-    ``waiting(+1)`` before a thread blocks on a handle and ``waiting(-1)`` after tell
-    the engine that someone waits: it then starts its next cycle at once instead of
-    holding on to let more submissions join the batch (``Engine._hold``)."""
-
-    def __init__(self, waiting: "Callable[[int], None] | None" = None) -> None:
-        super().__init__()
-        self.waiting = waiting
-
-
-class Handle:
-    """The future of one submitted op (or of a group of all-reduces).
-
-    Deliberately light: no Event or Lock per handle (creating those costs more
-    than the rest of a submit). Only the engine thread writes a handle; waiters
-    sleep on the engine's one completion condition, notified once per batch.
-    """
-
-    __slots__ = ("_results", "_remaining", "_grouped", "_error", "_done_cv")
-
-    def __init__(self, parts: int, grouped: bool, done_cv: threading.Condition) -> None:
-        self._results: "list[Any]" = [None] * parts
-        self._remaining = parts
-        self._grouped = grouped
-        self._error: "BaseException | None" = None
-        self._done_cv = done_cv
-
-    def _complete(self, index: int, result: Any) -> None:
-        self._results[index] = result
-        self._remaining -= 1
-
-    def _fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
-
-    def done(self) -> bool:
-        return self._remaining == 0 or self._error is not None
-
-    def wait(self) -> Any:
-        if not (self._remaining == 0 or self._error is not None):
-            self._block()
-        if self._error is not None:
-            raise self._error
-        return self._results if self._grouped else self._results[0]
-
-    def _block(self) -> None:
-        cv = self._done_cv
-        waiting = getattr(cv, "waiting", None)  # None: a plain Condition (no engine to hurry)
-        if waiting is not None:
-            waiting(1)
-        try:
-            with cv:
-                while not self.done():
-                    cv.wait(0.1)  # short waits keep Ctrl-C responsive
-        finally:
-            if waiting is not None:
-                waiting(-1)
-
-
-# Kinds whose metadata leaves out (part of) the shape.
-_FIRST_DIMENSION_FREE = frozenset((Kind.ALLGATHER, Kind.ALLTOALL))  # may differ per rank
-_SHAPELESS = frozenset((Kind.BARRIER, Kind.BROADCAST_OBJECT, Kind.ALLGATHER_OBJECT))
-# One object per distinct signature: a step that repeats its ops brings the very same
-# tuples, so comparing a batch with a cached plan is mostly identity checks.
-_SIGNATURES: "dict[tuple, tuple]" = {}
-_SIGNATURES_MAX = 1 << 16
-_ALLREDUCE_CODE = int(Kind.ALLREDUCE)
-_UNREPORTED = RequestState.UNREPORTED  # an Enum member read through its class costs a lookup each time
-_new_object = object.__new__
-_HOST_DTYPE_CODES: "dict[np.dtype, int]" = {}  # dtype_code of host arrays' dtypes seen so far
-
-
-def _intern(signature: tuple) -> tuple:
-    if len(_SIGNATURES) >= _SIGNATURES_MAX:
-        _SIGNATURES.clear()
-    return _SIGNATURES.setdefault(signature, signature)
-
-
-def host_allreduce_signature(array: np.ndarray, op: ReduceOp, prescale: float, postscale: float) -> tuple:
-    """``Request.meta()`` of an all-reduce of host array ``array`` (the interned tuple). A
-    caller that submits the same array with the same arguments every step may keep it and
-    pass it to ``Engine.submit_allreduce``. TypeError for a dtype the runtime cannot reduce."""
-    code = _HOST_DTYPE_CODES.get(array.dtype)
-    if code is None:
-        code = _HOST_DTYPE_CODES[array.dtype] = dtype_code(array.dtype)  # TypeError if unsupported
-    signature = (_ALLREDUCE_CODE, code, array.shape, int(op), -1, prescale, postscale, _HOST_NAME)
-    interned = _SIGNATURES.get(signature)
-    return interned if interned is not None else _intern(signature)
-
-
-class Request:
-    """One submitted op (one part of a handle), as the engine thread sees it.
-
-    A plain class with slots rather than a dataclass: a training step creates one per
-    tensor, so its construction is on the per-tensor path."""
-
-    __slots__ = ("kind", "name", "array", "handle", "index", "backend", "op", "root", "splits", "in_place",
-                 "prescale", "postscale", "obj", "submitted", "state", "signature", "bit")
-
-    def __init__(self, kind: Kind, name: str, array: Any, handle: Handle, index: int, backend: Any,
-                 op: "ReduceOp | None" = None, root: int = -1, splits: "Sequence[int] | None" = None,
-                 in_place: bool = False, prescale: float = 1.0, postscale: float = 1.0,
-                 obj: "bytes | None" = None, submitted: float = 0.0,
-                 state: RequestState = RequestState.UNREPORTED, signature: tuple = (), bit: int = -1) -> None:
-        self.kind = kind
-        self.name = name
-        self.array = array
-        self.handle = handle
-        self.index = index
-        self.backend = backend
-        self.op = op
-        self.root = root
-        self.splits = splits
-        self.in_place = in_place
-        self.prescale = prescale
-        self.postscale = postscale
-        self.obj = obj  # a pickled object (the *_object collectives)
-        self.submitted = submitted
-        self.state = state
-        self.signature = signature  # what every rank must agree on; set once by make_request
-        self.bit = bit  # response-cache bit while state is CACHED
-
-    def __repr__(self) -> str:
-        return f"Request({self.name!r}, {self.describe()})"
-
-    def meta(self) -> tuple:
-        """What every rank must agree on for this name (one shared tuple per distinct value)."""
-        kind = self.kind
-        array = self.array
-        if kind in _FIRST_DIMENSION_FREE:
-            shape: tuple = tuple(array.shape[1:])
-        elif kind in _SHAPELESS:
-            shape = ()
-        else:
-            shape = tuple(array.shape)
-        op = self.op
-        signature = (int(kind), dtype_code(array.dtype), shape, -1 if op is None else int(op), self.root,
-                     self.prescale, self.postscale, self.backend.name)
-        interned = _SIGNATURES.get(signature)
-        return interned if interned is not None else _intern(signature)
-
-    def describe(self, members: "Sequence[int] | None" = None) -> str:
-        """What this rank submitted, for error messages; ``members`` maps the engine's ranks to
-        the job's (a process set's root is a rank of the set inside, a job rank to the user)."""
-        text = self.kind.name.lower()
-        if self.array is not None and self.kind not in _SHAPELESS:
-            text += f" {self.array.dtype}{list(self.array.shape)}"
-        if self.op is not None:
-            text += f" op={ReduceOp(self.op).name}"
-        if self.root >= 0:
-            text += f" root_rank={self.root if members is None else members[self.root]}"
-        if (self.prescale, self.postscale) != (1.0, 1.0):
-            text += f" prescale={self.prescale:g} postscale={self.postscale:g}"
-        return text
-
-    @property
-    def nbytes(self) -> int:
-        return self.array.nbytes
-
-
-
-class AllreduceOp(Handle):
-    """One all-reduce submitted on its own: its handle and its request in one object.
-
-    A training step submits one per gradient, so the engine's per-tensor path creates
-    one object instead of a Handle and a Request. The engine sees it as a Request
-    (``handle`` is the op itself, ``index`` 0); the user as a Handle. Fields that are the
-    same for every such op are class attributes (never written per op). Created only by
-    ``Engine.submit_allreduce``."""
-
-    __slots__ = ("name", "array", "backend", "op", "in_place", "prescale", "postscale", "submitted", "state",
-                 "signature", "bit")
-
-    kind = Kind.ALLREDUCE
-    index = 0
-    root = -1
-    splits = None
-    obj = None
-    _grouped = False
-
-    # No __init__: ``Engine.submit_allreduce`` fills the fields of a new op inline (a call
-    # frame less on the per-tensor path).
-
-    @property
-    def handle(self) -> "AllreduceOp":
-        return self  # a property, not a slot: a slot would make each op a reference cycle
-
-    __repr__ = Request.__repr__
-    meta = Request.meta
-    describe = Request.describe
-    nbytes = Request.nbytes
-
-
-_PLACEHOLDER = np.empty(0, dtype=np.uint8)
-_HOST = backend_for(_PLACEHOLDER)  # the backend of every host array
-_HOST_NAME = _HOST.name
 
 
 class Engine:
@@ -380,7 +182,7 @@ class Engine:
 
     # -- user side -----------------------------------------------------------
     def auto_name(self) -> str:
-        return f"noname.{next(self._unnamed)}"
+        return f"{UNNAMED_PREFIX}{next(self._unnamed)}"
 
     def submit(self, requests: "list[Request]") -> None:
         """Queue requests (all parts of one handle) for the engine thread."""
@@ -434,28 +236,8 @@ class Engine:
         one short call: the per-tensor path of a training step. Same checks, same result.
         ``op_class``: a subclass of AllreduceOp to create (a framework's handle), if not AllreduceOp.
         ``signature``: ``host_allreduce_signature`` of these arguments, if the caller kept it."""
-        request = _new_object(op_class or AllreduceOp)
-        request._results = [None]
-        request._remaining = 1
-        request._error = None
-        request._done_cv = self.done_cv
-        request.name = name or self.auto_name()
-        request.array = array
-        request.op = op
-        request.in_place = in_place
-        request.prescale = prescale
-        request.postscale = postscale
-        request.state = _UNREPORTED
-        request.bit = -1
-        if signature is not None:
-            request.backend = _HOST
-            request.signature = signature
-        elif type(array) is np.ndarray:
-            request.backend = _HOST
-            request.signature = host_allreduce_signature(array, op, prescale, postscale)
-        else:
-            request.backend = backend_for(array)
-            request.signature = request.meta()
+        request = (op_class or AllreduceOp)(self.done_cv, name or self.auto_name(), array, op, in_place,
+                                            prescale, postscale, signature)
         # ``submit`` for one request, inline (same checks, same order). Explicit acquire and
         # release: a ``with`` block costs twice as much, once per tensor.
         now = time.monotonic()
@@ -1188,17 +970,6 @@ def _already_in_flight(name: str) -> InvalidArgumentError:
                                 f"before submitting that name again, or give the new op another name")
 
 
-def make_request(engine: Engine, kind: Kind, array: "np.ndarray | None", name: "str | None", handle: Handle,
-                 index: int = 0, **fields: Any) -> Request:
-    if array is None:
-        array = _PLACEHOLDER
-    backend = _HOST if type(array) is np.ndarray else backend_for(array)
-    request = Request(kind, name or engine.auto_name(), array, handle, index, backend, **fields)
-    request.signature = request.meta()  # validates the dtype here, in the caller's thread
-    return request
-
-
-
 def _joined_problem(meta: tuple, joined: "list[int]", members: "list[int]") -> str:
     """Why the op with this metadata cannot run while ``joined`` (job ranks) have joined; "" if it can."""
     kind, root = Kind(meta[0]), meta[4]
@@ -1230,8 +1001,7 @@ def _stand_in(engine: Engine, name: str, meta: tuple) -> Request:
         import cupy
         array = cupy.asarray(array)
     handle = Handle(1, False, engine.done_cv)
-    request = Request(kind=Kind(kind), name=name, array=array, handle=handle, index=0,
-                      backend=backend_for(array), op=op, root=root, in_place=True,
+    request = Request(Kind(kind), name, array, handle, 0, backend_for(array), op=op, root=root, in_place=True,
                       prescale=prescale, postscale=postscale, **fields)
     request.signature = meta
     return request

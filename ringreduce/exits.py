@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from mtrain.records import ENV_ELASTIC, RESET_EXIT_STATUS
+from mtrain.launcher.records import ENV_ELASTIC, RESET_EXIT_STATUS
 
 _requested: "int | None" = None   # the status sys.exit() was last asked for
 _installed = False

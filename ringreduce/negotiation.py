@@ -34,6 +34,9 @@ CONTROL_STALL_CHECK = 4  # rank 0 asks every rank for its pending list
 
 # Auto-named ops are never cached: their names never repeat.
 CACHE_CAPACITY = 4096
+# Ops submitted without a name are named by a per-rank counter under this prefix
+# (``Engine.auto_name``); such names never repeat, so the response cache never keeps them.
+UNNAMED_PREFIX = "noname."
 
 
 class RequestState(enum.Enum):
@@ -90,7 +93,7 @@ class ResponseCache:
 
     @staticmethod
     def cacheable(name: str) -> bool:
-        return not name.startswith("noname.")
+        return not name.startswith(UNNAMED_PREFIX)
 
 
 def set_bit(words: np.ndarray, bit: int) -> None:

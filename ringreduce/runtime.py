@@ -13,7 +13,8 @@ from . import comm as comm_module
 from . import cuda, exits, process_sets as _ps, ring
 from .backend import is_device_array
 from .collectives import Executor, Kind
-from .engine import Engine, EngineConfig, Handle, env_number, make_request
+from .engine import Engine, EngineConfig, env_number
+from .requests import AllreduceOp, Handle, Signature, make_request
 from .errors import InvalidArgumentError
 from .ops import Adasum, Average, ReduceOp, check_op, check_reducible
 from .process_sets import ProcessSet, global_process_set
@@ -414,7 +415,7 @@ def _submit(kind: Kind, arrays: "Sequence[np.ndarray | None]", name: "str | None
         names: "list[str | None]" = [f"{base}.{i}" for i in range(len(arrays))]
     else:
         names = [name]
-    requests = [make_request(engine, kind, array, n, handle, i, **fields)
+    requests = [make_request(kind, array, n or engine.auto_name(), handle, i, **fields)
                 for i, (array, n) in enumerate(zip(arrays, names))]
     engine.submit(requests)
     return handle
@@ -424,7 +425,7 @@ def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | Non
                       postscale_factor: float, in_place: bool, grouped: bool,
                       process_set: ProcessSet = global_process_set) -> Handle:
     if not grouped:  # one tensor, the per-gradient path: the same checks, in the same order, kept short
-        return _submit_one_allreduce(arrays[0], op, name, prescale_factor, postscale_factor, in_place, process_set)
+        return submit_allreduce(arrays[0], op, name, prescale_factor, postscale_factor, in_place, process_set)
     op = check_op(op)
     for array in arrays:
         check_reducible(array.dtype, op)
@@ -432,13 +433,16 @@ def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | Non
                    prescale=float(prescale_factor), postscale=float(postscale_factor))
 
 
-def _submit_one_allreduce(array: Any, op: Any, name: "str | None", prescale_factor: float,
-                          postscale_factor: float, in_place: bool, process_set: ProcessSet,
-                          op_class: Any = None, signature: "tuple | None" = None) -> Handle:
-    """``_submit_allreduce`` for one array: the engine's short submit. ``op_class``: a subclass of
-    ``engine.AllreduceOp`` for the handle (a framework binding's own), if not AllreduceOp.
-    ``signature``: ``engine.host_allreduce_signature`` of a host array with these (checked)
-    arguments, if the caller kept it from an earlier submit; the checks then need not run again."""
+def submit_allreduce(array: Any, op: Any, name: "str | None", prescale_factor: float, postscale_factor: float,
+                     in_place: bool, process_set: ProcessSet = global_process_set,
+                     op_class: "type[AllreduceOp] | None" = None,
+                     signature: "Signature | None" = None) -> AllreduceOp:
+    """Submit an all-reduce of one array and return its op (a Handle): the per-tensor entry
+    point the framework bindings build on (``allreduce_async``/``allreduce_async_`` take it too).
+
+    ``op_class``: a subclass of ``AllreduceOp`` to create, so that a binding's handle is the
+    runtime's op itself; ``signature``: the op's ``signature`` from an earlier submit of the
+    same host array with the same (checked) arguments, so the checks need not run again."""
     if signature is None:
         if type(op) is not ReduceOp or op is Adasum:  # a ReduceOp member passes as is (check_op's result)
             op = check_op(op)

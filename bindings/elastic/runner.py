@@ -24,7 +24,7 @@ import sys
 from typing import Any, Callable
 
 import mtrain.ringreduce as rr
-from mtrain.records import RESET_EXIT_STATUS, ElasticResume
+from mtrain.launcher.records import RESET_EXIT_STATUS, ElasticResume
 
 from . import job, snapshot
 from .state import HostsUpdatedInterrupt, State

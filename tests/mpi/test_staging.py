@@ -19,7 +19,8 @@ from mpi4py import MPI
 from mtrain.ringreduce import ring
 from mtrain.ringreduce.backend import NumpyBackend, StagedBackend
 from mtrain.ringreduce.collectives import Executor, Kind
-from mtrain.ringreduce.engine import Engine, EngineConfig, Handle, make_request
+from mtrain.ringreduce.engine import Engine, EngineConfig
+from mtrain.ringreduce.requests import Handle, make_request
 from mtrain.ringreduce.ops import Average, Max, Min, Product, Sum
 from tests.mpi.data import DTYPES, assert_matches, reference, values
 from tests.mpi.harness import mpi_test
@@ -230,7 +231,7 @@ def _engine_allreduce(engine: Engine, arrays: "list[np.ndarray]", backend) -> li
     handle = Handle(len(arrays), grouped=True, done_cv=engine.done_cv)
     requests = []
     for i, array in enumerate(arrays):
-        request = make_request(engine, Kind.ALLREDUCE, array, f"staged.{i}", handle, i, op=Sum)
+        request = make_request(Kind.ALLREDUCE, array, f"staged.{i}", handle, i, op=Sum)
         request.backend = backend  # route this host array through the stand-in device backend
         request.signature = request.meta()
         requests.append(request)

@@ -11,7 +11,7 @@ from mtrain.launcher.config import SshOptions
 from mtrain.launcher.rank import child_environment, exit_record
 from mtrain.launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
 from mtrain.launcher.supervise import first_failure, print_failure_report
-from mtrain.records import (EXIT_MARKER, AgentEvent, AgentEventKind, AgentEventReader, ErrorReport, ExitRecord,
+from mtrain.launcher.records import (EXIT_MARKER, AgentEvent, AgentEventKind, AgentEventReader, ErrorReport, ExitRecord,
                             FailureCause, Gate, exception_line, report_error)
 
 
@@ -90,7 +90,7 @@ def test_wrapper_hides_open_mpi_abort_delay_line_and_records_it():
 
 
 def test_wrapper_carries_the_runtimes_own_account_into_the_record():
-    code = ("from mtrain.records import FailureCause, report_error\n"
+    code = ("from mtrain.launcher.records import FailureCause, report_error\n"
             "report_error('ShutdownError: rank 2 left\\nmore', FailureCause.PEER)\n"
             "report_error('second account, ignored', FailureCause.OWN)\n"
             "raise SystemExit(9)")
@@ -239,7 +239,7 @@ def test_paramiko_gets_its_version_without_importlib_metadata_which_still_works_
 
 def test_wrapper_leaves_its_scratch_directory_behind_in_no_case(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "OMPI_COMM_WORLD_RANK": "0"}
-    code = ("from mtrain.records import FailureCause, report_error\n"
+    code = ("from mtrain.launcher.records import FailureCause, report_error\n"
             "report_error('it failed', FailureCause.OWN)\n"
             "raise SystemExit(4)")
     for argv in ([sys.executable, "-c", code], [sys.executable, "-c", "pass"], ["/nonexistent/program"]):

@@ -31,8 +31,8 @@ def test_wheel_holds_only_mtrain_and_works_from_its_own_install(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
     assert {top for top in tops if not top.endswith(".dist-info")} == {"mtrain"}, tops
-    for module in ("mtrain/__init__.py", "mtrain/records.py", "mtrain/torch.py", "mtrain/keras.py",
-                   "mtrain/tensorflow/keras/__init__.py", "mtrain/launcher/rank.py",
+    for module in ("mtrain/__init__.py", "mtrain/torch.py", "mtrain/keras.py",
+                   "mtrain/tensorflow/keras/__init__.py", "mtrain/launcher/rank.py", "mtrain/launcher/records.py",
                    "mtrain/launcher/ssh_agent.py", "mtrain/ringreduce/ring.py"):
         assert module in names, module
     import mtrain
@@ -44,7 +44,7 @@ def test_wheel_holds_only_mtrain_and_works_from_its_own_install(tmp_path):
     assert installed.returncode == 0, installed.stderr
     empty = tmp_path / "elsewhere"
     empty.mkdir()
-    done = _python("import mtrain, mtrain.launcher.rank, mtrain.launcher.cli, mtrain.ringreduce, mtrain.records\n"
+    done = _python("import mtrain, mtrain.launcher.rank, mtrain.launcher.cli, mtrain.ringreduce, mtrain.launcher.records\n"
                    "print(mtrain.__file__)\n"
                    "for name in ('launcher', 'bindings', 'ringreduce'):\n"
                    "    try:\n        __import__(name)\n    except ModuleNotFoundError:\n        continue\n"
