@@ -120,9 +120,9 @@ class Executor:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
         transport = transport_from_environment() if shm_transport is None else shm_transport
-        # auto: buffers the ring reduces by one gather (N·bytes <= small_bytes) stay on the ring,
-        # whose single MPI_Allgather (~7 us at np=2) beats two shared-memory barriers and the
-        # copies around them (~20 us); from there up shared memory wins (benchmarks/allreduce.py).
+        # auto: buffers the ring reduces by one gather (N·bytes <= small_bytes) stay on the ring:
+        # a single MPI_Allgather costs less than two shared-memory barriers and the copies
+        # around them. From there up shared memory moves fewer bytes and wins.
         self.shm_min_bytes = small_bytes // self.size + 1 if self.algorithm == "auto" else 0
         self.shared: "shm.SharedMemoryAllreduce | None" = None
         if self.algorithm != "ring" and local is not None and self.size > 1:

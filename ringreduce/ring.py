@@ -59,8 +59,8 @@ from .ops import Average, ReduceOp
 
 Buffer = Any  # a 1-D contiguous NumPy or CuPy array, owned by the backend passed with it
 
-# Tuned on a 2-core VM with Open MPI 5 shared memory: in the engine's ResNet-50 step 512 KiB
-# beat 256 KiB, 1 MiB and 2 MiB (a received segment and its target share a 1 MiB L2).
+# Large enough that per-message costs stay small, small enough that a received segment and
+# the part of the buffer it is reduced into are still in L2 together.
 DEFAULT_SEGMENT_BYTES = 512 << 10
 SCRATCH_DEPTH = 3
 # Below N·nbytes of this, gather-and-reduce beats the 2(N-1)-step ring.

@@ -26,15 +26,12 @@ stripes). No shared segment, no copies into scratch regions, no point-to-point
 messages.
 
 Cross-memory attach pins the peer's pages one at a time, so it is fast on huge
-pages and slow on ordinary 4 KiB pages, which is where PyTorch's and
-TensorFlow's tensors live. At np=2 on the 2-core VM, same runs: on NumPy's
-buffers (huge pages from 4 MiB up) cma beat the segment by 7-29% at 16-64 MiB;
-on torch's, the segment beat cma by 17-40%, and the fused ResNet-50 step ran
-1.6x faster than MPI per tensor through the segment and 1.3x through cma. The
-segment's speed does not depend on the pages, and nothing cheap tells a
-buffer's page size (a trial of both on a job's first calls did not predict its
-steady state: pages are still being faulted in and collapsed then), so auto
-takes the segment; MTRAIN_SHM_TRANSPORT=cma is for buffers on huge pages.
+pages (NumPy's large buffers) and slow on ordinary 4 KiB pages, which is where
+PyTorch's and TensorFlow's tensors live. The segment's speed does not depend on
+the pages, and nothing cheap tells a buffer's page size (a trial of both on a
+job's first calls does not predict its steady state: pages are still being
+faulted in and collapsed then), so auto takes the segment;
+MTRAIN_SHM_TRANSPORT=cma is for buffers on huge pages.
 
 ``segment`` (auto, and every buffer where cross-memory attach is refused:
 another user, a container's seccomp filter, Yama's ptrace_scope ≥ 1 without
@@ -110,10 +107,7 @@ DEFAULT_STRIPE_BYTES = 2 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
 # cma: bytes read from a peer per system call, and each rank's part of a stripe on one host.
 # Each call pins the peer's pages first, so larger reads cost less per byte, while a smaller
-# stripe's results are still in the owner's cache when the peers copy them out. On the 2-core
-# VM, np=2, same runs: at 16 MiB 1 MiB stripes beat the whole buffer at once (2 MiB reads) in
-# 7 of 9 runs, by up to 28%, and 2 MiB stripes in 5 of 5; at 32 MiB they won 5 of 9; at
-# 64 MiB the whole buffer won 3 of 4 (by 10-20%: a barrier per stripe, and more stripes).
+# stripe's results are still in the owner's cache when the peers copy them out.
 DEFAULT_CMA_BLOCK_BYTES = 1 << 20
 _LINE = 64  # regions start on cache lines: no two ranks write the same line
 
