@@ -120,6 +120,40 @@ def run_forever(channel: FakeChannel, first: str) -> None:
     pass  # a daemon that keeps running until its session is closed
 
 
+class GateWatch(threading.Condition):
+    """The master's gate condition, telling the test when a request is held at the gate.
+
+    The master waits on this condition only while the preflight has given no verdict and a
+    request is in: `held` is set then, and `server` is the thread serving that request."""
+
+    def __init__(self, lock) -> None:
+        super().__init__(lock)
+        self.held = threading.Event()
+        self.server: threading.Thread | None = None
+
+    def wait(self, timeout=None) -> bool:
+        self.server = threading.current_thread()
+        self.held.set()
+        return super().wait(timeout)
+
+
+def watch_gate(master: ConnectionMaster) -> GateWatch:
+    """Install a GateWatch in `master` (before any agent connects)."""
+    assert isinstance(master._gate_changed, threading.Condition), "the master's gate is no longer a Condition"
+    watch = GateWatch(master._lock)
+    master._gate_changed = watch
+    return watch
+
+
+def held_at_gate(watch: GateWatch, proc: subprocess.Popen) -> None:
+    """Wait until the agent's request is held at the master's gate (or fail saying why not)."""
+    if not watch.held.wait(20):
+        proc.kill()
+        out, err = proc.communicate(timeout=10)
+        pytest.fail(f"the agent's request never reached the master's gate (agent exit {proc.returncode}, "
+                    f"stdout {out!r}, stderr {err!r})")
+
+
 @pytest.fixture
 def scratch(tmp_path):
     directory = tmp_path / "scratch"
@@ -201,11 +235,12 @@ def test_long_directory_gets_its_own_private_directory_removed_at_close(tmp_path
 
 def test_waiting_probe_runs_the_daemon_after_the_gate_and_output_and_status_come_back(scratch, tmp_path):
     master = make_master(scratch)
+    gate = watch_gate(master)
     probe = FakeChannel(answer(3))
     master.adopt("hosta", FakeClient(FakeTransport()), probe)
     proc = agent(master, tmp_path, "hosta", *WORDS)
     try:
-        time.sleep(0.5)
+        held_at_gate(gate, proc)
         assert proc.poll() is None and probe.sent == []  # held at the gate: nothing sent to the host
         master.open_gate('{"layout": 1}')
         out, err = proc.communicate(timeout=20)
@@ -251,10 +286,11 @@ def test_heartbeats_follow_the_go_line(scratch, tmp_path):
 
 def test_closed_gate_runs_nothing_and_the_agent_leaves_quietly(scratch, tmp_path):
     master = make_master(scratch)
+    gate = watch_gate(master)
     probe = FakeChannel(answer(0))
     master.adopt("hosta", FakeClient(FakeTransport()), probe)
     proc = agent(master, tmp_path, "hosta", *WORDS)
-    time.sleep(0.3)
+    held_at_gate(gate, proc)
     master.close_gate()
     out, err = proc.communicate(timeout=20)
     master.close()
@@ -283,16 +319,22 @@ def test_agent_stopped_by_sigterm_closes_the_remote_session(scratch, tmp_path):
 
 def test_agent_that_dies_while_waiting_starts_nothing(scratch, tmp_path):
     master = make_master(scratch)
+    gate = watch_gate(master)
     probe = FakeChannel(answer(0))
     master.adopt("hosta", FakeClient(FakeTransport()), probe)
     proc = agent(master, tmp_path, "hosta", "prted")
-    time.sleep(0.5)
-    proc.kill()
-    proc.wait(timeout=10)
-    master.open_gate("")
-    time.sleep(0.3)
-    master.close()
-    assert probe.sent == []
+    try:
+        held_at_gate(gate, proc)
+        proc.kill()
+        proc.wait(timeout=10)
+        master.open_gate("")
+        gate.server.join(timeout=20)  # the master is done with the dead agent's request
+        assert not gate.server.is_alive(), "the master still serves the agent that died"
+        assert probe.sent == [] and not probe.started.is_set()
+        assert master.hosts["hosta"].waiting_probe is probe  # still there for a later request
+        assert master.counters.probe_sessions == 0 and master.counters.new_sessions == 0
+    finally:
+        master.close()
 
 
 def test_connection_lost_mid_job_is_reported_as_host_lost(scratch, tmp_path):
@@ -361,10 +403,11 @@ def test_bad_request_is_refused_and_the_master_serves_on(scratch, tmp_path):
 
 def test_closing_the_master_ends_waiting_and_running_agents(scratch, tmp_path):
     master = make_master(scratch)
+    gate = watch_gate(master)
     master.adopt("hosta", FakeClient(FakeTransport()), FakeChannel(run_forever))
     master.adopt("hostb", FakeClient(FakeTransport()), FakeChannel(run_forever))
     waiting = agent(master, tmp_path, "hosta", "prted")
-    time.sleep(0.5)
+    held_at_gate(gate, waiting)
     master.close()
     assert waiting.wait(timeout=10) == 255
     session = MasterSession(master.path)
