@@ -30,24 +30,11 @@ from typing import Any, Callable, Protocol, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
-from .ops import Average, Max, Min, Product, ReduceOp, Sum
-
-# Reductions by ufunc name, so one table serves NumPy and CuPy.
-_REDUCER_NAMES = {
-    Sum: "add",
-    Average: "add",  # averaging divides once after the sum (see ring.allreduce)
-    Min: "minimum",
-    Max: "maximum",
-    Product: "multiply",
-}
-_REDUCERS = {op: getattr(np, name) for op, name in _REDUCER_NAMES.items()}
+from .ops import ReduceOp, reducer, reducers
 
 
 def _reduce(xp: Any, dst: Any, src: Any, op: ReduceOp) -> None:
-    if dst.dtype == np.bool_ and op in (Min, Max):
-        (xp.logical_and if op == Min else xp.logical_or)(dst, src, out=dst)
-        return
-    getattr(xp, _REDUCER_NAMES[op])(dst, src, out=dst)
+    reducer(xp, op, dst.dtype)(dst, src, out=dst)
 
 
 def _scale(xp: Any, buf: Any, factor: float) -> None:
@@ -83,6 +70,9 @@ def _per_thread(local: threading.local, name: str) -> dict:
         found = {}
         setattr(local, name, found)
     return found
+
+
+_NUMPY_REDUCERS = reducers(np)
 
 
 class NumpyBackend:
@@ -126,10 +116,7 @@ class NumpyBackend:
 
     def reduce_into(self, dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
         """dst = op(dst, src), elementwise, in place."""
-        if dst.dtype == np.bool_ and op in (Min, Max):
-            (np.logical_and if op == Min else np.logical_or)(dst, src, out=dst)
-            return
-        _REDUCERS[op](dst, src, out=dst)
+        _NUMPY_REDUCERS(op, dst.dtype)(dst, src, out=dst)
 
     def scale(self, buf: np.ndarray, factor: float) -> None:
         """buf *= factor in place; integers are scaled in float64 and truncated toward zero."""

@@ -6,6 +6,7 @@ Max=4, Product=5``) so code that stores or compares them keeps working.
 from __future__ import annotations
 
 import enum
+from typing import Any, Callable
 
 import numpy as np
 
@@ -49,6 +50,46 @@ def check_op(op: object) -> ReduceOp:
         names = ", ".join(o.name for o in SUPPORTED_OPS)
         raise ValueError(f"reduction op {value.name} is not supported by mtrain; use one of {names}")
     return value
+
+
+class Reducers:
+    """One array module's elementwise reductions: ``reducers(op, dtype)(dst, src, out=dst)``.
+
+    Built from the module's functions by attribute, not by name, so NumPy and CuPy (whose
+    ufuncs share NumPy's names and signatures) take the same table. Average sums here:
+    the all-reduce divides once after the sum (``ring.allreduce``, ``shm``).
+    """
+
+    __slots__ = ("_any", "_bool")
+
+    def __init__(self, xp: Any) -> None:
+        self._any = {Average: xp.add, Sum: xp.add, Min: xp.minimum, Max: xp.maximum,
+                     Product: xp.multiply}
+        # Bool buffers: Min is logical and, Max logical or (what check_reducible allows).
+        self._bool = {**self._any, Min: xp.logical_and, Max: xp.logical_or}
+
+    def __call__(self, op: ReduceOp, dtype: np.dtype) -> Callable:
+        """The function that reduces two ``dtype`` arrays under ``op``."""
+        return (self._bool if dtype.kind == "b" else self._any)[op]
+
+
+# Array module -> its Reducers, NumPy's made here and any other's on first use.
+_REDUCERS: "dict[Any, Reducers]" = {np: Reducers(np)}
+
+
+def reducers(xp: Any) -> Reducers:
+    """The reductions of array module ``xp`` (``numpy``, ``cupy``)."""
+    found = _REDUCERS.get(xp)
+    if found is None:
+        # Two threads may both build one: equal tables, and the dict assignment is atomic.
+        found = _REDUCERS[xp] = Reducers(xp)
+    return found
+
+
+def reducer(xp: Any, op: ReduceOp, dtype: np.dtype) -> Callable:
+    """The function of array module ``xp`` that reduces two ``dtype`` arrays under ``op``,
+    called as ``reducer(xp, op, dtype)(dst, src, out=dst)``."""
+    return reducers(xp)(op, dtype)
 
 
 def _bfloat16() -> "np.dtype | None":

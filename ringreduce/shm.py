@@ -99,7 +99,7 @@ from mpi4py import MPI
 
 from . import ring
 from .backend import NumpyBackend
-from .ops import Average, Max, Min, ReduceOp
+from .ops import Average, ReduceOp, reducer
 
 DEFAULT_STRIPE_BYTES = 2 << 20
 # Elements reduced per step: the sources and the target of one block stay in L2 while
@@ -110,16 +110,6 @@ DEFAULT_BLOCK_BYTES = 256 << 10
 # stripe's results are still in the owner's cache when the peers copy them out.
 DEFAULT_CMA_BLOCK_BYTES = 1 << 20
 _LINE = 64  # regions start on cache lines: no two ranks write the same line
-
-_UFUNC_NAMES = {ReduceOp.Sum: "add", Average: "add", Min: "minimum", Max: "maximum",
-                ReduceOp.Product: "multiply"}
-
-
-def _ufunc(dtype: np.dtype, op: ReduceOp) -> Callable:
-    if dtype == np.bool_ and op in (Min, Max):
-        return np.logical_and if op == Min else np.logical_or
-    return getattr(np, _UFUNC_NAMES[op])
-
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -361,7 +351,7 @@ class SharedMemoryAllreduce:
         self.local.Allgather(mine, bases)
         hierarchical = self.cross is not None
         finish = None if hierarchical else self._finisher(op, dtype, backend, postscale)
-        reduce = _ufunc(dtype, op)
+        reduce = reducer(np, op, dtype)
         block = max(1, self.cma_block_bytes // itemsize)
         scratch = self._temp(2 * block * itemsize).view(dtype)
         peer_block, acc_block = scratch[:block], scratch[block:]
@@ -455,7 +445,7 @@ class SharedMemoryAllreduce:
                 for offset, view in _ranges(layout, lo, hi, count):
                     np.copyto(region[offset:offset + view.size], view)
 
-        reduce = _ufunc(dtype, op)
+        reduce = reducer(np, op, dtype)
         block = max(1, self.block_bytes // layout.itemsize)
         temp = self._temp(min(block, chunk_cap) * layout.itemsize).view(dtype) if me >= 2 else None
 

@@ -38,6 +38,27 @@ def test_unsupported_op_and_dtype_are_named():
         assert ops.dtype_from_code(ops.dtype_code(dtype)) == np.dtype(dtype)
 
 
+def test_reducer_takes_each_array_modules_own_functions():
+    """One table for NumPy and CuPy: the functions come from the module passed in (a stand-in
+    module here), and bool Min/Max are logical and/or."""
+    class FakeModule:
+        add, minimum, maximum, multiply = "add", "minimum", "maximum", "multiply"
+        logical_and, logical_or = "logical_and", "logical_or"
+
+    fake = FakeModule()
+    want = {ops.Average: "add", ops.Sum: "add", ops.Min: "minimum", ops.Max: "maximum",
+            ops.Product: "multiply"}
+    for op, name in want.items():
+        assert ops.reducer(fake, op, np.dtype(np.float32)) == name, op
+        assert ops.reducer(np, op, np.dtype(np.int64)) is getattr(np, name), op
+    assert ops.reducer(fake, ops.Min, np.dtype(np.bool_)) == "logical_and"
+    assert ops.reducer(fake, ops.Max, np.dtype(np.bool_)) == "logical_or"
+    assert ops.reducer(np, ops.Max, np.dtype(np.bool_)) is np.logical_or
+    dst, src = np.array([True, False, False]), np.array([True, True, False])
+    NumpyBackend().reduce_into(dst, src, ops.Min)
+    assert dst.tolist() == [True, False, False]
+
+
 def test_backend_scale_and_divide_keep_the_dtype():
     backend = NumpyBackend()
     ints = np.array([7, -7, 9], dtype=np.int32)
