@@ -35,33 +35,66 @@ class Kind(enum.IntEnum):
     ALLGATHER_OBJECT = 8
 
 
+class Algorithm(str, enum.Enum):
+    """The all-reduce algorithm asked for (MTRAIN_ALLREDUCE_ALGORITHM), and what an Executor
+    runs (``Executor.allreduce_path``: RING, SHM or HIERARCHICAL, never AUTO).
+
+    A str equal to the setting's text (``str()`` and f-strings give that text too), so
+    callers that pass or compare the text keep working.
+    """
+
+    AUTO = "auto"                  # shared memory where it can run and pays, else the ring
+    RING = "ring"                  # ring.allreduce over the whole communicator
+    SHM = "shm"                    # shared memory on each host (hierarchical on several)
+    HIERARCHICAL = "hierarchical"  # the same path as SHM, under Horovod's name
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def of(cls, value: "Algorithm | str") -> "Algorithm":
+        """``value`` (an Algorithm or its text) as an Algorithm; ValueError naming the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown all-reduce algorithm {value!r}; use one of {_choices(cls)}") from None
+
+
 ALGORITHM_VARIABLE = "MTRAIN_ALLREDUCE_ALGORITHM"
-ALGORITHMS = ("auto", "ring", "shm", "hierarchical")
 STRIPE_VARIABLE = "MTRAIN_SHM_STRIPE_BYTES"  # the shared-memory path's stripe (shm.py); tuning and tests
-TRANSPORT_VARIABLE = "MTRAIN_SHM_TRANSPORT"  # cma, segment, or auto (shm.py)
+TRANSPORT_VARIABLE = "MTRAIN_SHM_TRANSPORT"  # a shm.Transport's text
 
 
-def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> str:
+def _choices(kind: "type[enum.Enum]") -> str:
+    return ", ".join(member.value for member in kind)
+
+
+def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> Algorithm:
     """The all-reduce algorithm asked for: MTRAIN_ALLREDUCE_ALGORITHM, else Horovod's
     HOROVOD_HIERARCHICAL_ALLREDUCE=1 (hierarchical), else auto."""
     environ = os.environ if environ is None else environ
     text = environ.get(ALGORITHM_VARIABLE, "").strip().lower()
     if not text:
-        return "hierarchical" if environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip() == "1" else "auto"
-    if text not in ALGORITHMS:
+        horovod = environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip() == "1"
+        return Algorithm.HIERARCHICAL if horovod else Algorithm.AUTO
+    try:
+        return Algorithm(text)
+    except ValueError:
         raise ValueError(f"{ALGORITHM_VARIABLE}={environ[ALGORITHM_VARIABLE]!r} is not an all-reduce "
-                         f"algorithm; set it to one of {', '.join(ALGORITHMS)} (or unset it for auto)")
-    return text
+                         f"algorithm; set it to one of {_choices(Algorithm)} (or unset it for auto)") from None
 
 
-def transport_from_environment(environ: "dict[str, str] | None" = None) -> str:
+def transport_from_environment(environ: "dict[str, str] | None" = None) -> shm.Transport:
     """The shared-memory transport asked for: MTRAIN_SHM_TRANSPORT, else auto."""
     environ = os.environ if environ is None else environ
-    text = environ.get(TRANSPORT_VARIABLE, "").strip().lower() or "auto"
-    if text not in shm.TRANSPORTS:
+    text = environ.get(TRANSPORT_VARIABLE, "").strip().lower()
+    if not text:
+        return shm.Transport.AUTO
+    try:
+        return shm.Transport(text)
+    except ValueError:
         raise ValueError(f"{TRANSPORT_VARIABLE}={environ[TRANSPORT_VARIABLE]!r} is not a shared-memory "
-                         f"transport; set it to one of {', '.join(shm.TRANSPORTS)} (or unset it for auto)")
-    return text
+                         f"transport; set it to one of {_choices(shm.Transport)} (or unset it for auto)") from None
 
 
 def _stripe_from_environment() -> "int | None":
@@ -103,8 +136,8 @@ class Executor:
 
     def __init__(self, comm: MPI.Comm, segment_bytes: int, small_bytes: int,
                  local: "MPI.Comm | None" = None, cross: "MPI.Comm | None" = None,
-                 algorithm: "str | None" = None, shm_stripe_bytes: "int | None" = None,
-                 shm_transport: "str | None" = None) -> None:
+                 algorithm: "Algorithm | str | None" = None, shm_stripe_bytes: "int | None" = None,
+                 shm_transport: "shm.Transport | str | None" = None) -> None:
         self.comm = comm
         # ``comm`` split by host (``local``) and by local rank across hosts (``cross``); None
         # when the caller has no such split (then every collective runs on ``comm`` alone).
@@ -116,16 +149,14 @@ class Executor:
         self.rank = comm.Get_rank()
         self.segment_bytes = segment_bytes
         self.small_bytes = small_bytes
-        self.algorithm = algorithm_from_environment() if algorithm is None else algorithm
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown all-reduce algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
-        transport = transport_from_environment() if shm_transport is None else shm_transport
+        self.algorithm = algorithm_from_environment() if algorithm is None else Algorithm.of(algorithm)
+        transport = transport_from_environment() if shm_transport is None else shm.Transport.of(shm_transport)
         # auto: buffers the ring reduces by one gather (N·bytes <= small_bytes) stay on the ring:
         # a single MPI_Allgather costs less than two shared-memory barriers and the copies
         # around them. From there up shared memory moves fewer bytes and wins.
-        self.shm_min_bytes = small_bytes // self.size + 1 if self.algorithm == "auto" else 0
+        self.shm_min_bytes = small_bytes // self.size + 1 if self.algorithm is Algorithm.AUTO else 0
         self.shared: "shm.SharedMemoryAllreduce | None" = None
-        if self.algorithm != "ring" and local is not None and self.size > 1:
+        if self.algorithm is not Algorithm.RING and local is not None and self.size > 1:
             # Collective over ``comm``: fine here, the engine thread has not started yet.
             local_sizes = comm.allgather(local.Get_size())
             one_host = local.Get_size() == self.size
@@ -136,7 +167,7 @@ class Executor:
                 shared = shm.SharedMemoryAllreduce(comm, local, None if one_host else cross,
                                                    segment_bytes, small_bytes, shm_stripe_bytes,
                                                    transport=transport)
-                if transport == "cma" and not shared.cma and self.rank == 0:
+                if transport is shm.Transport.CMA and not shared.cma and self.rank == 0:
                     sys.stderr.write(f"mtrain: {shared.notice}; shared memory uses the segment instead\n")
                 if shared.error is None:
                     self.shared = shared
@@ -144,11 +175,11 @@ class Executor:
                     sys.stderr.write(f"mtrain: {shared.error}; all-reduces use the ring instead\n")
 
     @property
-    def allreduce_path(self) -> str:
-        """What host-buffer all-reduces run: ring, shm (one host) or hierarchical."""
+    def allreduce_path(self) -> Algorithm:
+        """What host-buffer all-reduces run: RING, SHM (one host) or HIERARCHICAL."""
         if self.shared is None:
-            return "ring"
-        return "hierarchical" if self.shared.cross is not None else "shm"
+            return Algorithm.RING
+        return Algorithm.HIERARCHICAL if self.shared.cross is not None else Algorithm.SHM
 
     # -- all-reduce ---------------------------------------------------------
     def allreduce_flat(self, flats: "list[np.ndarray]", op: ReduceOp, backend: NumpyBackend,

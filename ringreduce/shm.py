@@ -87,6 +87,7 @@ as everyone has it mapped, so nothing is left behind however the job ends.
 from __future__ import annotations
 
 import ctypes
+import enum
 import mmap
 import os
 import sys
@@ -162,7 +163,30 @@ def _ranges(layout: ring.Layout, lo: int, hi: int, block: int) -> "Iterator[tupl
         offset += view.size
 
 
-TRANSPORTS = ("auto", "cma", "segment")
+class Transport(str, enum.Enum):
+    """How the ranks of a host reach each other's buffers (MTRAIN_SHM_TRANSPORT).
+
+    A str equal to the setting's text (``str()`` and f-strings give that text too), so
+    callers that pass or compare the text keep working.
+    """
+
+    AUTO = "auto"        # the segment; cma only where the segment cannot be mapped
+    CMA = "cma"          # cross-memory attach; the segment where the kernel refuses it
+    SEGMENT = "segment"  # always the shared segment
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def of(cls, value: "Transport | str") -> "Transport":
+        """``value`` (a Transport or its text) as a Transport; ValueError naming the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown shared-memory transport {value!r}; use one of "
+                             f"{', '.join(t.value for t in cls)}") from None
+
+
 _IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
 
 
@@ -249,10 +273,9 @@ class SharedMemoryAllreduce:
 
     def __init__(self, comm: MPI.Comm, local: MPI.Comm, cross: "MPI.Comm | None",
                  segment_bytes: int, small_bytes: int, stripe_bytes: "int | None" = None,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, transport: str = "auto",
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, transport: "Transport | str" = Transport.AUTO,
                  cma_block_bytes: int = DEFAULT_CMA_BLOCK_BYTES) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"unknown shared-memory transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+        transport = Transport.of(transport)
         stripe_bytes = stripe_bytes or DEFAULT_STRIPE_BYTES
         self.comm = comm
         self.local = local
@@ -271,7 +294,7 @@ class SharedMemoryAllreduce:
         self.error: "str | None" = None
         self.notice: "str | None" = None
         self.cma = False
-        if transport == "cma" and self._probe_cma():
+        if transport is Transport.CMA and self._probe_cma():
             return
         # One region per chunk of a stripe, in bytes, on a cache-line boundary.
         self.region_bytes = max(_LINE, -(-stripe_bytes // self.local_size // _LINE) * _LINE)
@@ -284,7 +307,7 @@ class SharedMemoryAllreduce:
             return
         if mapped is not None:
             mapped.close()
-        if transport == "auto" and self._probe_cma():
+        if transport is Transport.AUTO and self._probe_cma():
             return  # no segment (a small /dev/shm, say): cma for every buffer
         self.error = error or "another host could not map its shared memory"
 
@@ -300,9 +323,9 @@ class SharedMemoryAllreduce:
         return self.cma
 
     @property
-    def transport(self) -> str:
-        """What runs: ``cma`` or ``segment``."""
-        return "cma" if self.cma else "segment"
+    def transport(self) -> Transport:
+        """What runs: CMA or SEGMENT."""
+        return Transport.CMA if self.cma else Transport.SEGMENT
 
     def _temp(self, nbytes: int) -> np.ndarray:
         """This instance's own scratch (engines of different process sets run at once, so

@@ -161,31 +161,49 @@ _SOME_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int32, np.uint16
 
 
 def test_algorithm_from_environment():
-    assert algorithm_from_environment({}) == "auto"
-    for value in collectives.ALGORITHMS:
-        assert algorithm_from_environment({"MTRAIN_ALLREDUCE_ALGORITHM": value}) == value
-    assert algorithm_from_environment({"MTRAIN_ALLREDUCE_ALGORITHM": " SHM "}) == "shm"
-    assert algorithm_from_environment({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}) == "hierarchical"
-    assert algorithm_from_environment({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}) == "auto"
+    Algorithm = collectives.Algorithm
+    assert algorithm_from_environment({}) is Algorithm.AUTO
+    for algorithm in Algorithm:
+        assert algorithm_from_environment({"MTRAIN_ALLREDUCE_ALGORITHM": algorithm.value}) is algorithm
+    assert algorithm_from_environment({"MTRAIN_ALLREDUCE_ALGORITHM": " SHM "}) is Algorithm.SHM
+    assert algorithm_from_environment({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}) is Algorithm.HIERARCHICAL
+    assert algorithm_from_environment({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}) is Algorithm.AUTO
     # Ours wins over Horovod's.
     assert algorithm_from_environment({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
-                                       "MTRAIN_ALLREDUCE_ALGORITHM": "ring"}) == "ring"
+                                       "MTRAIN_ALLREDUCE_ALGORITHM": "ring"}) is Algorithm.RING
     with pytest.raises(ValueError) as raised:
         algorithm_from_environment({"MTRAIN_ALLREDUCE_ALGORITHM": "nccl"})
     message = str(raised.value)
     assert "MTRAIN_ALLREDUCE_ALGORITHM" in message and "'nccl'" in message
-    assert all(name in message for name in collectives.ALGORITHMS)
+    assert "auto, ring, shm, hierarchical" in message
 
 
 def test_transport_from_environment():
-    assert collectives.transport_from_environment({}) == "auto"
-    for value in ("auto", "cma", "segment"):
-        assert collectives.transport_from_environment({"MTRAIN_SHM_TRANSPORT": value}) == value
-    assert collectives.transport_from_environment({"MTRAIN_SHM_TRANSPORT": " CMA "}) == "cma"
+    Transport = shm.Transport
+    assert collectives.transport_from_environment({}) is Transport.AUTO
+    for transport in Transport:
+        assert collectives.transport_from_environment({"MTRAIN_SHM_TRANSPORT": transport.value}) is transport
+    assert collectives.transport_from_environment({"MTRAIN_SHM_TRANSPORT": " CMA "}) is Transport.CMA
     with pytest.raises(ValueError) as raised:
         collectives.transport_from_environment({"MTRAIN_SHM_TRANSPORT": "xpmem"})
     message = str(raised.value)
-    assert "MTRAIN_SHM_TRANSPORT='xpmem'" in message and "cma, segment" in message
+    assert "MTRAIN_SHM_TRANSPORT='xpmem'" in message and "auto, cma, segment" in message
+
+
+def test_choices_are_still_their_text():
+    """Benchmarks and user code pass and compare the settings' text, and print them: an
+    Algorithm or Transport equals its text and formats as it; an unknown text names the choices."""
+    Algorithm, Transport = collectives.Algorithm, shm.Transport
+    assert Algorithm.of("hierarchical") is Algorithm.HIERARCHICAL and Algorithm.of(Algorithm.RING) is Algorithm.RING
+    assert Transport.of("segment") is Transport.SEGMENT and Transport.of(Transport.CMA) is Transport.CMA
+    assert Algorithm.SHM == "shm" and Transport.CMA != "segment"
+    assert f"rr-{Algorithm.HIERARCHICAL}-{Transport.CMA}" == "rr-hierarchical-cma"
+    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'nccl'; use one of auto, ring, shm, hierarchical"):
+        Algorithm.of("nccl")
+    with pytest.raises(ValueError, match="unknown shared-memory transport 'xpmem'; use one of auto, cma, segment"):
+        Transport.of("xpmem")
+    with pytest.raises(ValueError, match="unknown shared-memory transport 'xpmem'"):
+        Executor(MPI.COMM_SELF, 512 << 10, 16 << 10, algorithm="ring", shm_transport="xpmem")
 
 
 def test_bad_algorithm_fails_when_the_executor_is_made(monkeypatch):
