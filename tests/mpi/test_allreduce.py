@@ -1,14 +1,18 @@
 """All-reduce against a float64 reference, across dtypes, ops, shapes and job sizes."""
+import os
+
 import numpy as np
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
+from mtrain.ringreduce import ring, runtime, shm
 from tests.mpi.data import DTYPES, OPS, assert_matches, reference, values
 from tests.mpi.harness import mpi_test
 
 
 def _shapes(n: int):
-    # 0, 1, fewer than the ranks, primes, multi-dimensional, and a few MiB.
+    # 0, 1, fewer than the ranks, primes, multi-dimensional (a few KiB at most: the sizes that
+    # cross the ring's segments and the shared-memory stripes are test_allreduce_past_segments_and_stripes').
     return [(0,), (1,), (max(n - 1, 1),), (7,), (13,), (101,), (4099,), (3, 5, 7), (2, 0, 3)]
 
 
@@ -34,11 +38,62 @@ def test_allreduce_every_dtype_op_and_shape():
                 _check_identical_everywhere(result, what)
 
 
-# The same body with the latency path off (the ring runs even for tiny buffers)
-# and tiny segments, so the segment pipeline wraps its scratch buffers many times.
+# The same body on the ring (on one host auto would take shared memory) with the latency
+# path off (the ring runs even for tiny buffers) and tiny segments, so the segment pipeline
+# wraps its scratch buffers many times.
 test_allreduce_ring_only_small_segments = mpi_test(
-    nps=(2, 3), env={"MTRAIN_SMALL_ALLREDUCE_BYTES": "0", "MTRAIN_RING_SEGMENT_BYTES": "24"},
+    nps=(2, 3), env={"MTRAIN_ALLREDUCE_ALGORITHM": "ring", "MTRAIN_SMALL_ALLREDUCE_BYTES": "0",
+                     "MTRAIN_RING_SEGMENT_BYTES": "24"},
 )(test_allreduce_every_dtype_op_and_shape.rank_body)
+
+
+# One integer and one float dtype of every item size (and bfloat16): where a segment or a
+# stripe ends, in elements, depends on the item size; each dtype's arithmetic is checked on
+# every op by test_allreduce_every_dtype_op_and_shape.
+LARGE_DTYPES = [d for d in DTYPES if np.dtype(d).name in
+                ("int8", "float16", "bfloat16", "int32", "float32", "uint64", "float64")]
+
+
+def _count_past_segments_and_stripes(dtype, n: int, segment_bytes: int, stripe_bytes: int) -> int:
+    """An element count of a few MiB whose every ring chunk at `n` ranks holds two whole
+    segments and part of a third, and that fills one shared-memory stripe and part of
+    another: odd and not a multiple of 3, so the chunks and the stripe's pieces come out uneven."""
+    itemsize = np.dtype(dtype).itemsize
+    count = max(n * (2 * segment_bytes + segment_bytes // 4), stripe_bytes + stripe_bytes // 8) // itemsize
+    while count % 2 == 0 or count % 3 == 0:
+        count += 1
+    return count
+
+
+@mpi_test(nps=(1, 2, 3), timeout=240)
+def test_allreduce_past_segments_and_stripes():
+    """Every op on a few MiB at the default segment and stripe sizes, on the path the job
+    takes: shared memory on one host (MTRAIN_ALLREDUCE_ALGORITHM=ring: the ring)."""
+    n, me = rr.size(), rr.rank()
+    executor = runtime._runtime.engine.executor
+    forced = os.environ.get("MTRAIN_ALLREDUCE_ALGORITHM", "auto")
+    expected_path = "ring" if forced == "ring" or n == 1 else "shm"
+    assert executor.allreduce_path == expected_path, (forced, n, executor.allreduce_path)
+    # The defaults are what runs: neither size is set here.
+    assert "MTRAIN_RING_SEGMENT_BYTES" not in os.environ and "MTRAIN_SHM_STRIPE_BYTES" not in os.environ
+    segment_bytes, stripe_bytes = executor.segment_bytes, shm.DEFAULT_STRIPE_BYTES
+    assert segment_bytes == ring.DEFAULT_SEGMENT_BYTES
+    for dtype in LARGE_DTYPES:
+        count = _count_past_segments_and_stripes(dtype, n, segment_bytes, stripe_bytes)
+        plain = [values(r, (count,), dtype) for r in range(n)]  # every op's data but Product's
+        for op in OPS:
+            inputs = [values(r, (count,), dtype, op) for r in range(n)] if op == rr.Product else plain
+            what = f"allreduce {np.dtype(dtype).name} {op.name} count {count} path {expected_path} np={n} rank {me}"
+            mine = inputs[me].copy()
+            result = rr.allreduce(mine, op=op)
+            assert np.array_equal(mine, inputs[me]), f"{what}: input was modified"
+            assert_matches(result, reference(inputs, op), what)
+            _check_identical_everywhere(result, what)
+
+
+test_allreduce_past_segments_on_the_ring = mpi_test(
+    nps=(2, 3), timeout=240, env={"MTRAIN_ALLREDUCE_ALGORITHM": "ring"},
+)(test_allreduce_past_segments_and_stripes.rank_body)
 
 
 @mpi_test(nps=(1, 2, 3))
