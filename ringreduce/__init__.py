@@ -1,4 +1,5 @@
 """ringreduce: the collective runtime inside every mtrain rank."""
+from .engine import EngineStats
 from .requests import AllreduceOp, Handle, Signature
 from .errors import EngineError, HorovodInternalError, InvalidArgumentError, JoinedError, MismatchError, ShutdownError, StallError
 from .process_sets import ProcessSet, global_process_set
@@ -24,6 +25,7 @@ from .runtime import (
     broadcast_object,
     cross_rank,
     cross_size,
+    engine_stats,
     grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce,
@@ -53,10 +55,10 @@ from .runtime import (
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum",
-    "AllreduceOp", "EngineError", "Handle", "Signature", "HorovodInternalError", "InvalidArgumentError", "JoinedError", "MismatchError", "NotInitializedError", "ShutdownError", "StallError",
+    "AllreduceOp", "EngineError", "EngineStats", "Handle", "Signature", "HorovodInternalError", "InvalidArgumentError", "JoinedError", "MismatchError", "NotInitializedError", "ShutdownError", "StallError",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "cross_rank", "cross_size",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "engine_stats",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "is_homogeneous", "start_timeline", "stop_timeline",
     "ProcessSet", "add_process_set", "global_process_set", "remove_process_set",

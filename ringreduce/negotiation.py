@@ -16,21 +16,46 @@ same metadata. Two paths:
   name it checks their metadata agree, assigns a cache bit, and broadcasts the
   decision; if they disagree, it broadcasts an error naming each rank's
   submission. It also names the ranks missing from a stalled op.
+
+This module is the one owner of the negotiation vector: its layout
+(``VectorLayout``), how a rank fills it (``Negotiator.vector``), the
+exchange (``Negotiator.exchange``) and what the exchanged halves mean
+(``Negotiator.decode`` → ``Agreement``). The steady batch (``SteadyBatch``)
+keeps a vector built by the same ``Negotiator.vector``::
+
+    | cache bits (words × 64) | control | leaving (rank bits) | busy (rank bits) | joined (rank bits) |
+
+Each rank sends (its vector for the AND, the complement of its vector for the
+OR) in one BAND all-reduce: AND over the cache bits gives the ops held
+everywhere, OR gives the ops held anywhere, the control word and the rank
+bits are read from the OR.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import sys
-from typing import Any, Sequence
+import time
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from .errors import Verdict
 
-CONTROL_UNREPORTED = 1  # "I have ops the coordinator has not seen"
-CONTROL_SHUTDOWN = 2  # "I am shutting down"
-CONTROL_STALL_CHECK = 4  # rank 0 asks every rank for its pending list
+
+
+class Control(enum.IntFlag):
+    """The control word of the vector: news that makes every rank take the slow path."""
+
+    NONE = 0
+    UNREPORTED = 1   # "I have ops the coordinator has not seen"
+    SHUTDOWN = 2     # "I am shutting down"
+    STALL_CHECK = 4  # rank 0 asks every rank for its pending list
+
+
+# How long the exchange spins on its all-reduce before it starts to sleep.
+SPIN_SECONDS = 300e-6
 
 # Auto-named ops are never cached: their names never repeat.
 CACHE_CAPACITY = 4096
@@ -74,8 +99,30 @@ class ResponseCache:
         return (len(self.names) + 63) // 64
 
     def lookup(self, name: str, meta: Any) -> int:
+        """The cache bit of ``name`` submitted with ``meta``, or -1."""
         entry = self.entries.get(name)
         return entry[0] if entry is not None and entry[1] == meta else -1
+
+    def mark(self, requests: "Iterable[Any]") -> "tuple[list[int], bool]":
+        """Look up every pending request not yet placed: a cached one becomes CACHED with its
+        bit. Returns the bits of every CACHED request and whether any is still unreported (it
+        goes to the coordinator). ``requests``: objects with name, signature, state and bit."""
+        bits: "list[int]" = []
+        unreported_any = False
+        lookup = self.lookup
+        unreported, cached = RequestState.UNREPORTED, RequestState.CACHED
+        for request in requests:
+            state = request.state
+            if state is unreported:
+                bit = request.bit = lookup(request.name, request.signature)
+                if bit < 0:
+                    unreported_any = True
+                    continue
+                request.state = cached
+                bits.append(bit)
+            elif state is cached:
+                bits.append(request.bit)
+        return bits, unreported_any
 
     def apply(self, response: Response) -> None:
         if response.verdict is Verdict.READY and response.bit >= 0:
@@ -98,6 +145,14 @@ class ResponseCache:
 
 def set_bit(words: np.ndarray, bit: int) -> None:
     words.view(np.uint8)[bit >> 3] |= np.uint8(1 << (bit & 7))
+
+
+def set_bits(words: np.ndarray, bits: "list[int]") -> None:
+    """``set_bit`` for many bits at once (one NumPy call, not one per bit)."""
+    if bits:
+        flags = np.zeros(words.size * 64, dtype=np.bool_)
+        flags[bits] = True
+        words |= np.packbits(flags, bitorder="little").view(words.dtype)
 
 
 def bits_of(words: np.ndarray) -> "list[int]":
@@ -206,3 +261,158 @@ class Coordinator:
                              "MTRAIN_STALL_SHUTDOWN_SECONDS=<s> makes this an error\n")
             sys.stderr.flush()
         return responses
+
+
+class VectorLayout:
+    """Where each part of the vector lies, for a cache of ``words`` words and ``size`` ranks."""
+
+    __slots__ = ("words", "leaving_at", "busy_at", "joined_at", "length")
+
+    def __init__(self, words: int, size: int) -> None:
+        rank_words = (size + 63) // 64
+        self.words = words  # the control word is at index ``words``
+        self.leaving_at = words + 1
+        self.busy_at = self.leaving_at + rank_words
+        self.joined_at = self.busy_at + rank_words
+        self.length = self.joined_at + rank_words
+
+
+class Agreement(NamedTuple):
+    """What every rank learns from one exchange (identical on every rank)."""
+
+    control: Control
+    ready: "list[int]"    # cache bits held by every rank that has not joined
+    partial: "list[int]"  # cache bits held by some ranks but not all
+    leaving: "list[int]"  # ranks (of the engine's communicator) shutting down
+    busy: "list[int]"     # ranks with ops pending
+    joined: "list[int]"   # ranks that have joined (hvd.join())
+
+
+class Negotiator:
+    """Builds this rank's vector, exchanges it over the control communicator, decodes the result."""
+
+    def __init__(self, control: Any, rank: int, size: int) -> None:
+        self._comm = control
+        self._band: Any = None  # MPI.BAND, looked up at the first exchange (building and decoding need no MPI)
+        self.rank, self.size = rank, size
+        self._layouts: "dict[int, VectorLayout]" = {}
+
+    def layout(self, words: int) -> VectorLayout:
+        layout = self._layouts.get(words)
+        if layout is None:
+            layout = self._layouts[words] = VectorLayout(words, self.size)
+        return layout
+
+    def vector(self, layout: VectorLayout, cached: "list[int]", control: int, leaving: bool, busy: bool,
+               joined: bool) -> "tuple[np.ndarray, np.ndarray]":
+        """This rank's (AND half, OR half): ``cached`` bits, the control word, and this rank's
+        leaving / busy / joined bits. A joined rank agrees to every cached op (its AND half has
+        every cache bit set) yet holds none, so an op is ready once every other rank holds it."""
+        mine = np.zeros(layout.length, dtype=np.uint64)
+        set_bits(mine, cached)
+        mine[layout.words] = np.uint64(control)
+        if leaving:
+            set_bit(mine[layout.leaving_at:layout.busy_at], self.rank)
+        if busy:
+            set_bit(mine[layout.busy_at:layout.joined_at], self.rank)
+        if not joined:
+            return mine, mine
+        set_bit(mine[layout.joined_at:], self.rank)
+        mine_and = mine.copy()
+        mine_and[:layout.words] = ~np.uint64(0)
+        return mine_and, mine
+
+    def exchange(self, mine_and: np.ndarray, mine_or: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+        """Bitwise AND of every rank's ``mine_and`` and OR of every rank's ``mine_or``, from one
+        BAND all-reduce of (x, ~y): (everywhere, anywhere)."""
+        if self._band is None:
+            from mpi4py import MPI
+            self._band = MPI.BAND
+        send = np.concatenate([mine_and, ~mine_or])
+        recv = np.empty_like(send)
+        request = self._comm.Iallreduce(send, recv, op=self._band)
+        # Spin briefly (peers usually arrive within microseconds, and a sleep here
+        # lasts 60 us or more), then poll with a growing sleep rather than blocking:
+        # a blocked Open MPI rank busy-spins a core that belongs to the user's
+        # training thread while the other ranks are still computing.
+        spin_until = time.perf_counter() + SPIN_SECONDS
+        naps = 0
+        while not request.Test():
+            if time.perf_counter() > spin_until:
+                naps += 1
+                time.sleep(min(1e-3, 2e-5 * naps))
+        half = mine_and.size
+        return recv[:half], ~recv[half:]
+
+    @staticmethod
+    def decode(layout: VectorLayout, everywhere: np.ndarray, anywhere: np.ndarray) -> Agreement:
+        words = layout.words
+        held_anywhere = anywhere[:words]
+        return Agreement(
+            control=Control(int(anywhere[words])),
+            ready=bits_of(everywhere[:words] & held_anywhere),
+            partial=bits_of(held_anywhere & ~everywhere[:words]),
+            leaving=bits_of(anywhere[layout.leaving_at:layout.busy_at]),
+            busy=bits_of(anywhere[layout.busy_at:layout.joined_at]),
+            joined=bits_of(anywhere[layout.joined_at:]))
+
+
+_NAME = operator.attrgetter("name")
+_SIGNATURE = operator.attrgetter("signature")
+
+
+class SteadyBatch:
+    """A batch that ran whole in the cycle that took it, every op cached: the names and
+    signatures in the order they were submitted, and what a cycle derives from them (this
+    rank's vector, the agreed order of execution, the plan). A training step submits the same
+    batch again, in the same order; ``matches`` checks that with two C-level list comparisons
+    instead of a lookup per op.
+
+    Valid only while the response cache stays as it was (``ResponseCache.version``): the
+    bits, and so the vector and the order, come from it."""
+
+    __slots__ = ("names", "signatures", "bits", "order", "ready_names", "vector", "layout", "version",
+                 "expected", "head", "plan")
+
+    def __init__(self, requests: "list[Any]", version: int, negotiator: Negotiator, layout: VectorLayout) -> None:
+        self.names = list(map(_NAME, requests))
+        self.signatures = list(map(_SIGNATURE, requests))
+        self.bits = [request.bit for request in requests]
+        # The agreed order is ascending bit order (what decode gives), whatever the submission order.
+        self.order = sorted(range(len(requests)), key=self.bits.__getitem__)
+        self.ready_names = [self.names[i] for i in self.order]
+        # What this rank sends: these bits, no news, this rank busy.
+        self.vector = negotiator.vector(layout, self.bits, Control.NONE, leaving=False, busy=True, joined=False)[1]
+        self.layout, self.version = layout, version
+        # Every rank must have sent exactly these cache bits, no control word and no "leaving"
+        # bit, and nobody may have joined, for the batch to run as it is.
+        self.expected = self.vector[:layout.words].tobytes()
+        self.head = self.vector[:layout.busy_at].tobytes()
+        self.plan: Any = None  # fusion.Plan, made at its first run
+
+    @staticmethod
+    def learn(requests: "list[Any]", version: int, negotiator: Negotiator,
+              layout: VectorLayout) -> "SteadyBatch | None":
+        """``requests`` as a steady batch, or None if not every one is cached."""
+        cached = RequestState.CACHED
+        if not all(request.state is cached for request in requests):
+            return None  # unnamed ops (never cached) go through the coordinator every time
+        return SteadyBatch(requests, version, negotiator, layout)
+
+    def matches(self, incoming: "list[Any]", version: int) -> bool:
+        return (version == self.version and len(incoming) == len(self.names)
+                and list(map(_NAME, incoming)) == self.names
+                and list(map(_SIGNATURE, incoming)) == self.signatures)
+
+    def agreed(self, everywhere: np.ndarray, anywhere: np.ndarray) -> bool:
+        """Whether every rank sent this batch and nothing else: then it runs as learned."""
+        layout = self.layout
+        return (everywhere[:layout.words].tobytes() == self.expected
+                and anywhere[:layout.busy_at].tobytes() == self.head
+                and not anywhere[layout.joined_at:].any())
+
+    def place(self, incoming: "list[Any]") -> None:
+        """Another rank differed: these ops become ordinary cached pending ops."""
+        cached = RequestState.CACHED
+        for request, bit in zip(incoming, self.bits):
+            request.state, request.bit = cached, bit

@@ -11,12 +11,23 @@ thread and negotiation, so ops on different sets never wait for each other.
 Ops take ``process_set=``; a ``root_rank`` stays a global rank (as in Horovod),
 while results such as an allgather's are ordered by rank within the set
 (``ProcessSet.rank()``).
+
+``Registry`` is this rank's runtime state behind ``runtime.py``: the job's
+communicators, the global engine, and the registered sets (``SetState``).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import dataclasses
+import weakref
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from mpi4py import MPI
+
+from . import comm as comm_module
+from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
 class ProcessSet:
@@ -88,3 +99,170 @@ def _registry() -> Any:
     if _registry_of is None:  # pragma: no cover - runtime.py sets it on import
         raise RuntimeError("mtrain's runtime is not loaded")
     return _registry_of()
+
+
+@dataclasses.dataclass
+class SetState:
+    """One registered process set, as this rank sees it."""
+
+    id: int
+    ranks: "list[int]"  # global ranks, sorted
+    global_rank: int
+    comms: "comm_module.Communicators | None" = None  # None on ranks outside the set
+    engine: "Engine | None" = None
+    # The ProcessSet objects registered as this set: all are invalidated when it goes (as in Horovod).
+    holders: "weakref.WeakSet[ProcessSet]" = dataclasses.field(default_factory=weakref.WeakSet)
+
+    @property
+    def rank(self) -> int:
+        """Rank within the set; -1 outside it."""
+        return self.ranks.index(self.global_rank) if self.global_rank in self.ranks else -1
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def set_rank_of(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            if not self.engine.alive():
+                self.engine.executor.close()  # its shared-memory segment
+                if self.comms is not None:
+                    self.comms.free()
+        self.engine, self.comms = None, None
+
+
+class Registry:
+    """This rank's runtime: the job's communicators, the global set's engine, and every registered
+    process set (set 0 is every rank, on that engine). One per ``init()``."""
+
+    def __init__(self, comms: comm_module.Communicators, engine: Engine, make_engine: Any, admin: MPI.Comm) -> None:
+        self.comms = comms
+        self.engine = engine
+        # Cached so that user threads never call into MPI while the engine thread does.
+        self.rank, self.size = comms.world.Get_rank(), comms.world.Get_size()
+        self.local_rank, self.local_size = comms.local.Get_rank(), comms.local.Get_size()
+        self.cross_rank, self.cross_size = comms.cross.Get_rank(), comms.cross.Get_size()
+        self.homogeneous = True  # every host runs the same number of ranks; set by init()
+        # Process sets: id -> state; set 0 is every rank, on the main engine.
+        self.sets: "dict[int, SetState]" = {
+            0: SetState(0, list(range(self.size)), self.rank, comms, engine)}
+        self.next_set_id = 1
+        self._make_engine = make_engine
+        # Set management runs in user threads, on its own communicator: never the engines'.
+        self.admin = admin
+
+    # -- process sets -------------------------------------------------------
+    def state(self, process_set: ProcessSet) -> SetState:
+        if not isinstance(process_set, ProcessSet):
+            raise InvalidArgumentError(f"process_set must be an mtrain ProcessSet, got {type(process_set).__name__}")
+        state = self.sets.get(process_set.process_set_id) if process_set.process_set_id is not None else None
+        if state is not None and state.id != 0 and process_set.ranks != state.ranks:
+            state = None  # registered before a shutdown(): its id now names another set
+        if state is None:
+            raise InvalidArgumentError(f"{process_set} is not registered (never added, removed, or added before the "
+                                       "last shutdown()): pass it to init(process_sets=[...]) or add_process_set() "
+                                       "on every rank first")
+        return state
+
+    def member(self, process_set: ProcessSet) -> SetState:
+        """The set's state on a rank that belongs to it; a clear error otherwise."""
+        state = self.state(process_set)
+        if state.engine is None:
+            raise InvalidArgumentError(
+                f"rank {self.rank} is not part of process set {state.id} (ranks {state.ranks}); only those "
+                "ranks may call its ops: check process_set.included() first")
+        return state
+
+    def ranks_of(self, process_set: ProcessSet) -> "list[int]":
+        if process_set.mpi_comm is None:
+            return list(process_set.ranks or [])
+        comm = process_set.mpi_comm
+        if comm == MPI.COMM_NULL:
+            return []
+        world_group = self.comms.world.Get_group()
+        ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world_group)
+        if any(r == MPI.UNDEFINED for r in ranks):
+            raise InvalidArgumentError("a ProcessSet's communicator must hold only ranks of the job's communicator")
+        return sorted(int(r) for r in ranks)
+
+    def register(self, wanted: "list[ProcessSet]") -> "list[SetState]":
+        """Register ``wanted`` on every rank at once (a collective of all ranks): each rank passes
+        its own list, and the sets are the union, in rank order. Returns each one's state."""
+        mine: "list[tuple[int, ...]]" = []
+        problem = None
+        try:
+            for process_set in wanted:
+                ranks = self.ranks_of(process_set)
+                bad = [r for r in ranks if not 0 <= r < self.size]
+                if bad:
+                    raise InvalidArgumentError(f"ProcessSet ranks {bad} are out of range: the job has ranks "
+                                               f"0..{self.size - 1}")
+                if not ranks and process_set.mpi_comm is None:
+                    raise InvalidArgumentError("a ProcessSet needs at least one rank")
+                mine.append(tuple(ranks))
+        except InvalidArgumentError as error:
+            problem = str(error)
+        # Gathered even when this rank's sets are bad, so that no rank waits here for one that raised.
+        everyone = self.admin.allgather((mine, problem))
+        if problem is not None:
+            raise InvalidArgumentError(problem)
+        failed = [f"rank {r}: {text}" for r, (_, text) in enumerate(everyone) if text is not None]
+        if failed:
+            raise InvalidArgumentError("process sets were not registered: " + "; ".join(failed))
+        union: "list[tuple[int, ...]]" = []
+        for lists, _ in everyone:
+            for ranks in lists:
+                if ranks and ranks not in union:
+                    union.append(ranks)
+        by_ranks = {tuple(s.ranks): s for s in self.sets.values()}
+        new = [ranks for ranks in union if ranks not in by_ranks and len(ranks) != self.size]
+        if new and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            # Each set's engine thread calls MPI while the others do: that needs MPI_THREAD_MULTIPLE.
+            raise InvalidArgumentError("process sets need MPI initialized with MPI_THREAD_MULTIPLE (each set runs "
+                                       "its own engine thread); leave mpi4py.rc.thread_level at its default")
+        states: "dict[tuple[int, ...], SetState]" = {}
+        for ranks in union:
+            if ranks in by_ranks:
+                states[ranks] = by_ranks[ranks]
+                continue
+            if len(ranks) == self.size:  # every rank: the global set itself
+                states[ranks] = self.sets[0]
+                continue
+            state = SetState(self.next_set_id, list(ranks), self.rank)
+            self.next_set_id += 1
+            # Every rank takes part (registration is collective anyway), on the admin communicator:
+            # comms.world carries the global engine's collectives.
+            subcomm = self.admin.Split(0 if self.rank in ranks else MPI.UNDEFINED, key=self.rank)
+            if self.rank in ranks:
+                state.comms = comm_module.create(subcomm)
+                subcomm.Free()
+                state.engine = self._make_engine(state.comms)
+            self.sets[state.id] = state
+            states[ranks] = state
+        result = []
+        for process_set, ranks in zip(wanted, mine):
+            state = states.get(ranks) if ranks else None
+            if state is None:  # a communicator this rank is outside of (COMM_NULL)
+                continue
+            process_set.process_set_id = state.id
+            process_set.ranks = list(state.ranks)
+            if state.id != 0:
+                state.holders.add(process_set)
+            result.append(state)
+        return result
+
+    def stop_all(self) -> None:
+        for set_id in sorted(self.sets, reverse=True):
+            if set_id != 0:
+                self.sets[set_id].stop()
+                for process_set in list(self.sets[set_id].holders):
+                    process_set._invalidate()
+        self.engine.shutdown()
+        if not self.engine.alive():
+            self.engine.executor.close()
+            self.admin.Free()
+            self.comms.free()

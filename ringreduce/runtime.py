@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -13,185 +12,22 @@ from . import comm as comm_module
 from . import cuda, exits, process_sets as _ps, ring
 from .backend import is_device_array
 from .collectives import Executor, Kind
-from .engine import Engine, EngineConfig, env_number
+from .engine import Engine, EngineStats
 from .requests import AllreduceOp, Handle, Signature, make_request
 from .errors import InvalidArgumentError
 from .ops import Adasum, Average, ReduceOp, check_op, check_reducible
 from .process_sets import ProcessSet, global_process_set
+from .settings import EngineConfig, env_number
 
 
 class NotInitializedError(ValueError):
     """A collective was called before ``init()`` (a ValueError, as in Horovod)."""
 
 
-@dataclasses.dataclass
-class _SetState:
-    """One registered process set, as this rank sees it."""
-
-    id: int
-    ranks: "list[int]"  # global ranks, sorted
-    global_rank: int
-    comms: "comm_module.Communicators | None" = None  # None on ranks outside the set
-    engine: "Engine | None" = None
-    # The ProcessSet objects registered as this set: all are invalidated when it goes (as in Horovod).
-    holders: "weakref.WeakSet[ProcessSet]" = dataclasses.field(default_factory=weakref.WeakSet)
-
-    @property
-    def rank(self) -> int:
-        """Rank within the set; -1 outside it."""
-        return self.ranks.index(self.global_rank) if self.global_rank in self.ranks else -1
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def set_rank_of(self, global_rank: int) -> int:
-        return self.ranks.index(global_rank)
-
-    def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            if not self.engine.alive():
-                self.engine.executor.close()  # its shared-memory segment
-                if self.comms is not None:
-                    self.comms.free()
-        self.engine, self.comms = None, None
+_runtime: "_ps.Registry | None" = None
 
 
-class _Runtime:
-    def __init__(self, comms: comm_module.Communicators, engine: Engine, make_engine: Any, admin: MPI.Comm) -> None:
-        self.comms = comms
-        self.engine = engine
-        # Cached so that user threads never call into MPI while the engine thread does.
-        self.rank, self.size = comms.world.Get_rank(), comms.world.Get_size()
-        self.local_rank, self.local_size = comms.local.Get_rank(), comms.local.Get_size()
-        self.cross_rank, self.cross_size = comms.cross.Get_rank(), comms.cross.Get_size()
-        self.homogeneous = True  # every host runs the same number of ranks; set by init()
-        # Process sets: id -> state; set 0 is every rank, on the main engine.
-        self.sets: "dict[int, _SetState]" = {
-            0: _SetState(0, list(range(self.size)), self.rank, comms, engine)}
-        self.next_set_id = 1
-        self._make_engine = make_engine
-        # Set management runs in user threads, on its own communicator: never the engines'.
-        self.admin = admin
-
-    # -- process sets -------------------------------------------------------
-    def state(self, process_set: ProcessSet) -> _SetState:
-        if not isinstance(process_set, ProcessSet):
-            raise InvalidArgumentError(f"process_set must be an mtrain ProcessSet, got {type(process_set).__name__}")
-        state = self.sets.get(process_set.process_set_id) if process_set.process_set_id is not None else None
-        if state is not None and state.id != 0 and process_set.ranks != state.ranks:
-            state = None  # registered before a shutdown(): its id now names another set
-        if state is None:
-            raise InvalidArgumentError(f"{process_set} is not registered (never added, removed, or added before the "
-                                       "last shutdown()): pass it to init(process_sets=[...]) or add_process_set() "
-                                       "on every rank first")
-        return state
-
-    def member(self, process_set: ProcessSet) -> _SetState:
-        """The set's state on a rank that belongs to it; a clear error otherwise."""
-        state = self.state(process_set)
-        if state.engine is None:
-            raise InvalidArgumentError(
-                f"rank {self.rank} is not part of process set {state.id} (ranks {state.ranks}); only those "
-                "ranks may call its ops: check process_set.included() first")
-        return state
-
-    def ranks_of(self, process_set: ProcessSet) -> "list[int]":
-        if process_set.mpi_comm is None:
-            return list(process_set.ranks or [])
-        comm = process_set.mpi_comm
-        if comm == MPI.COMM_NULL:
-            return []
-        world_group = self.comms.world.Get_group()
-        ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world_group)
-        if any(r == MPI.UNDEFINED for r in ranks):
-            raise InvalidArgumentError("a ProcessSet's communicator must hold only ranks of the job's communicator")
-        return sorted(int(r) for r in ranks)
-
-    def register(self, wanted: "list[ProcessSet]") -> "list[_SetState]":
-        """Register ``wanted`` on every rank at once (a collective of all ranks): each rank passes
-        its own list, and the sets are the union, in rank order. Returns each one's state."""
-        mine: "list[tuple[int, ...]]" = []
-        problem = None
-        try:
-            for process_set in wanted:
-                ranks = self.ranks_of(process_set)
-                bad = [r for r in ranks if not 0 <= r < self.size]
-                if bad:
-                    raise InvalidArgumentError(f"ProcessSet ranks {bad} are out of range: the job has ranks "
-                                               f"0..{self.size - 1}")
-                if not ranks and process_set.mpi_comm is None:
-                    raise InvalidArgumentError("a ProcessSet needs at least one rank")
-                mine.append(tuple(ranks))
-        except InvalidArgumentError as error:
-            problem = str(error)
-        # Gathered even when this rank's sets are bad, so that no rank waits here for one that raised.
-        everyone = self.admin.allgather((mine, problem))
-        if problem is not None:
-            raise InvalidArgumentError(problem)
-        failed = [f"rank {r}: {text}" for r, (_, text) in enumerate(everyone) if text is not None]
-        if failed:
-            raise InvalidArgumentError("process sets were not registered: " + "; ".join(failed))
-        union: "list[tuple[int, ...]]" = []
-        for lists, _ in everyone:
-            for ranks in lists:
-                if ranks and ranks not in union:
-                    union.append(ranks)
-        by_ranks = {tuple(s.ranks): s for s in self.sets.values()}
-        new = [ranks for ranks in union if ranks not in by_ranks and len(ranks) != self.size]
-        if new and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            # Each set's engine thread calls MPI while the others do: that needs MPI_THREAD_MULTIPLE.
-            raise InvalidArgumentError("process sets need MPI initialized with MPI_THREAD_MULTIPLE (each set runs "
-                                       "its own engine thread); leave mpi4py.rc.thread_level at its default")
-        states: "dict[tuple[int, ...], _SetState]" = {}
-        for ranks in union:
-            if ranks in by_ranks:
-                states[ranks] = by_ranks[ranks]
-                continue
-            if len(ranks) == self.size:  # every rank: the global set itself
-                states[ranks] = self.sets[0]
-                continue
-            state = _SetState(self.next_set_id, list(ranks), self.rank)
-            self.next_set_id += 1
-            # Every rank takes part (registration is collective anyway), on the admin communicator:
-            # comms.world carries the global engine's collectives.
-            subcomm = self.admin.Split(0 if self.rank in ranks else MPI.UNDEFINED, key=self.rank)
-            if self.rank in ranks:
-                state.comms = comm_module.create(subcomm)
-                subcomm.Free()
-                state.engine = self._make_engine(state.comms)
-            self.sets[state.id] = state
-            states[ranks] = state
-        result = []
-        for process_set, ranks in zip(wanted, mine):
-            state = states.get(ranks) if ranks else None
-            if state is None:  # a communicator this rank is outside of (COMM_NULL)
-                continue
-            process_set.process_set_id = state.id
-            process_set.ranks = list(state.ranks)
-            if state.id != 0:
-                state.holders.add(process_set)
-            result.append(state)
-        return result
-
-    def stop_all(self) -> None:
-        for set_id in sorted(self.sets, reverse=True):
-            if set_id != 0:
-                self.sets[set_id].stop()
-                for process_set in list(self.sets[set_id].holders):
-                    process_set._invalidate()
-        self.engine.shutdown()
-        if not self.engine.alive():
-            self.engine.executor.close()
-            self.admin.Free()
-            self.comms.free()
-
-
-_runtime: "_Runtime | None" = None
-
-
-def _live_runtime() -> _Runtime:
+def _live_runtime() -> _ps.Registry:
     return _rt()
 
 
@@ -242,7 +78,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
     admin = comms.world.Dup()  # made before any engine thread calls MPI
     engine = make_engine(comms, world_ranks)
-    _runtime = _Runtime(comms, engine, make_engine, admin)
+    _runtime = _ps.Registry(comms, engine, make_engine, admin)
     _runtime.homogeneous = homogeneous
     global_process_set.ranks = world_ranks  # as Horovod fills in hvd.global_process_set.ranks
     comm_module.install_abort_on_exception()
@@ -340,7 +176,7 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
-def _rt() -> _Runtime:
+def _rt() -> _ps.Registry:
     if _runtime is None:
         raise NotInitializedError("ringreduce is not initialized: call init() first "
                                   "(for example `import mtrain.ringreduce as rr; rr.init()`)")
@@ -387,6 +223,12 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     """Stop writing the timeline and close its file (a valid JSON array). No-op when none runs."""
     _rt().engine.stop_timeline()
+
+
+def engine_stats(process_set: ProcessSet = global_process_set) -> EngineStats:
+    """What this rank's engine for ``process_set`` did so far: batches planned afresh and by a
+    kept plan, and cycles that ran a steady batch with no per-op work (or fell back)."""
+    return _rt().member(process_set).engine.stats()
 
 
 def mpi_threads_supported() -> bool:

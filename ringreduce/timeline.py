@@ -44,6 +44,24 @@ class Timeline:
                          "ts": round((start - self._origin) * 1e6, 1),
                          "dur": round(max(end - start, 0.0) * 1e6, 1), "args": args})
 
+    def negotiated(self, requests: "list", start: float, mark_cycle: bool) -> None:
+        """Each op's NEGOTIATE phase, from its submit to ``start`` (a cycle's execution)."""
+        if mark_cycle:
+            self.mark("CYCLE_START")
+        for request in requests:
+            self.span(request.name, "NEGOTIATE", request.submitted, start)
+
+    def ring(self, packed: "list", alone: "list", packed_bytes: int, times: "tuple[float, float, float, float]") -> None:
+        """One ring's phases: packing (t0-t1), the ring (t1-t2), unpacking (t2-t3)."""
+        t0, t1, t2, t3 = times
+        ring_ops = len(packed) + len(alone)
+        for request in packed:
+            self.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
+            self.span(request.name, "ALLREDUCE", t1, t2, fused_bytes=packed_bytes, ring_ops=ring_ops)
+            self.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
+        for request in alone:
+            self.span(request.name, "ALLREDUCE", t1, t2, bytes=request.nbytes, ring_ops=ring_ops)
+
     def mark(self, label: str) -> None:
         """An instant event across every row (``mark_cycles``: one per engine cycle that ran ops)."""
         with self._lock:

@@ -261,7 +261,8 @@ def test_engine_thread_adopts_the_gpu_bound_in_the_creating_thread():
     import threading
     import types
     from mtrain.ringreduce.collectives import Executor
-    from mtrain.ringreduce.engine import Engine, EngineConfig
+    from mtrain.ringreduce.engine import Engine
+    from mtrain.ringreduce.settings import EngineConfig
 
     calls = []
     runtime = types.SimpleNamespace(getDevice=lambda: 3,

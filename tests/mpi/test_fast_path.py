@@ -15,7 +15,6 @@ import pytest
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import runtime
 from tests.mpi.data import values
 from tests.mpi.harness import launch, mpi_test
 
@@ -25,8 +24,8 @@ SMALL_FUSION = {"MTRAIN_FUSION_THRESHOLD_BYTES": "4096", "MTRAIN_FUSION_INPLACE_
 ODD_SIZES = [0, 1, 2, 3, 7, 13, 63, 257, 511, 1023, 4099, 100_003]
 
 
-def _engine():
-    return runtime._rt().sets[0].engine
+def _stats() -> rr.EngineStats:
+    return rr.engine_stats()
 
 
 def _wide(rank: int, shape, dtype, salt: int) -> np.ndarray:
@@ -51,7 +50,6 @@ def test_repeated_steps_reuse_one_plan_and_stay_correct():
     me = rr.rank()
     specs = [(f"layer{i}.grad", (size,), dtype) for i, (size, dtype) in
              enumerate(zip(ODD_SIZES, [np.float32, np.float64, np.int32, np.float32] * 3))]
-    engine = _engine()
     for step in range(12):
         arrays = [_exact(me, shape, dtype, i + step) for i, (_, shape, dtype) in enumerate(specs)]
         handles = [rr.allreduce_async_(a, op=rr.Sum, name=name) for a, (name, _, _) in zip(arrays, specs)]
@@ -61,7 +59,7 @@ def test_repeated_steps_reuse_one_plan_and_stay_correct():
             assert np.array_equal(result, _sum_over_ranks(shape, dtype, i + step)), f"{name} step {step}"
     # Which of these ops share a cycle depends on timing (a loaded machine may split a step),
     # but the steps repeat: most batches are ones seen before.
-    assert engine.plans_reused > 0
+    assert _stats().plans_reused > 0
     # A group reaches the engine in one piece, so its batch is the same every step: planned
     # once, reused by every later step.
     for step in range(8):
@@ -71,8 +69,9 @@ def test_repeated_steps_reuse_one_plan_and_stay_correct():
         for (i, shape), array, result in zip(shapes, arrays, results):
             assert result is array and np.array_equal(result, _sum_over_ranks(shape, np.float32, i + step))
         if step == 0:
-            built, reused = engine.plans_built, engine.plans_reused
-    assert engine.plans_built == built and engine.plans_reused == reused + 7, (engine.plans_built, built)
+            built, reused = _stats().plans_built, _stats().plans_reused
+    stats = _stats()
+    assert stats.plans_built == built and stats.plans_reused == reused + 7, (stats, built, reused)
 
 
 @mpi_test(nps=(1, 2, 3), env=SMALL_FUSION)
@@ -176,7 +175,7 @@ def test_a_mismatch_after_the_plan_was_cached_errors_on_every_rank():
                    for i, name in enumerate(names)]
         for i, handle in enumerate(handles):
             assert rr.synchronize(handle).tolist() == [sum(r + i for r in range(n))] * 8
-    assert _engine().plans_reused > 0
+    assert _stats().plans_reused > 0
     # The last rank changes one tensor's shape: that op fails everywhere, naming both
     # submissions; the rest of the batch still completes.
     shape = 9 if me == n - 1 else 8
@@ -267,14 +266,13 @@ def _check_step(step: int, arrays, group, handles) -> None:
 @mpi_test(nps=(1, 2, 3), env=STEADY)
 def test_repeated_steps_run_as_the_steady_batch_in_each_ranks_own_order():
     me = rr.rank()
-    engine = _engine()
     # Each rank submits in an order of its own (the same every step): the agreed order of
     # execution is the cache's, so the ranks must still pack alike.
     order = list(range(len(_steady_specs())))
     random.Random(me).shuffle(order)
     for step in range(10):
         _check_step(step, *_submit_step(me, step, order))
-    assert engine.steady_cycles >= 5, engine.steady_cycles
+    assert _stats().steady_cycles >= 5, _stats()
     # Bit for bit the same everywhere (Sum of the same values, packed in the same order).
     arrays, group, handles = _submit_step(me, 99, order)
     _check_step(99, arrays, group, handles)
@@ -317,16 +315,16 @@ def test_a_steady_batch_another_rank_changes_still_runs_right():
         world.Barrier()
     _check_step(5, arrays, group, handles)
     if me != last:  # they sent the steady batch; the last rank's differed both times
-        assert _engine().steady_fallbacks >= 2, _engine().steady_fallbacks
+        assert _stats().steady_fallbacks >= 2, _stats().steady_fallbacks
     # A shape that differs on the last rank: that op fails on every rank, the rest completes.
     shape = (258,) if me == last else (257,)
     odd = rr.allreduce_async_(np.ones(shape, np.float32), op=rr.Sum, name="w.a")
     with pytest.raises(rr.MismatchError, match="'w.a'"):
         rr.synchronize(odd)
-    steady_before = _engine().steady_cycles
+    steady_before = _stats().steady_cycles
     for step in range(6, 12):
         _check_step(step, *_submit_step(me, step, order))
-    assert _engine().steady_cycles > steady_before
+    assert _stats().steady_cycles > steady_before
 
 
 STEADY_LEAVER_SCRIPT = """
@@ -336,7 +334,7 @@ arrays = [np.full(5, rr.rank() + 1.0) for _ in range(4)]
 for step in range(6):
     for h in [rr.allreduce_async_(a, op=rr.Sum, name=f"g{i}") for i, a in enumerate(arrays)]:
         rr.synchronize(h)
-steady = rr.runtime._rt().sets[0].engine.steady_cycles
+steady = rr.engine_stats().steady_cycles
 if rr.rank() == rr.size() - 1:
     rr.shutdown()  # leaves while the others submit the steady batch again
     print("left after", steady, "steady cycles")

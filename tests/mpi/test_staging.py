@@ -19,7 +19,8 @@ from mpi4py import MPI
 from mtrain.ringreduce import ring
 from mtrain.ringreduce.backend import NumpyBackend, StagedBackend
 from mtrain.ringreduce.collectives import Executor, Kind
-from mtrain.ringreduce.engine import Engine, EngineConfig
+from mtrain.ringreduce.engine import Engine
+from mtrain.ringreduce.settings import EngineConfig
 from mtrain.ringreduce.requests import Handle, make_request
 from mtrain.ringreduce.ops import Average, Max, Min, Product, Sum
 from tests.mpi.data import DTYPES, assert_matches, reference, values

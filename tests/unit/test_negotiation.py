@@ -160,3 +160,92 @@ def test_cache_version_moves_only_when_a_cached_names_bit_or_the_vector_length_m
     apply(Response(Verdict.READY, "w5", 65, "again"))  # an existing name moves to another bit
     assert versions == [0, 1, 1, 1, 2, 3, 3, 4], versions
     assert cache.entries["w5"] == (65, "again") and cache.words == 2
+
+
+class _Op:
+    """What ``ResponseCache.mark`` and ``SteadyBatch`` read of a request."""
+
+    def __init__(self, name, signature):
+        self.name, self.signature = name, signature
+        self.state, self.bit = negotiation.RequestState.UNREPORTED, -1
+
+
+def _cached(names_and_metas):
+    cache = ResponseCache()
+    for bit, (name, meta) in enumerate(names_and_metas):
+        cache.apply(Response(Verdict.READY, name, bit, meta))
+    return cache
+
+
+def test_mark_places_cached_ops_and_reports_the_rest():
+    cache = _cached([("a", "A"), ("b", "B"), ("c", "C")])
+    ops = [_Op("c", "C"), _Op("a", "A"), _Op("b", "other metadata"), _Op("new", "N")]
+    bits, unreported = cache.mark(ops)
+    assert bits == [2, 0] and unreported
+    assert [op.state for op in ops] == [negotiation.RequestState.CACHED] * 2 + [negotiation.RequestState.UNREPORTED] * 2
+    assert [op.bit for op in ops] == [2, 0, -1, -1]
+    ops[3].state = negotiation.RequestState.REPORTED  # sent to the coordinator: neither a bit nor news
+    assert cache.mark(ops) == ([2, 0], True)  # "b" is still unreported
+    assert cache.mark(ops[:2] + ops[3:]) == ([2, 0], False)
+
+
+def _exchange(*vectors):
+    """What every rank gets from ``Negotiator.exchange``: AND of the AND halves, OR of the OR halves."""
+    everywhere = np.bitwise_and.reduce([v[0] for v in vectors])
+    anywhere = np.bitwise_or.reduce([v[1] for v in vectors])
+    return everywhere, anywhere
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 65])
+def test_vectors_decode_to_the_same_agreement_for_every_rank(size):
+    ranks = [negotiation.Negotiator(None, r, size) for r in range(size)]
+    layout = ranks[0].layout(2)  # 128 cache bits
+    assert ranks[0].layout(2) is layout and layout.length == 3 + 3 * ((size + 63) // 64)
+    held = {r: [1, 64 + r % 3, 127] for r in range(size)}
+    vectors = [n.vector(layout, held[n.rank], negotiation.Control.UNREPORTED if n.rank == size - 1 else 0,
+                        leaving=n.rank == 0, busy=True, joined=False) for n in ranks]
+    agreement = negotiation.Negotiator.decode(layout, *_exchange(*vectors))
+    common = sorted(set.intersection(*(set(b) for b in held.values())))
+    assert agreement.ready == common
+    assert agreement.partial == sorted(set().union(*held.values()) - set(common))
+    assert agreement.control == negotiation.Control.UNREPORTED
+    assert agreement.leaving == [0] and agreement.busy == list(range(size)) and agreement.joined == []
+
+
+def test_a_joined_rank_agrees_to_every_op_but_holds_none():
+    ranks = [negotiation.Negotiator(None, r, 3) for r in range(3)]
+    layout = ranks[0].layout(1)
+    vectors = [ranks[0].vector(layout, [4, 9], 0, leaving=False, busy=True, joined=False),
+               ranks[1].vector(layout, [], 0, leaving=False, busy=False, joined=True),
+               ranks[2].vector(layout, [4], 0, leaving=False, busy=True, joined=False)]
+    agreement = negotiation.Negotiator.decode(layout, *_exchange(*vectors))
+    assert agreement.ready == [4] and agreement.partial == [9]
+    assert agreement.joined == [1] and agreement.busy == [0, 2]
+
+
+def test_a_steady_batch_runs_only_when_every_rank_sent_exactly_it():
+    cache = _cached([("a", "A"), ("b", "B"), ("c", "C")])
+    ranks = [negotiation.Negotiator(None, r, 2) for r in range(2)]
+    layout = ranks[0].layout(cache.words)
+    batches = []
+    for negotiator in ranks:
+        ops = [_Op("c", "C"), _Op("a", "A")]  # submitted in this order
+        assert cache.mark(ops) == ([2, 0], False)
+        batches.append(negotiation.SteadyBatch.learn(ops, cache.version, negotiator, layout))
+    steady = batches[0]
+    assert steady.order == [1, 0] and steady.ready_names == ["a", "c"], "the agreed order is the cache's"
+    # The kept vector is the one an ordinary cycle builds for the same ops.
+    assert np.array_equal(steady.vector, ranks[0].vector(layout, [2, 0], 0, leaving=False, busy=True,
+                                                         joined=False)[1])
+    assert steady.agreed(*_exchange((steady.vector, steady.vector), (batches[1].vector, batches[1].vector)))
+    assert steady.matches([_Op("c", "C"), _Op("a", "A")], cache.version)
+    assert not steady.matches([_Op("a", "A"), _Op("c", "C")], cache.version), "another order"
+    assert not steady.matches([_Op("c", "C"), _Op("a", "A")], cache.version + 1), "the cache moved"
+    # The other rank brings one op less, news, a join or a departure: not agreed.
+    fewer = ranks[1].vector(layout, [2], 0, leaving=False, busy=True, joined=False)
+    news = ranks[1].vector(layout, [2, 0], negotiation.Control.UNREPORTED, leaving=False, busy=True, joined=False)
+    leaving = ranks[1].vector(layout, [2, 0], negotiation.Control.SHUTDOWN, leaving=True, busy=True, joined=False)
+    joined = ranks[1].vector(layout, [], 0, leaving=False, busy=False, joined=True)
+    for other in (fewer, news, leaving, joined):
+        assert not steady.agreed(*_exchange((steady.vector, steady.vector), other))
+    assert negotiation.SteadyBatch.learn([_Op("noname.3", "N")], cache.version, ranks[0], layout) is None

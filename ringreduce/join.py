@@ -1,0 +1,114 @@
+"""``hvd.join()``: a rank with no more data stands in for the others' ops until every rank joined.
+
+While some ranks have joined, the others' ops still run: each joined rank brings
+a stand-in (``stand_in``) with no data of its own, zeros for a reduction (the
+op's identity for Min, Max and Product). An op that cannot run without a joined
+rank's data fails on every rank (``problem``). The last rank to join is the
+result of every rank's ``join()``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .backend import backend_for
+from .collectives import Kind
+from .errors import JoinedError
+from .ops import ReduceOp, dtype_from_code
+from .requests import PLACEHOLDER, Handle, Request, Signature
+
+
+class JoinState:
+    """This rank's view of a join in progress. ``handle`` is set by the user thread
+    (``Engine.submit_join``); the rest belongs to the engine thread."""
+
+    __slots__ = ("handle", "active", "seen", "last")
+
+    def __init__(self) -> None:
+        self.handle: "Handle | None" = None
+        self.active = False  # this rank stands in for every op with zeros
+        self.seen: "set[int]" = set()  # ranks (of the engine's communicator) known to have joined
+        self.last = -1
+
+    def note(self, joined: "list[int]") -> bool:
+        """Track who has joined (seen alike by every rank); returns whether anyone new joined."""
+        new = set(joined) - self.seen
+        if new:
+            self.last = max(new)  # ranks joining in the same cycle: the highest is "last"
+        self.seen = set(joined)
+        return bool(new)
+
+    def finish(self) -> "tuple[Handle | None, int]":
+        """Every rank has joined: this rank's join handle and the rank that joined last; reset."""
+        handle, last = self.handle, self.last
+        self.handle, self.active, self.seen, self.last = None, False, set(), -1
+        return handle, last
+
+
+def runnable(ready: "list[str]", pending: "dict[str, Request]", ready_meta: "dict[str, Signature]",
+             cached: "dict[str, tuple[int, Signature]]", joined: "list[int]", members: "list[int]",
+             done_cv: Any) -> "tuple[list[Request], list[tuple[Request, JoinedError]]]":
+    """The ready ops (by name, in the agreed order) as this rank runs them while ``joined`` (job
+    ranks) have joined: its own pending ones (taken out of ``pending``), a stand-in where it has
+    none (it has joined itself); and its ops that cannot run, with the error each ends with."""
+    runnable, refused = [], []
+    for name in ready:
+        request = pending.pop(name, None)
+        signature = request.signature if request is not None else (
+            ready_meta[name] if name in ready_meta else cached[name][1])
+        why = problem(signature, joined, members)
+        if why:
+            if request is not None:
+                refused.append((request, JoinedError(f"op {name!r} cannot run: {why}")))
+            continue
+        runnable.append(request if request is not None else stand_in(name, signature, len(members), done_cv))
+    return runnable, refused
+
+
+def problem(signature: Signature, joined: "list[int]", members: "list[int]") -> str:
+    """Why the op with this signature cannot run while ``joined`` (job ranks) have joined; "" if it can."""
+    kind, root = Kind(signature.kind), signature.root
+    if kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT) and members[root] in joined:
+        return (f"its root rank {members[root]} has joined (hvd.join()); a rank that has joined has "
+                "no data to broadcast")
+    if kind is Kind.ALLGATHER_OBJECT:
+        return f"rank(s) {joined} have joined (hvd.join()) and have no object to gather"
+    return ""
+
+
+def stand_in(name: str, signature: Signature, size: int, done_cv: Any) -> Request:
+    """What a joined rank brings to an op the others submitted: zeros for an all-reduce or a
+    reduce-scatter (the identity for Min, Max and Product), no rows for an allgather or an
+    alltoall, a receive buffer for a broadcast. Its result is dropped."""
+    kind = Kind(signature.kind)
+    dtype = dtype_from_code(signature.dtype)
+    op = None if signature.op < 0 else ReduceOp(signature.op)
+    fields: "dict[str, Any]" = {}
+    if kind in (Kind.ALLGATHER, Kind.ALLTOALL):
+        array = np.zeros((0,) + tuple(signature.shape), dtype=dtype)
+        if kind is Kind.ALLTOALL:
+            fields["splits"] = [0] * size
+    elif kind in (Kind.BARRIER, Kind.BROADCAST_OBJECT):
+        array = PLACEHOLDER
+    else:
+        array = np.full(signature.shape, identity(op, dtype), dtype=dtype)
+    if signature.backend != backend_for(array).name:  # the others' arrays live on a GPU: so does this one
+        import cupy
+        array = cupy.asarray(array)
+    request = Request(kind, name, array, Handle(1, False, done_cv), 0, backend_for(array), op=op,
+                      root=signature.root, in_place=True, prescale=signature.prescale,
+                      postscale=signature.postscale, **fields)
+    request.signature = signature
+    return request
+
+
+def identity(op: "ReduceOp | None", dtype: np.dtype) -> Any:
+    """The value that leaves ``op``'s result unchanged (zeros for Sum, Average and kinds with no op)."""
+    if op == ReduceOp.Min:
+        return np.finfo(dtype).max if dtype.kind == "f" else (True if dtype.kind == "b" else np.iinfo(dtype).max)
+    if op == ReduceOp.Max:
+        return np.finfo(dtype).min if dtype.kind == "f" else (False if dtype.kind == "b" else np.iinfo(dtype).min)
+    if op == ReduceOp.Product:
+        return 1
+    return 0
