@@ -38,12 +38,11 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import mtrain.ringreduce as rr  # noqa: E402
-from mtrain.ringreduce import ring  # noqa: E402
-from mtrain.ringreduce.backend import NumpyBackend  # noqa: E402
-from mtrain.ringreduce.collectives import Executor  # noqa: E402
+import mtrain.ringreduce as rr
+from mtrain.ringreduce import ring
+from mtrain.ringreduce.backend import NumpyBackend
+from mtrain.ringreduce.collectives import Executor
+from repo_helpers import ROOT, netcluster
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -260,7 +259,9 @@ def print_traffic(rows: list) -> None:
 
 def run_on_cluster(spec: str, argv: "list[str]") -> int:
     """Build the namespace cluster (HOSTSxRANKS) and run this benchmark on it through mtrain run."""
-    from tests.cluster.netcluster import SUBNET, prerequisites_missing, running_cluster
+    cluster_tools = netcluster()
+    SUBNET, prerequisites_missing, running_cluster = (
+        cluster_tools.SUBNET, cluster_tools.prerequisites_missing, cluster_tools.running_cluster)
     host_count, ranks = (int(x) for x in spec.lower().split("x"))
     missing = prerequisites_missing()
     if missing:

@@ -16,18 +16,14 @@ one torch thread (one core per rank on the 2-core VM).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import mtrain.ringreduce as rr  # noqa: E402
-from allreduce import timed_side_by_side  # noqa: E402
-from fusion import resnet50_gradient_shapes  # noqa: E402
-from train import build_model  # noqa: E402
+import mtrain.ringreduce as rr
+from allreduce import timed_side_by_side  # the sibling benchmarks (repo_helpers.py says why so)
+from fusion import resnet50_gradient_shapes
+from train import build_model
 
 
 def main() -> None:

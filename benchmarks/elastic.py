@@ -20,9 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.cluster.netcluster import prerequisites_missing, running_cluster  # noqa: E402
+from repo_helpers import ROOT, netcluster
+
+_cluster_tools = netcluster()
+prerequisites_missing, running_cluster = _cluster_tools.prerequisites_missing, _cluster_tools.running_cluster
 
 PYTHON = sys.executable
 RESET = re.compile(r"elastic reset 1: .*resumed from commit (-?\d+) ([\d.]+) s after the (failure|change)")

@@ -27,17 +27,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import mtrain.ringreduce as rr  # noqa: E402
-from mtrain.ringreduce import runtime, shm  # noqa: E402
-from allreduce import gloo_group, timed_side_by_side  # noqa: E402
+import mtrain.ringreduce as rr
+from mtrain.ringreduce import runtime, shm
+from allreduce import gloo_group, timed_side_by_side  # a sibling benchmark (repo_helpers.py says why so)
 
 MiB = 1 << 20
 

@@ -28,9 +28,8 @@ step() {  # step NAME SECONDS CMD...: run with a time bound, record failures, ne
     [ $rc -eq 0 ] || FAILED+=("$name (exit $rc)")
 }
 
-# The repository on the path without touching site-packages (pip --no-deps -e
-# needs the build backend, which may be absent offline).
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# mtrain as it is installed (pip install -e .): the repository root is not put on the
+# path, where its folders would import as top-level packages (benchmarks/repo_helpers.py).
 # Two ranks on one GPU; let them yield when idle (they share the host cores too).
 export OMPI_MCA_mpi_yield_when_idle=1
 MPIRUN="$(dirname "$PY")/mpirun"
@@ -79,7 +78,7 @@ else
         echo "pytest missing: skipping the tests"; FAILED+=("pytest missing")
     fi
     BENCH=("$MPIRUN" "${ROOT_FLAG[@]}" -np 2 --oversubscribe --bind-to none
-           -x PYTHONPATH -x OMPI_MCA_mpi_yield_when_idle -x MTRAIN_CUDA_AWARE
+           -x OMPI_MCA_mpi_yield_when_idle -x MTRAIN_CUDA_AWARE
            "$PY" benchmarks/allreduce.py --cupy --min-bytes 4K --max-bytes 1G --budget 0.15 --min-iters 5)
     export MTRAIN_CUDA_AWARE=0
     step "busbw, CuPy buffers, staged through pinned host memory" 100 "${BENCH[@]}"

@@ -30,9 +30,11 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from tests.cluster.netcluster import SUBNET, prerequisites_missing, running_cluster  # noqa: E402
+from repo_helpers import netcluster
+
+_cluster_tools = netcluster()
+SUBNET, prerequisites_missing, running_cluster = (
+    _cluster_tools.SUBNET, _cluster_tools.prerequisites_missing, _cluster_tools.running_cluster)
 
 PYTHON = sys.executable
 

@@ -18,14 +18,10 @@ over the hand-written step's.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import timed_side_by_side  # noqa: E402
+from allreduce import timed_side_by_side  # a sibling benchmark (repo_helpers.py says why so)
 
 
 def build_mlp(torch, inputs: int, width: int, outputs: int):

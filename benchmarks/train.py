@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def build_model(width: int):
     import torch
@@ -91,8 +89,7 @@ def run_worker(mode: str, ranks: int, args: argparse.Namespace, threads: int) ->
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--batch", str(args.batch), "--width", str(args.width),
             "--threads", str(threads)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if ranks > 1:
         mpirun = Path(sys.executable).parent / "mpirun"
         argv = [str(mpirun) if mpirun.exists() else "mpirun", "-np", str(ranks), "--bind-to", "none",
