@@ -49,6 +49,8 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 import mtrain.ringreduce as rr
 
+from .torch.bridge import real_view, to_tensor
+
 __all__ = ["BACKEND", "ProcessGroupMtrain", "init_process_group", "register"]
 
 BACKEND = "mtrain"
@@ -74,15 +76,7 @@ def _reduce_op(torch_op: Any) -> rr.ReduceOp:
                      "(or a gloo process group for bitwise and pre-multiplied sums)")
 
 
-# -- tensors <-> NumPy ---------------------------------------------------------
-
-def _bfloat16() -> Any:
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise TypeError("bfloat16 tensors need the ml_dtypes package: pip install ml_dtypes") from None
-    return ml_dtypes.bfloat16
-
+# -- tensors <-> NumPy (through the bridge mtrain.torch crosses too) ----------------
 
 def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
@@ -96,43 +90,21 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     return tensor
 
 
-def _as_array(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a contiguous CPU tensor's memory (complex as trailing real/imag pairs)."""
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(_bfloat16())
-    if tensor.is_complex():
-        return torch.view_as_real(tensor).numpy()
-    try:
-        return tensor.numpy()
-    except TypeError as error:
-        raise TypeError(f"the mtrain backend cannot reduce {tensor.dtype} tensors: {error}") from None
-
-
-def _as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of ``_as_array`` (a view where NumPy allows it)."""
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-    if not array.flags.writeable:
-        array = array.copy()
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return torch.view_as_complex(tensor.view(-1, 2)) if dtype.is_complex else tensor
-
-
 def _inplace_array(tensor: torch.Tensor, what: str) -> Tuple[np.ndarray, Callable[[], None]]:
     """An array the runtime may write, and how to land it back in ``tensor`` afterwards."""
     tensor = _check_tensor(tensor, what).detach()
     if tensor.is_contiguous():
-        return _as_array(tensor), lambda: None
+        return real_view(tensor), lambda: None
     temp = tensor.contiguous()
 
     def land() -> None:
         tensor.copy_(temp)
-    return _as_array(temp), land
+    return real_view(temp), land
 
 
 def _input_array(tensor: torch.Tensor, what: str) -> np.ndarray:
     """A read-only use of ``tensor``: its values as one flat array."""
-    return _as_array(_check_tensor(tensor, what).detach().contiguous()).reshape(-1)
+    return real_view(_check_tensor(tensor, what).detach().contiguous()).reshape(-1)
 
 
 def _rows(result: np.ndarray, count: int) -> List[np.ndarray]:
@@ -397,7 +369,7 @@ class ProcessGroupMtrain(dist.ProcessGroup):
         def finish() -> Any:
             for handle, (tensor, outs) in zip(handles, pairs):
                 for out, row in zip(outs, _rows(rr.synchronize(handle), self.size())):
-                    out.detach().copy_(_as_tensor(row, tensor.dtype).view(out.shape))
+                    out.detach().copy_(to_tensor(row, tensor.dtype).view(out.shape))
             return value
         if not names:
             return _finished_work(value)

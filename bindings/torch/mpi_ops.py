@@ -213,7 +213,8 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
         process_set: ProcessSet = global_process_set) -> Handle:
     """Start all-gathers of several tensors as one unit; ``synchronize`` returns a list."""
     arrays = [numpy_view(check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    return Handle(rr.grouped_allgather_async(arrays, name, process_set=process_set), lambda results: [from_numpy(r) for r in results])
+    return Handle(rr.grouped_allgather_async(arrays, name, process_set=process_set),
+                  lambda results: [from_numpy(r) for r in results])
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
