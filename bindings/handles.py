@@ -15,7 +15,7 @@ class HandleBase:
     """What ``synchronize`` and ``poll`` accept: an op in flight with ``wait()`` and ``poll()``.
 
     No fields (empty slots), so a binding may also derive its handle from the runtime's own
-    op (``engine.AllreduceOp``): one object per tensor on the per-gradient path."""
+    op (``mtrain.ringreduce.AllreduceOp``): one object per tensor on the per-gradient path."""
 
     __slots__ = ()
 

@@ -7,8 +7,9 @@ import keras
 import tensorflow as tf
 
 import mtrain.ringreduce as rr
+from mtrain.ringreduce import Average
 
-from . import Average, allreduce
+from .mpi_ops import allreduce
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):

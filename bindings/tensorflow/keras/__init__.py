@@ -20,7 +20,9 @@ from .. import (  # noqa: F401  (re-exported: the Horovod API)
     is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
     reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
-from .. import _checked, _local_refs, _reduce_gradients, _set_size, _variable_key, check_op
+from ...gradient_op import check_gradient_op
+from ..gradient_tape import local_refs, reduce_gradients, variable_key
+from ..mpi_ops import check_process_set, set_size
 from . import callbacks  # noqa: F401
 
 __all__ = [
@@ -53,7 +55,7 @@ class _DistributedOptimizer:
 
     def register_local_var(self, var: Any) -> None:
         """Keep ``var``'s gradient on this rank (not reduced over ranks)."""
-        self._mtrain_local.add(_variable_key(var))
+        self._mtrain_local.add(variable_key(var))
 
     def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
         # Remember which variable each gradient belongs to: _clip_gradients only sees gradients.
@@ -72,9 +74,9 @@ class _DistributedOptimizer:
         if not local or variables is None or len(variables) != len(grads):
             shared = list(range(len(grads)))
         else:
-            shared = [i for i, v in enumerate(variables) if _variable_key(v) not in local]
+            shared = [i for i, v in enumerate(variables) if variable_key(v) not in local]
         process_set = self._mtrain_process_set
-        reduced = _reduce_gradients([grads[i] for i in shared], [grads[i] for i in shared], self._mtrain_op,
+        reduced = reduce_gradients([grads[i] for i in shared], [grads[i] for i in shared], self._mtrain_op,
                                     self._mtrain_predivide, self._mtrain_compression,
                                     "DistributedOptimizer.gradients", postscale=self._mtrain_postscale,
                                     process_set=process_set) if shared else []
@@ -83,7 +85,7 @@ class _DistributedOptimizer:
             out[i] = g
         if self._mtrain_scale_local and len(shared) != len(grads):
             # Horovod divides the local gradients by the size of the process set.
-            size = _set_size(process_set)
+            size = set_size(process_set)
             out = [g if i in shared or g is None else g / tf.cast(size, g.dtype) for i, g in enumerate(out)]
         return super()._clip_gradients(out)  # type: ignore[misc]
 
@@ -113,8 +115,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
                         f"got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    op = check_op(op, gradient_predivide_factor)
-    _checked(process_set)
+    op = check_gradient_op(op, gradient_predivide_factor)
+    check_process_set(process_set)
     if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
@@ -161,7 +163,7 @@ def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Opt
                                    backward_passes_per_step=backward_passes_per_step,
                                    average_aggregated_gradients=average_aggregated_gradients, groups=groups,
                                    process_set=process_set, scale_local_gradients=scale_local_gradients)
-    wrapped._mtrain_local = _local_refs(local_layers)
+    wrapped._mtrain_local = local_refs(local_layers)
     return wrapped
 
 

@@ -8,7 +8,8 @@ import numpy as np
 
 import mtrain.ringreduce as rr
 
-from .. import _variable_key, broadcast_variables
+from ..gradient_tape import variable_key
+from ..mpi_ops import broadcast_variables
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -27,12 +28,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local_slot_prefixes = []
         for item in local_variables or []:
             for variable in getattr(item, "weights", [item]):
-                self.local_variables.add(_variable_key(variable))
+                self.local_variables.add(variable_key(variable))
                 if hasattr(variable, "path"):  # Keras 3 names a slot "<variable path with _>_<slot>"
                     self._local_slot_prefixes.append(variable.path.replace("/", "_") + "_")
 
     def _shared(self, variables: Any) -> list:
-        return [v for v in variables if _variable_key(v) not in self.local_variables]
+        return [v for v in variables if variable_key(v) not in self.local_variables]
 
     def _shared_slots(self, variables: Any) -> list:
         prefixes = tuple(self._local_slot_prefixes)

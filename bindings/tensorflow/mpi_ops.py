@@ -1,0 +1,523 @@
+"""The TensorFlow ops: the collectives (each differentiable with Horovod's backward rule), the
+process-set queries and the ``*_op`` tensors, eagerly or inside ``tf.function`` (there they run
+as ``tf.numpy_function`` calls into the runtime; see ``_call``)."""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+import mtrain.ringreduce as rr
+from mtrain.ringreduce import Average, MismatchError, ProcessSet, Sum, global_process_set
+
+from ..gradient_op import resolve_op
+from .compression import Compression
+
+__all__ = [
+    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
+    "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "broadcast_variables",
+    "check_process_set", "dense_tensor", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "join",
+    "local_rank_op", "local_size_op", "process_set_included_op", "rank_op", "reducescatter", "set_size",
+    "size_op",
+]
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank of ``process_set`` reaches the barrier."""
+    check_process_set(process_set)
+    _eager_errors(lambda: rr.barrier(process_set=process_set))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s picklable object, on every rank of ``process_set`` (``root_rank`` is a global rank)."""
+    check_process_set(process_set)
+    return _eager_errors(lambda: rr.broadcast_object(obj, root_rank, name, process_set=process_set))
+
+
+def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """Every rank's picklable object, in rank order within ``process_set``."""
+    check_process_set(process_set)
+    return _eager_errors(lambda: rr.allgather_object(obj, name, process_set=process_set))
+
+
+def join() -> tf.Tensor:
+    """This rank has run out of data (Horovod's ``join``): until every rank has joined, it takes part
+    in the others' ops with zeros (allreduce) or no rows (allgather). Blocks until every rank has
+    joined; returns the rank that joined last, as an int32 tensor (in a graph: when the op runs)."""
+    return _int_op(lambda: _eager_errors(rr.join), None)
+
+
+# -- process sets ------------------------------------------------------------------
+
+def check_process_set(process_set: Any) -> ProcessSet:
+    """``process_set`` if it is a registered ProcessSet; a clear error otherwise (before any op runs)."""
+    if not isinstance(process_set, ProcessSet):
+        raise _InvalidArgument(f"process_set must be an mtrain ProcessSet (hvd.ProcessSet, hvd.global_process_set), "
+                               f"got {type(process_set).__name__}")
+    if process_set.process_set_id is None:
+        raise _InvalidArgument(f"{process_set} is not registered: pass it to hvd.init(process_sets=[...]) or "
+                               "hvd.add_process_set() on every rank first")
+    return process_set
+
+
+def set_size(process_set: ProcessSet) -> int:
+    """The number of ranks in ``process_set`` (what Average divides by)."""
+    return int(check_process_set(process_set).size())
+
+
+def _set_rank(process_set: ProcessSet) -> int:
+    """This rank's position within ``process_set`` (the order of allgather results)."""
+    return int(check_process_set(process_set).rank())
+
+
+def _set_of_id(process_set_id: int) -> ProcessSet:
+    """A handle on the registered set ``process_set_id`` (as Horovod's ``*_op(process_set_id=...)`` take)."""
+    if process_set_id == 0:
+        return global_process_set
+    # The runtime has no public lookup by id (Horovod's _temp_process_set_object): read its table.
+    from mtrain.ringreduce import runtime
+    state = runtime._rt().sets.get(int(process_set_id))
+    if state is None:
+        raise _InvalidArgument(f"no process set has process_set_id={process_set_id}: register it with "
+                               "hvd.init(process_sets=[...]) or hvd.add_process_set() first")
+    handle = ProcessSet(list(state.ranks))
+    handle.process_set_id = state.id
+    return handle
+
+
+# -- tensors <-> NumPy ---------------------------------------------------------
+
+def dense_tensor(value: Any, what: str = "tensor") -> tf.Tensor:
+    """A dense tensor on the CPU (IndexedSlices are densified, as Horovod's sparse_as_dense)."""
+    if isinstance(value, tf.IndexedSlices):
+        value = tf.convert_to_tensor(value)
+    tensor = tf.convert_to_tensor(value)
+    if tf.executing_eagerly() and "GPU" in (tensor.device or ""):
+        raise NotImplementedError(f"{what} is on {tensor.device}: mtrain's GPU path is not there yet; "
+                                  "place the computation on the CPU (with tf.device('/CPU:0'))")
+    return tensor
+
+
+class _InvalidArgument(tf.errors.InvalidArgumentError, rr.InvalidArgumentError):
+    """An op refused before it ran (a rank outside the op's process set, a root outside it, ...).
+
+    What Horovod raises (``tf.errors.InvalidArgumentError``), and mtrain's own
+    ``InvalidArgumentError`` (a RuntimeError and ValueError): the same class eagerly and in a graph.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, None, message)
+
+
+def _eager_errors(fn: Callable[[], Any]) -> Any:
+    """``fn()``, with the runtime's argument errors raised as ``_InvalidArgument``."""
+    try:
+        return fn()
+    except rr.InvalidArgumentError as error:
+        if isinstance(error, tf.errors.OpError):
+            raise
+        raise _InvalidArgument(str(error)) from error
+
+
+class _RanksDisagreeError(tf.errors.FailedPreconditionError, MismatchError):
+    """Ranks passed incompatible arguments to one collective.
+
+    Horovod programs catch ``tf.errors.FailedPreconditionError``; code written
+    against mtrain catches ``MismatchError``: this is both (raised eagerly; see ``_call``).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, None, message)
+
+
+def _call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
+          shapes: Sequence[Any]) -> List[tf.Tensor]:
+    """Run ``fn`` on the inputs' NumPy values: directly when eager, as a numpy_function in a graph.
+
+    Eagerly, ranks that disagree raise FailedPreconditionError (Horovod's type, and a
+    MismatchError). In a graph the error leaves through the numpy_function, where
+    TensorFlow maps Python exceptions by class alone (ValueError -> InvalidArgumentError,
+    anything else -> UnknownError; an OpError's own code is ignored): there it is an
+    InvalidArgumentError with the same message. Only a compiled kernel could do better.
+    """
+    if tf.executing_eagerly():
+        try:
+            outputs = _eager_errors(lambda: fn(*[t.numpy() for t in inputs]))
+        except MismatchError as error:
+            if isinstance(error, tf.errors.OpError):
+                raise
+            raise _RanksDisagreeError(str(error)) from error
+        return [tf.convert_to_tensor(np.asarray(o), dtype=d) for o, d in zip(outputs, out_dtypes)]
+    outputs = tf.numpy_function(lambda *arrays: [np.asarray(o) for o in fn(*arrays)], list(inputs),
+                                list(out_dtypes), stateful=True)
+    for out, shape in zip(outputs, shapes):
+        out.set_shape(shape)
+    return list(outputs)
+
+
+def _c(array: Any) -> np.ndarray:
+    """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray would make them 1-d)."""
+    return np.asarray(array, order="C")
+
+
+def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
+    """``array * factor`` in the array's dtype; integers are scaled in float64 and truncated toward
+    zero, as Horovod does."""
+    if factor == 1.0:
+        return array
+    if array.dtype.kind in "iu":
+        return np.trunc(array.astype(np.float64) * factor).astype(array.dtype)
+    return array * np.asarray(factor, dtype=array.dtype)
+
+
+def _first_dim_unknown(tensor: tf.Tensor) -> tf.TensorShape:
+    return tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tensor.shape
+
+
+def _grad_name(name: Optional[str]) -> Optional[str]:
+    return None if name is None else f"{name}.grad"
+
+
+def _zeros_for_missing(grads: Sequence[Any], outputs: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    return [tf.zeros_like(o) if g is None else dense_tensor(g, "gradient") for g, o in zip(grads, outputs)]
+
+
+# -- the collectives, each with Horovod's backward rule ---------------------------
+# Each ``_raw_*`` runs one collective with no gradient; the public functions wrap
+# it in tf.custom_gradient so tape.gradient (and Keras) can differentiate through it.
+# The backward op runs on the forward op's process set, as Horovod's registered gradients do.
+
+def _raw_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str], prescale: float,
+                           postscale: float, process_set: ProcessSet) -> List[tf.Tensor]:
+    def reduce(*arrays: np.ndarray) -> List[np.ndarray]:
+        arrays = [_c(a) for a in arrays]
+        integers = [i for i, a in enumerate(arrays) if a.dtype.kind in "iu"] if op == Average else []
+        if not integers:
+            results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale, postscale,
+                                                                process_set=process_set))
+            return [r.reshape(a.shape) for r, a in zip(results, arrays)]
+        # Integers averaged as in Horovod: a sum scaled once by postscale / size (in float64,
+        # truncated toward zero), not divided and then scaled (which would round twice).
+        others = [i for i in range(len(arrays)) if i not in integers]
+        handles = []
+        if others:
+            handles.append((others, rr.grouped_allreduce_async([arrays[i] for i in others], op, name,
+                                                               prescale, postscale, process_set=process_set)))
+        handles.append((integers, rr.grouped_allreduce_async(
+            [arrays[i] for i in integers], Sum, name if not others or name is None else f"{name}.integers",
+            prescale, postscale / set_size(process_set), process_set=process_set)))
+        results: List[Any] = [None] * len(arrays)
+        for indices, handle in handles:
+            for i, r in zip(indices, rr.synchronize(handle)):
+                results[i] = r.reshape(arrays[i].shape)
+        return results
+    return _call(reduce, inputs, [t.dtype for t in inputs], [t.shape for t in inputs])
+
+
+def _differentiable_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str],
+                                      prescale: float, postscale: float,
+                                      process_set: ProcessSet) -> List[tf.Tensor]:
+    @tf.custom_gradient
+    def reduce(*xs: tf.Tensor) -> Any:
+        outputs = _raw_grouped_allreduce(xs, op, name, prescale, postscale, process_set)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            # Horovod: the gradient of an allreduce is the same allreduce (op and scaling) of the gradient.
+            return _raw_grouped_allreduce(_zeros_for_missing(dys, outputs), op, _grad_name(name),
+                                          prescale, postscale, process_set)
+        return outputs, grad
+    return list(reduce(*inputs))
+
+
+def _raw_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str],
+                           process_set: ProcessSet) -> List[tf.Tensor]:
+    def gather(*arrays: np.ndarray) -> List[np.ndarray]:
+        names = [None if name is None else f"{name}.{i}" for i in range(len(arrays))]
+        handles = [rr.allgather_async(_c(a), n, process_set=process_set) for a, n in zip(arrays, names)]
+        return [rr.synchronize(h) for h in handles]
+    shapes = [_first_dim_unknown(t) if t.shape.rank != 0 else tf.TensorShape([None]) for t in inputs]
+    return _call(gather, inputs, [t.dtype for t in inputs], shapes)  # a scalar is gathered as one row
+
+
+def _my_rows(grad: tf.Tensor, x: tf.Tensor, name: Optional[str], process_set: ProcessSet) -> tf.Tensor:
+    """This rank's block of rows of an allgathered tensor's gradient (blocks in set-rank order)."""
+    rows = tf.reshape(x, [-1]) if x.shape.rank == 0 else x  # a scalar was gathered as one row
+    counts = _raw_grouped_allgather([tf.shape(rows, out_type=tf.int64)[:1]], name, process_set)[0]
+    me = _set_rank(process_set)
+    start = tf.reduce_sum(counts[:me])
+    return tf.reshape(grad[start:start + counts[me]], tf.shape(x))
+
+
+def _differentiable_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str],
+                                      process_set: ProcessSet) -> List[tf.Tensor]:
+    @tf.custom_gradient
+    def gather(*xs: tf.Tensor) -> Any:
+        outputs = _raw_grouped_allgather(xs, name, process_set)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            # Horovod: average the gradient over the set's ranks, keep the rows this rank contributed.
+            dys = _zeros_for_missing(dys, outputs)
+            averaged = [_raw_grouped_allreduce([dy], Average, None if name is None else f"{name}.grad.{i}",
+                                               1.0, 1.0, process_set)[0] for i, dy in enumerate(dys)]
+            return [_my_rows(g, x, None if name is None else f"{name}.grad.rows.{i}", process_set)
+                    for i, (g, x) in enumerate(zip(averaged, xs))]
+        return outputs, grad
+    return list(gather(*inputs))
+
+
+def _raw_broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str], process_set: ProcessSet) -> tf.Tensor:
+    def fn(a: np.ndarray) -> List[np.ndarray]:
+        handle = rr.broadcast_async(_c(a), root_rank, name, process_set=process_set)
+        return [rr.synchronize(handle).reshape(a.shape)]
+    return _call(fn, [tensor], [tensor.dtype], [tensor.shape])[0]
+
+
+def _raw_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str], prescale: float,
+                               postscale: float, process_set: ProcessSet) -> List[tf.Tensor]:
+    def scatter(*arrays: np.ndarray) -> List[np.ndarray]:
+        names = [name if name is None or len(arrays) == 1 else f"{name}.{i}" for i in range(len(arrays))]
+        handles, posts = [], []
+        for a, n in zip(arrays, names):
+            # Integers averaged as in Horovod: summed, then one float64 scaling by postscale / size
+            # (dividing first and scaling after would round twice).
+            integer_average = op == Average and a.dtype.kind in "iu"
+            handles.append(rr.reducescatter_async(_scaled(_c(a), prescale), Sum if integer_average else op, n,
+                                                  process_set=process_set))
+            posts.append(postscale / set_size(process_set) if integer_average else postscale)
+        return [_scaled(rr.synchronize(h), post) for h, post in zip(handles, posts)]
+    return _call(scatter, inputs, [t.dtype for t in inputs], [_first_dim_unknown(t) for t in inputs])
+
+
+def _differentiable_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str],
+                                          prescale: float, postscale: float,
+                                          process_set: ProcessSet) -> List[tf.Tensor]:
+    @tf.custom_gradient
+    def scatter(*xs: tf.Tensor) -> Any:
+        outputs = _raw_grouped_reducescatter(xs, op, name, prescale, postscale, process_set)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            # Horovod: allgather the gradient (times the set's size for Sum); the scale factors by the chain rule.
+            factor = prescale * postscale * (set_size(process_set) if op == Sum else 1)
+            dys = [dy * tf.cast(factor, dy.dtype) if factor != 1 else dy for dy in _zeros_for_missing(dys, outputs)]
+            return [_raw_grouped_allgather([dy], None if name is None else f"{name}.grad.{i}", process_set)[0]
+                    for i, dy in enumerate(dys)]
+        return outputs, grad
+    return list(scatter(*inputs))
+
+
+def _raw_alltoall(tensor: tf.Tensor, splits: tf.Tensor, given: bool, name: Optional[str],
+                  process_set: ProcessSet) -> List[tf.Tensor]:
+    def fn(a: np.ndarray, s: np.ndarray) -> List[np.ndarray]:
+        received, received_splits = rr.synchronize(rr.alltoall_async(_c(a), s.tolist() if given else None, name,
+                                                                     process_set=process_set))
+        return [received, np.asarray(received_splits, dtype=np.int32)]
+    return _call(fn, [tensor, splits], [tensor.dtype, tf.int32], [_first_dim_unknown(tensor), [None]])
+
+
+# -- collectives -----------------------------------------------------------------
+# Argument order as in Horovod 0.28 (``process_set`` included), so positional calls keep working.
+
+def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
+                      device_sparse: str = "", compression: type = Compression.none, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+                      name: Optional[str] = None) -> List[tf.Tensor]:
+    """Each tensor reduced over the ranks of ``process_set`` (default Average), as one fused unit."""
+    op = resolve_op(average, op)
+    check_process_set(process_set)
+    pairs = [compression.compress(dense_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    inputs = [t for t, _ in pairs]
+    if not inputs:
+        return []
+    reduced = _differentiable_grouped_allreduce(inputs, op, name, prescale_factor, postscale_factor, process_set)
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
+
+
+def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",
+              compression: type = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False) -> tf.Tensor:
+    """``tensor`` reduced over the ranks of ``process_set`` (default Average, over the set's size)."""
+    return grouped_allreduce([tensor], average, device_dense, device_sparse, compression, op, prescale_factor,
+                             postscale_factor, process_set=process_set, name=name)[0]
+
+
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
+    """Each tensor allgathered (see ``allgather``), submitted together."""
+    check_process_set(process_set)
+    inputs = [dense_tensor(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    return _differentiable_grouped_allgather(inputs, name, process_set) if inputs else []
+
+
+def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """The tensors of the ranks of ``process_set`` concatenated along dimension 0, in set-rank order
+    (first dimensions may differ)."""
+    check_process_set(process_set)
+    return _differentiable_grouped_allgather([dense_tensor(tensor)], name, process_set)[0]
+
+
+def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """``root_rank``'s value of ``tensor`` (a global rank, in ``process_set``), on every rank of the set."""
+    check_process_set(process_set)
+
+    @tf.custom_gradient
+    def send(x: tf.Tensor) -> Any:
+        output = _raw_broadcast(x, root_rank, name, process_set)
+
+        def grad(dy: Any) -> tf.Tensor:
+            # Horovod: the gradient averaged over the set goes to the root; the others get zeros.
+            averaged = _raw_grouped_allreduce(_zeros_for_missing([dy], [output]), Average, _grad_name(name),
+                                              1.0, 1.0, process_set)[0]
+            return averaged if rr.rank() == root_rank else averaged * 0
+        return output, grad
+    return send(dense_tensor(tensor))
+
+
+def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
+    """In place: every variable takes ``root_rank``'s value; returns their new values."""
+    broadcast_variables(variables, root_rank, process_set=process_set)
+    return [v.read_value() for v in variables]
+
+
+def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
+                        process_set: ProcessSet = global_process_set, inplace: bool = False) -> Any:
+    """Assign ``root_rank``'s value to every variable (model weights, optimizer slots, ...) on the
+    ranks of ``process_set``. ``inplace`` is accepted for Horovod (the assignment is in place anyway).
+
+    In a TF1-style graph this returns the op that does it; eagerly it is done on return.
+    """
+    check_process_set(process_set)
+    variables = list(variables)
+    if not variables:
+        return None if tf.executing_eagerly() else tf.no_op()
+    values = [dense_tensor(v, f"variables[{i}]") for i, v in enumerate(variables)]
+
+    def fn(*arrays: np.ndarray) -> List[np.ndarray]:
+        handles = [rr.broadcast_async(_c(a), root_rank, f"broadcast_variables.{i}", process_set=process_set)
+                   for i, a in enumerate(arrays)]
+        return [rr.synchronize(h).reshape(a.shape) for h, a in zip(handles, arrays)]
+    assigns = [variable.assign(value) for variable, value in
+               zip(variables, _call(fn, values, [v.dtype for v in values], [v.shape for v in values]))]
+    return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """TF1 graphs: the op that broadcasts every global variable from ``root_rank``."""
+    if tf.executing_eagerly():
+        raise RuntimeError("broadcast_global_variables() does not work eagerly (there are no global "
+                           "variables in TF2): use broadcast_variables(model.variables, root_rank) or "
+                           "the Keras BroadcastGlobalVariablesCallback instead")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                        process_set: ProcessSet = global_process_set) -> Callable[[Any], Any]:
+    """A function that broadcasts its (picklable) argument from ``root_rank`` over ``process_set``."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: type = Compression.none,
+                          op: Any = Average, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: Optional[str] = None, ignore_name_scope: bool = False) -> List[tf.Tensor]:
+    """Each tensor reduce-scattered (see ``reducescatter``), submitted together."""
+    check_process_set(process_set)
+    pairs = [compression.compress(dense_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
+    if not pairs:
+        return []
+    scattered = _differentiable_grouped_reducescatter([t for t, _ in pairs], op, name, prescale_factor,
+                                                      postscale_factor, process_set)
+    return [compression.decompress(s, ctx) for s, (_, ctx) in zip(scattered, pairs)]
+
+
+def reducescatter(tensor: Any, device_dense: str = "", compression: type = Compression.none, op: Any = Average,
+                  name: Optional[str] = None, process_set: ProcessSet = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce over the ranks of ``process_set``, keep this rank's rows (in set-rank order, the first
+    ``rows % set size`` ranks get one extra)."""
+    return grouped_reducescatter([tensor], device_dense, compression, op, process_set, prescale_factor,
+                                 postscale_factor, name=name)[0]
+
+
+def _splits_tensor(splits: Any) -> tf.Tensor:
+    """Any integer sequence or tensor (int32 or int64, as Horovod's tests pass both) as int32."""
+    tensor = tf.convert_to_tensor(splits)
+    if not (tensor.dtype.is_integer or tensor.dtype == tf.bool):
+        raise TypeError(f"alltoall splits must be integers, got dtype {tensor.dtype.name}")
+    return tf.cast(tensor, tf.int32)
+
+
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[r]`` rows to the set's r-th rank (equal shares if None). Returns the received
+    tensor, plus the received splits when ``splits`` is given (as Horovod)."""
+    check_process_set(process_set)
+    given = splits is not None
+    splits_tensor = _splits_tensor(splits) if given else tf.zeros([0], tf.int32)
+
+    @tf.custom_gradient
+    def exchange(x: tf.Tensor, s: tf.Tensor) -> Any:
+        received, received_splits = _raw_alltoall(x, s, given, name, process_set)
+
+        def grad(dy: Any, d_splits: Any) -> Any:
+            # Horovod: send the gradient back the way the rows came.
+            back, _ = _raw_alltoall(_zeros_for_missing([dy], [received])[0], received_splits, True,
+                                    _grad_name(name), process_set)
+            return back, None
+        return (received, received_splits), grad
+    received, received_splits = exchange(dense_tensor(tensor), splits_tensor)
+    return (received, received_splits) if given else received
+
+
+def _int_op(value: Callable[[], int], name: Optional[str]) -> tf.Tensor:
+    """An int32 scalar read when the op runs (graph execution time, as Horovod's ``*_op``)."""
+    if tf.executing_eagerly():
+        return tf.constant(value(), tf.int32, name=name)
+    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True, name=name)
+    out.set_shape([])
+    return out
+
+
+def rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """This process's rank, as an int32 tensor."""
+    return _int_op(rr.rank, name)
+
+
+def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """This process's rank on its host, as an int32 tensor."""
+    return _int_op(rr.local_rank, name)
+
+
+def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """The number of ranks in the process set ``process_set_id`` (0: every rank), as an int32 tensor."""
+    return _int_op(lambda: set_size(_set_of_id(process_set_id)), name)
+
+
+# Horovod's codes for process_set_included_op when there is no answer.
+_PROCESS_SET_ERROR_INIT, _PROCESS_SET_ERROR_UNKNOWN_SET = -1, -3
+
+
+def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """1 if this rank belongs to the process set ``process_set_id``, else 0, as an int32 tensor; as in
+    Horovod, -1 before ``init()`` and -3 for an unknown set."""
+    def included() -> int:
+        if not rr.is_initialized():
+            return _PROCESS_SET_ERROR_INIT
+        try:
+            return int(bool(_set_of_id(process_set_id).included()))
+        except rr.InvalidArgumentError:
+            return _PROCESS_SET_ERROR_UNKNOWN_SET
+    return _int_op(included, name)
+
+
+def local_size_op(name: Optional[str] = None) -> tf.Tensor:
+    """The number of ranks on this host, as an int32 tensor."""
+    return _int_op(rr.local_size, name)
