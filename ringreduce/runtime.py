@@ -225,6 +225,20 @@ def stop_timeline() -> None:
     _rt().engine.stop_timeline()
 
 
+def process_set_by_id(process_set_id: int) -> ProcessSet:
+    """A ``ProcessSet`` for the registered set ``process_set_id`` (0: the global set), for APIs
+    that name sets by id (Horovod's TF ``*_op(process_set_id=...)``). InvalidArgumentError if none."""
+    if int(process_set_id) == 0:
+        return global_process_set
+    state = _rt().sets.get(int(process_set_id))
+    if state is None:
+        raise InvalidArgumentError(f"no process set has process_set_id={process_set_id}: register it with "
+                                   "hvd.init(process_sets=[...]) or hvd.add_process_set() first")
+    handle = ProcessSet(list(state.ranks))
+    handle.process_set_id = state.id
+    return handle
+
+
 def engine_stats(process_set: ProcessSet = global_process_set) -> EngineStats:
     """What this rank's engine for ``process_set`` did so far: batches planned afresh and by a
     kept plan, and cycles that ran a steady batch with no per-op work (or fell back)."""

@@ -75,17 +75,10 @@ def _set_rank(process_set: ProcessSet) -> int:
 
 def _set_of_id(process_set_id: int) -> ProcessSet:
     """A handle on the registered set ``process_set_id`` (as Horovod's ``*_op(process_set_id=...)`` take)."""
-    if process_set_id == 0:
-        return global_process_set
-    # The runtime has no public lookup by id (Horovod's _temp_process_set_object): read its table.
-    from mtrain.ringreduce import runtime
-    state = runtime._rt().sets.get(int(process_set_id))
-    if state is None:
-        raise _InvalidArgument(f"no process set has process_set_id={process_set_id}: register it with "
-                               "hvd.init(process_sets=[...]) or hvd.add_process_set() first")
-    handle = ProcessSet(list(state.ranks))
-    handle.process_set_id = state.id
-    return handle
+    try:
+        return rr.process_set_by_id(process_set_id)
+    except rr.InvalidArgumentError as error:  # as TF's InvalidArgumentError too, as Horovod raises it
+        raise _InvalidArgument(str(error)) from None
 
 
 # -- tensors <-> NumPy ---------------------------------------------------------
