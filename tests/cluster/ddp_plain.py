@@ -39,4 +39,7 @@ print(json.dumps({"rank": rank, "world": world, "host": socket.gethostname(),
 # As torch asks: without it, gloo's worker threads are still alive when the interpreter
 # finalizes, and one that frees a tensor then needs the GIL it can no longer get: the
 # process dies with "terminate called without an active exception" (SIGABRT) now and then.
+# The DDP model holds the group too (its reducer): dropped first, so that the group itself
+# is destroyed here, while the interpreter is whole, not at finalization.
+del model, optimizer
 dist.destroy_process_group()
