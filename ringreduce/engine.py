@@ -142,7 +142,8 @@ class Engine:
         """Queue requests (all parts of one handle) for the engine thread: all or none."""
         now = time.monotonic()
         with self._lock:
-            self._check_open()
+            if self._closing or self._closed_error is not None:
+                raise self._closed()
             if len(requests) > 1:
                 names = [r.name for r in requests]
                 taken = [n for n in names if n in self._in_flight]
@@ -163,16 +164,16 @@ class Engine:
         lock = self._lock
         lock.acquire()  # acquire/release rather than ``with``: half the cost, once per tensor
         try:
-            self._check_open()
+            if self._closing or self._closed_error is not None:  # checked inline: once per tensor
+                raise self._closed()
             self._enqueue(request, now)
         finally:
             lock.release()
         return request
 
-    def _check_open(self) -> None:
-        if self._closing or self._closed_error is not None:
-            raise self._closed_error or ShutdownError(
-                "mtrain was shut down; call init() again before submitting more ops")
+    def _closed(self) -> BaseException:
+        """What a submit to a closed engine raises."""
+        return self._closed_error or ShutdownError("mtrain was shut down; call init() again before submitting more ops")
 
     def _enqueue(self, request: Any, now: float) -> None:
         """The one submit core (under ``self._lock``): queue one request of a new name."""

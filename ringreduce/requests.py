@@ -43,7 +43,8 @@ _SHAPELESS = frozenset((Kind.BARRIER, Kind.BROADCAST_OBJECT, Kind.ALLGATHER_OBJE
 _SIGNATURES: "dict[Signature, Signature]" = {}
 _SIGNATURES_MAX = 1 << 16
 _ALLREDUCE_CODE = int(Kind.ALLREDUCE)
-_HOST_DTYPE_CODES: "dict[np.dtype, int]" = {}  # dtype_code of host arrays' dtypes seen so far
+# The signature of each host all-reduce seen so far, by (dtype, shape, op, prescale, postscale).
+_HOST_ALLREDUCE: "dict[tuple, Signature]" = {}
 
 PLACEHOLDER = np.empty(0, dtype=np.uint8)  # the array of ops that carry none (barrier, objects)
 HOST = backend_for(PLACEHOLDER)  # the backend of every host array
@@ -64,10 +65,17 @@ def host_allreduce_signature(array: np.ndarray, op: ReduceOp, prescale: float, p
     """The signature of an all-reduce of host array ``array`` (checked arguments). A caller that
     submits the same array with the same arguments every step may keep it and pass it to
     ``runtime.submit_allreduce``. TypeError for a dtype the runtime cannot reduce."""
-    code = _HOST_DTYPE_CODES.get(array.dtype)
-    if code is None:
-        code = _HOST_DTYPE_CODES[array.dtype] = dtype_code(array.dtype)  # TypeError if unsupported
-    return intern(Signature(_ALLREDUCE_CODE, code, array.shape, int(op), -1, prescale, postscale, _HOST_NAME))
+    # Looked up by a plain tuple first: building the NamedTuple (a Python-level __new__) and
+    # interning it would cost more than the rest of a per-tensor submit.
+    key = (array.dtype, array.shape, int(op), prescale, postscale)
+    signature = _HOST_ALLREDUCE.get(key)
+    if signature is None:
+        code = dtype_code(array.dtype)  # TypeError if unsupported
+        if len(_HOST_ALLREDUCE) >= _SIGNATURES_MAX:
+            _HOST_ALLREDUCE.clear()
+        signature = _HOST_ALLREDUCE[key] = intern(
+            Signature(_ALLREDUCE_CODE, code, array.shape, int(op), -1, prescale, postscale, _HOST_NAME))
+    return signature
 
 
 class Completion(threading.Condition):
