@@ -3,7 +3,9 @@
 Both halves of mtrain import this module: the runtime inside every rank
 (``mtrain.ringreduce``) and the launcher (``mtrain.launcher``).  It depends on
 the standard library only, because it runs in ranks, SSH agents and remote
-guards alike.
+guards alike. It lives with the launcher, its owner: the launcher reads what
+the ranks and agents write (as torchrun's error-file format belongs to
+``torch.distributed.elastic.multiprocessing.errors``, which workers import).
 
     record          written by                       read by
     ErrorReport     the runtime, in a rank           the rank wrapper
