@@ -36,6 +36,7 @@ import threading
 import time
 
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
+from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ErrorReport, ExitRecord, FailureCause, JobLayout,
                             exception_line)
 
@@ -165,8 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     scratch = _scratch_directory()
     error_file = os.path.join(scratch, "error.json")
     try:
+        environment = child_environment(os.environ, error_file, rank)
+    except PrivatePathError as error:  # a planted job layout: refused, and the rank never starts
+        _remove_scratch(scratch, error_file)
+        os.close(out_write)
+        os.close(err_write)
+        message = str(error)
+        sys.stderr.buffer.write(f"[{rank}]<stderr>:{message}\n".encode())
+        _write_record(ExitRecord(rank, host, 1, stopped=False, time=time.time(), stderr_tail=(message,)))
+        return 1
+    try:
         child = subprocess.Popen(argv, stdout=out_write, stderr=err_write,
-                                 env=child_environment(os.environ, error_file, rank),
+                                 env=environment,
                                  start_new_session=True, preexec_fn=_set_child_deathsig)
     except OSError as error:
         _remove_scratch(scratch, error_file)

@@ -27,6 +27,8 @@ import signal
 import threading
 import time
 
+from mtrain.launcher.private import PrivatePathError, read_private, write_private
+
 # --------------------------------------------------------------------------------------------
 # The records are plain frozen classes: ``_record`` gives them what dataclass(frozen=True)
 # would, without importing dataclasses (and inspect with it), ~10 ms of CPU at the start of
@@ -403,17 +405,17 @@ class JobLayout:
             return None
 
     def write(self, path: str) -> None:
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(self.encode())
-        os.replace(temporary, path)  # readers never see half a file
+        # In /tmp, under a name other users can see: mode 0600, never through a planted path.
+        write_private(path, self.encode().encode())
 
     @staticmethod
     def read(path: str) -> "JobLayout | None":
+        """The layout in `path`, None when there is none; PrivatePathError when it is not ours."""
         try:
-            with open(path, encoding="utf-8") as handle:
-                return JobLayout.decode(handle.read())
-        except OSError:
+            return JobLayout.decode(read_private(path).decode("utf-8"))
+        except PrivatePathError:
+            raise
+        except (OSError, UnicodeDecodeError):
             return None
 
     def rank_environment(self, rank: int) -> dict[str, str]:
@@ -470,17 +472,15 @@ class HostUpdates:
     version: int
 
     def write(self, path: str) -> None:
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(str(self.version))
-        os.replace(temporary, path)
+        write_private(path, str(self.version).encode())
 
     @staticmethod
     def read(path: str) -> int:
-        """The version in `path` (0 when there is none yet)."""
+        """The version in `path` (0 when there is none yet); PrivatePathError when it is not ours."""
         try:
-            with open(path, encoding="utf-8") as handle:
-                return int(handle.read().strip() or 0)
+            return int(read_private(path).decode().strip() or 0)
+        except PrivatePathError:
+            raise
         except (OSError, ValueError):
             return 0
 

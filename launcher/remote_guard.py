@@ -168,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run_guarded(command: str, job_file: str | None, layout: JobLayout | None, updates_path: str | None,
                  pending: bytes = b"") -> int:
     if job_file and layout:
-        layout.write(job_file)
+        try:
+            layout.write(job_file)
+        except OSError as error:  # another user's file (or a planted temporary name) at that path
+            sys.stderr.write(f"mtrain: cannot write the job layout {job_file} on {os.uname().nodename}: "
+                             f"{error.strerror or error}; another user may have made that path: remove it, "
+                             "or ask its owner to\n")
+            return 1
     try:
         return _guard(command, updates_path, pending)
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from mtrain.launcher import records
+from mtrain.launcher.private import private_folder
 
 
 def is_elastic() -> bool:
@@ -22,8 +23,9 @@ def state_folder() -> str:
         raise RuntimeError(f"{records.ENV_ELASTIC} is set but {records.ENV_ELASTIC_STATE_DIR} is not: "
                            "elastic ranks need a snapshot folder; start the job with `mtrain run --min-np ...`")
     folder = records.host_path(template)
-    os.makedirs(folder, exist_ok=True)
-    return folder
+    # /dev/shm/mtrain-elastic-<job>/<host>: both made 0700 by us, or refused (see launcher/private.py).
+    private_folder(os.path.dirname(folder))
+    return private_folder(folder)
 
 
 def started_version() -> int:

@@ -23,6 +23,8 @@ import pickle
 import time
 from typing import Any
 
+from mtrain.launcher.private import check_private, open_private, private_folder, write_private
+
 FILE_NAME = "state.snapshot"
 MAGIC = b"mtrain-elastic-snapshot "
 _HEADER_LIMIT = 4096
@@ -40,16 +42,15 @@ def path_in(folder: str) -> str:
 
 
 def write(folder: str, header: SnapshotHeader, payload: Any) -> str:
-    """Write the snapshot into `folder` (created if needed), replacing the previous one."""
-    os.makedirs(folder, exist_ok=True)
+    """Write the snapshot into `folder` (it and its parent, the job's folder, made private if
+    needed), replacing the previous one."""
+    private_folder(os.path.dirname(folder))
+    private_folder(folder)
     target = path_in(folder)
-    temporary = f"{target}.{os.getpid()}.tmp"
-    with open(temporary, "wb") as handle:
-        handle.write(MAGIC + json.dumps(dataclasses.asdict(header)).encode() + b"\n")
-        pickle.dump(payload, handle, protocol=pickle.HIGHEST_PROTOCOL)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, target)  # readers see the old snapshot or the new one, never half
+    data = MAGIC + json.dumps(dataclasses.asdict(header)).encode() + b"\n"
+    data += pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    # Mode 0600 in a 0700 folder of ours; readers see the old snapshot or the new one, never half.
+    write_private(target, data, sync=True)
     return target
 
 
@@ -64,25 +65,41 @@ def _header_of(handle) -> "SnapshotHeader | None":
         return None
 
 
+def _open(folder: str):
+    """The snapshot file, opened only from a folder and as a file that are ours and private (a
+    planted one raises PrivatePathError, loud, rather than being unpickled); None when there is none."""
+    try:
+        check_private(folder, os.lstat(folder), "folder")
+    except FileNotFoundError:
+        return None
+    try:
+        return open_private(path_in(folder))
+    except FileNotFoundError:
+        return None
+
+
 def read_header(folder: str) -> "SnapshotHeader | None":
     """The header of the snapshot in `folder`, or None when there is none (or not one of ours)."""
-    try:
-        with open(path_in(folder), "rb") as handle:
-            return _header_of(handle)
-    except OSError:
+    handle = _open(folder)
+    if handle is None:
         return None
+    with handle:
+        return _header_of(handle)
 
 
 def read(folder: str) -> "tuple[SnapshotHeader, Any] | None":
     """The header and the committed values of the snapshot in `folder`, or None."""
-    try:
-        with open(path_in(folder), "rb") as handle:
-            header = _header_of(handle)
-            if header is None:
-                return None
-            return header, pickle.load(handle)
-    except (OSError, pickle.UnpicklingError, EOFError):
+    handle = _open(folder)
+    if handle is None:
         return None
+    with handle:
+        header = _header_of(handle)
+        if header is None:
+            return None
+        try:
+            return header, pickle.load(handle)
+        except (pickle.UnpicklingError, EOFError):
+            return None
 
 
 def remove_leftovers(folder: str) -> None:

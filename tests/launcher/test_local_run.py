@@ -267,3 +267,16 @@ def test_master_port_flag_and_tf_config_on_one_host():
     assert done.returncode == 0, done.stderr
     assert sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines()) == [
         "127.0.0.1 29611 0 2", "127.0.0.1 29611 1 2"]
+
+
+def test_the_job_layout_left_in_tmp_is_private_while_the_job_runs():
+    # The layout (master address, ports, TF_CONFIG) sits in /tmp under a name other users can
+    # read from `ps`: while the job runs it must be ours alone, mode 0600, a regular file.
+    code = ("import os, stat; path = os.environ['MTRAIN_JOB_FILE'].format(host=os.uname().nodename); "
+            "info = os.lstat(path); "
+            "print('layout', oct(stat.S_IMODE(info.st_mode)), stat.S_ISREG(info.st_mode), "
+            "info.st_uid == os.geteuid(), os.path.dirname(path))")
+    done = mtrain("-np", "2", PYTHON, "-c", code)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if "layout" in line)
+    assert lines == [f"[{r}]<stdout>:layout 0o600 True True /tmp" for r in (0, 1)], done.stdout

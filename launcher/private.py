@@ -1,0 +1,100 @@
+"""Files and folders that mtrain leaves in shared places (/tmp, /dev/shm), kept private.
+
+Other users log in to the hosts our users train on, and the names mtrain uses there
+can be read from `ps` (the job id is on mpirun's command line).  A name alone is no
+protection, so:
+
+* a folder is made with `mkdir(path, 0o700)`; one that is already there is used only
+  if it is a real folder (not a symlink), owned by this user, with no group or other
+  permissions: anything else is refused, never followed, read or reused;
+* a file is written to a temporary name opened with `O_CREAT | O_EXCL | O_NOFOLLOW`,
+  mode 0600, then renamed over the target (in a sticky /tmp, a rename over another
+  user's file fails instead of replacing it);
+* a file is read only through `O_NOFOLLOW`, and only if what was opened is a regular
+  file owned by this user that nobody else may write.
+
+`PrivatePathError` is the one-line refusal: the path, its owner and mode, what to do.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class PrivatePathError(OSError):
+    """A path mtrain would use belongs to someone else, is a symlink, or is open to others."""
+
+
+def _owner(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _refusal(path: str, info: os.stat_result, problem: str) -> PrivatePathError:
+    return PrivatePathError(
+        f"mtrain: refusing {path}: {problem} (owner {_owner(info.st_uid)}, mode {stat.filemode(info.st_mode)}); "
+        f"mtrain only uses what this user ({_owner(os.geteuid())}) made private; remove it or ask its owner to")
+
+
+def check_private(path: str, info: os.stat_result, kind: str) -> None:
+    """Raise PrivatePathError unless `info` (an lstat/fstat of `path`) is ours, of `kind`, and closed to others."""
+    wanted = stat.S_ISDIR if kind == "folder" else stat.S_ISREG
+    if stat.S_ISLNK(info.st_mode):
+        raise _refusal(path, info, "it is a symlink")
+    if not wanted(info.st_mode):
+        raise _refusal(path, info, f"it is not a {kind}")
+    if info.st_uid != os.geteuid():
+        raise _refusal(path, info, "it belongs to another user")
+    if info.st_mode & (0o077 if kind == "folder" else 0o022):
+        raise _refusal(path, info, "other users may use it")
+
+
+def private_folder(path: str) -> str:
+    """`path` as a folder only this user can use: made with mode 0700, or checked if it is there."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass  # another rank on this host, or an earlier generation, made it: checked below
+    check_private(path, os.lstat(path), "folder")
+    return path
+
+
+def write_private(path: str, data: bytes, sync: bool = False) -> None:
+    """Replace `path` with `data`, mode 0600; readers see the old file or the new one, never half."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temporary, _CREATE, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            if sync:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
+def open_private(path: str):
+    """`path` opened for reading (binary), only if it is our own regular file that others cannot write."""
+    fd = os.open(path, _READ)
+    try:
+        check_private(path, os.fstat(fd), "file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def read_private(path: str) -> bytes:
+    with open_private(path) as handle:
+        return handle.read()

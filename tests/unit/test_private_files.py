@@ -1,0 +1,125 @@
+"""What mtrain leaves in shared places is private, and what another user planted there is refused.
+
+The other user is simulated by chown (these tests run as root in CI; as an ordinary user
+the chown tests skip): a planted folder, file or symlink is refused with one line naming
+the path, its owner and mode, and is never read.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+
+import pytest
+
+from mtrain.elastic import snapshot
+from mtrain.launcher.private import PrivatePathError, private_folder, read_private, write_private
+from mtrain.launcher.records import HostUpdates, JobLayout
+
+OTHER_UID = 65534  # nobody
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a path to another user needs root (CI runs as root)")
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_folders_and_files_are_made_private_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        folder = private_folder(str(tmp_path / "job"))
+        write_private(os.path.join(folder, "layout.json"), b"{}")
+    finally:
+        os.umask(old)
+    assert mode(folder) == 0o700
+    assert mode(os.path.join(folder, "layout.json")) == 0o600
+    assert os.listdir(folder) == ["layout.json"]  # no temporary left behind
+    assert private_folder(folder) == folder  # ours already: reused
+
+
+def test_an_open_folder_of_our_own_is_refused(tmp_path):
+    folder = tmp_path / "open"
+    folder.mkdir()
+    folder.chmod(0o755)
+    with pytest.raises(PrivatePathError) as caught:
+        private_folder(str(folder))
+    text = str(caught.value)
+    assert str(folder) in text and "other users may use it" in text and "drwxr-xr-x" in text
+    assert "\n" not in text
+
+
+def test_a_symlink_is_never_followed(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(PrivatePathError, match="it is a symlink"):
+        private_folder(str(link))
+    (target / "state").write_bytes(b"x")
+    file_link = tmp_path / "file-link"
+    file_link.symlink_to(target / "state")
+    with pytest.raises(OSError):  # O_NOFOLLOW: ELOOP, never the target's bytes
+        read_private(str(file_link))
+
+
+@needs_root
+def test_a_folder_planted_by_another_user_is_refused(tmp_path):
+    planted = tmp_path / "mtrain-elastic-job"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    with pytest.raises(PrivatePathError) as caught:
+        private_folder(str(planted))
+    assert "it belongs to another user" in str(caught.value) and "nobody" in str(caught.value)
+
+
+@needs_root
+def test_a_planted_snapshot_is_refused_not_unpickled(tmp_path):
+    folder = str(tmp_path / "host")
+    snapshot.write(folder, snapshot.new_header(3, 2), {"step": 3})
+    assert mode(folder) == 0o700 and mode(snapshot.path_in(folder)) == 0o600
+    assert snapshot.read(folder)[1] == {"step": 3}
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    planted = snapshot.MAGIC + b'{"commit": 9, "size": 2, "time": 0}\n' + pickle.dumps(Boom())
+    path = snapshot.path_in(folder)
+    os.unlink(path)
+    with open(path, "wb") as handle:
+        handle.write(planted)
+    os.chown(path, OTHER_UID, OTHER_UID)
+    with pytest.raises(PrivatePathError, match="belongs to another user"):
+        snapshot.read(folder)
+    with pytest.raises(PrivatePathError):
+        snapshot.read_header(folder)
+    assert not (tmp_path / "ran").exists()
+    os.chown(folder, OTHER_UID, OTHER_UID)  # a foreign folder: refused before any file in it is opened
+    with pytest.raises(PrivatePathError, match="belongs to another user"):
+        snapshot.read(folder)
+
+
+@needs_root
+def test_a_planted_job_layout_or_host_version_is_refused(tmp_path):
+    layout_path = str(tmp_path / "mtrain-job-x-host.json")
+    with open(layout_path, "w") as handle:
+        handle.write("{}")
+    os.chown(layout_path, OTHER_UID, OTHER_UID)
+    with pytest.raises(PrivatePathError):
+        JobLayout.read(layout_path)
+    updates = str(tmp_path / "mtrain-job-x-host.updates")
+    HostUpdates(4).write(updates)
+    assert mode(updates) == 0o600 and HostUpdates.read(updates) == 4
+    os.chown(updates, OTHER_UID, OTHER_UID)
+    with pytest.raises(PrivatePathError):
+        HostUpdates.read(updates)
+    assert HostUpdates.read(str(tmp_path / "none")) == 0
+
+
+def test_a_planted_temporary_name_fails_the_write_instead_of_being_written_through(tmp_path):
+    target = tmp_path / "layout.json"
+    decoy = tmp_path / "decoy"
+    (tmp_path / f"layout.json.{os.getpid()}.tmp").symlink_to(decoy)
+    with pytest.raises(FileExistsError):
+        write_private(str(target), b"secret")
+    assert not decoy.exists() and not target.exists()
