@@ -8,7 +8,9 @@ It runs the user's command as a child and
   been told to stop, the time, and the last lines of the child's stderr; the
   supervisor uses the records to name the *first* failing rank;
 * stops the child (its whole process group) when MPI stops us, and dies with
-  its parent, so a killed mpirun/prted never leaves a rank running.
+  its parent, so a killed mpirun/prted never leaves a rank running;
+* starts a command that runs this environment's Python through
+  ``mtrain.launcher.pymain``, which learns the status the program ends with.
 
 Ranks that fail only because another one died are the usual noise around a
 root cause: with Open MPI, a peer's death closes sockets and the survivors
@@ -35,6 +37,7 @@ import sys
 import threading
 import time
 
+from mtrain.launcher import pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ErrorReport, ExitRecord, FailureCause, JobLayout,
@@ -175,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.buffer.write(f"[{rank}]<stderr>:{message}\n".encode())
         _write_record(ExitRecord(rank, host, 1, stopped=False, time=time.time(), stderr_tail=(message,)))
         return 1
+    # A Python program runs through mtrain's runner, so that its exit status is known however
+    # it leaves (see launcher/pymain.py).
+    command = pymain.command_through_runner(argv, environment) or argv
     try:
-        child = subprocess.Popen(argv, stdout=out_write, stderr=err_write,
+        child = subprocess.Popen(command, stdout=out_write, stderr=err_write,
                                  env=environment,
                                  start_new_session=True, preexec_fn=_set_child_deathsig)
     except OSError as error:

@@ -14,37 +14,30 @@ forever, and the launcher would never see its status.  So, at exit:
   flight, or submit later, fail with a ``ShutdownError`` naming this rank,
   then finalizes as usual, waiting for the ranks still at work.
 
-The interpreter does not tell exit handlers its exit status, so ``sys.exit``
-(and the ``exit``/``quit`` builtins) are wrapped to note the status asked for
-in the main thread before raising ``SystemExit`` as always.  A program that
-catches that SystemExit and goes on (argparse errors inside ``try``) has the
-note forgotten at its next ``init()`` or collective; ``raise SystemExit(n)``
-written out is not seen and leaves like status 0.  An uncaught exception never
-gets here: the abort hook in ``comm.py`` ends the job first.
+The interpreter does not tell exit handlers its exit status.  Under ``mtrain run``
+a rank's Python program runs through ``mtrain.launcher.pymain``, which notes the status
+of whatever leaves the main module (``raise SystemExit(n)``, an exception, a thread's
+SystemExit raised again in the main thread): however the program spells its exit, the
+handler reads it there.  A program started otherwise (plain ``mpirun python ...``) has
+only what ``sys.exit`` (and the ``exit``/``quit`` builtins), wrapped here, noted in the
+main thread; a program that catches that SystemExit and goes on (argparse errors inside
+``try``) has the note forgotten at its next ``init()`` or collective.  An uncaught
+exception never gets here: the abort hook in ``comm.py`` ends the job first.
 """
 from __future__ import annotations
 
 import atexit
 import builtins
-import os
 import signal
 import sys
 import threading
 from typing import Any, Callable
 
-from mtrain.launcher.records import ENV_ELASTIC, RESET_EXIT_STATUS
+from mtrain.launcher import pymain
+from mtrain.launcher.pymain import status_of
 
 _requested: "int | None" = None   # the status sys.exit() was last asked for
 _installed = False
-
-
-def status_of(code: Any) -> int:
-    """The process status `SystemExit(code)` ends with (as the interpreter computes it)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    return 1  # a message: printed, then status 1
 
 
 def note_status(status: int) -> None:
@@ -86,12 +79,10 @@ def install(shutdown: Callable[[], None]) -> None:
 
 def leave(shutdown: Callable[[], None]) -> None:
     """The exit handler: an error status ends the whole job; status 0 leaves politely."""
-    status = _requested
-    # Every rank of an elastic job leaves together with RESET_EXIT_STATUS: not a failure.
-    if status and not (status == RESET_EXIT_STATUS and os.environ.get(ENV_ELASTIC)):
-        from mpi4py import MPI
-        # mpi4py calls MPI_Abort(status) instead of MPI_Finalize when the interpreter ends.
-        MPI._set_abort_status(status)
+    status = pymain.final_status()
+    if status is None:  # not run by mtrain's runner: what sys.exit noted, if anything
+        status = _requested or 0
+    if pymain.abort_mpi_at_exit(status):  # MPI_Abort at the interpreter's end: nothing polite first
         return
     shutdown()
 
