@@ -251,6 +251,13 @@ class Engine:
         if old is not None:
             old.close()
 
+    def departed(self) -> "BaseException | None":
+        """Why this engine has stopped (a peer left, it failed, or it was shut down), else None: for
+        the runtime's calls that wait outside the engine thread and must not outlive their peers."""
+        if self._thread.is_alive():
+            return None
+        return self._closed()
+
     def alive(self) -> bool:
         return self._thread.is_alive()
 

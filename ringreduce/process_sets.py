@@ -18,6 +18,7 @@ communicators, the global engine, and the registered sets (``SetState``).
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -155,6 +156,29 @@ class Registry:
         # Set management runs in user threads, on its own communicator: never the engines'.
         self.admin = admin
 
+    # -- admin calls: every rank makes them, from its own thread ----------------
+    def gate(self) -> None:
+        """Wait until every rank has come to this admin call, in the caller's thread.
+
+        The admin calls' collectives block in MPI, where nothing can tell that a peer left
+        instead of coming. So they wait here first, on a non-blocking barrier: a rank that
+        leaves the job meanwhile is heard of by the global engine within a cycle, and the wait
+        ends with the engine's error, which names it. Past the gate every rank is in the same
+        call, and its blocking collectives are safe (a rank that fails there aborts the job)."""
+        request = self.admin.Ibarrier()
+        delay = 1e-4
+        while not request.Test():
+            departed = self.engine.departed()
+            if departed is not None:
+                raise departed  # the runtime is over: init() again starts afresh, on new communicators
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)  # admin calls are rare: a short wait costs nothing
+
+    def gather(self, value: Any) -> "list[Any]":
+        """Every rank's ``value``, in rank order, once every rank has come (``gate``)."""
+        self.gate()
+        return self.admin.allgather(value)
+
     # -- process sets -------------------------------------------------------
     def state(self, process_set: ProcessSet) -> SetState:
         if not isinstance(process_set, ProcessSet):
@@ -207,7 +231,7 @@ class Registry:
         except InvalidArgumentError as error:
             problem = str(error)
         # Gathered even when this rank's sets are bad, so that no rank waits here for one that raised.
-        everyone = self.admin.allgather((mine, problem))
+        everyone = self.gather((mine, problem))
         if problem is not None:
             raise InvalidArgumentError(problem)
         failed = [f"rank {r}: {text}" for r, (_, text) in enumerate(everyone) if text is not None]

@@ -130,7 +130,7 @@ def add_process_set(process_set: "ProcessSet | Sequence[int]") -> ProcessSet:
     # Every rank's call is compared before any rank raises: a rank that raised alone would leave
     # the others waiting in the collective registration below.
     mine = None if problem is not None else list(process_set.ranks)  # type: ignore[union-attr]
-    everyone = runtime.admin.allgather((mine, None if problem is None else f"{type(problem).__name__}: {problem}"))
+    everyone = runtime.gather((mine, None if problem is None else f"{type(problem).__name__}: {problem}"))
     if problem is not None:
         raise problem
     failed = [f"rank {r}: {text}" for r, (_, text) in enumerate(everyone) if text is not None]
@@ -156,7 +156,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     state = runtime.state(process_set)
     if state.id == 0:
         return False
-    runtime.admin.Barrier()  # every rank agrees before the members stop the set's engine
+    runtime.gate()  # every rank agrees before the members stop the set's engine
     state.stop()
     del runtime.sets[state.id]
     for holder in list(state.holders) + [process_set]:

@@ -280,3 +280,21 @@ def test_the_job_layout_left_in_tmp_is_private_while_the_job_runs():
     assert done.returncode == 0, done.stderr
     lines = sorted(line for line in done.stdout.splitlines() if "layout" in line)
     assert lines == [f"[{r}]<stdout>:layout 0o600 True True /tmp" for r in (0, 1)], done.stdout
+
+
+@pytest.mark.parametrize("leave", ["sys.exit(0)", "pass  # falls off the end"])
+def test_rank_leaving_while_the_others_remove_a_process_set_is_named_not_a_hang(leave):
+    # remove_process_set waits for every rank outside the engine thread; rank 2 leaves with
+    # status 0 instead of calling it.  The others must end with an error naming rank 2 (their
+    # engine hears of the departure on its next tick), never wait for it forever.
+    code = ("import sys, time, mtrain.ringreduce as rr\n"
+            "rr.init()\n"
+            "ps = rr.add_process_set([0, 1])\n"
+            f"if rr.rank() == 2:\n    time.sleep(1)\n    {leave}\n"
+            "else:\n    rr.remove_process_set(ps)\n    time.sleep(120)\n")
+    started = time.monotonic()
+    done = mtrain("-np", "3", PYTHON, "-c", code, timeout=90)
+    assert time.monotonic() - started < 30, done.stderr
+    assert done.returncode != 0, done.stderr
+    assert "rank(s) [2] left the job" in done.stderr or "rank 2 left the job" in done.stderr, done.stderr
+    assert_only_mtrain_output(done.stderr)

@@ -1,0 +1,63 @@
+"""No call that waits outside the engine thread outlives a peer that left.
+
+Rank 3 (on host mtr-b) leaves in a way only the program's runner can see, or politely
+with status 0, while ranks 0-2 wait in a blocking call that needs it.  The job ends with
+rank 3's own status, or, when it left with 0, with an error naming it; never a hang.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import PYTHON, assert_no_leftovers, run_mtrain
+from tests.launcher.report_check import assert_only_mtrain_output
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+HERE = Path(__file__).resolve().parent
+CALLS = ["init", "shutdown", "add_process_set", "remove_process_set", "barrier", "broadcast_object",
+         "allgather_object", "join", "state_sync"]
+# How rank 3 leaves -> mtrain's exit status and what the report says of rank 3.
+ERRORS = {
+    "systemexit": (3, "first failure: rank 3 on mtr-b: exit code 3 (rank 3 leaving: systemexit)"),
+    "thread_exit": (3, "first failure: rank 3 on mtr-b: exit code 3 (rank 3 leaving: thread_exit)"),
+    "thread_error": (4, "first failure: rank 3 on mtr-b: exit code 4 (rank 3 leaving: thread_error)"),
+}
+
+
+def run_cell(cluster, tmp_path, token, call: str, how: str):
+    started = time.monotonic()
+    done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "blocking_rank.py"),
+                      call, how, token, cwd=tmp_path, timeout=90)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize("how", list(ERRORS))
+@pytest.mark.parametrize("call", CALLS)
+def test_a_peer_leaving_with_an_error_status_ends_every_blocking_call(cluster, tmp_path, token, call, how):
+    done, elapsed = run_cell(cluster, tmp_path, token, call, how)
+    status, line = ERRORS[how]
+    assert done.returncode == status, done.stderr
+    assert line in done.stderr, done.stderr
+    assert elapsed < 25, elapsed  # rank 3 leaves about 1 s after start-up
+    assert_only_mtrain_output(done.stderr)
+    assert_no_leftovers(cluster, token, within=10)
+
+
+@pytest.mark.parametrize("call", [c for c in CALLS if c not in ("init", "shutdown")])
+def test_a_peer_leaving_politely_is_named_by_every_blocking_call_that_needs_it(cluster, tmp_path, token, call):
+    done, elapsed = run_cell(cluster, tmp_path, token, call, "exit0")
+    assert done.returncode != 0, done.stderr
+    report = done.stderr[done.stderr.index("mtrain: job failed; first failure:"):]
+    assert "rank 3 left the job" in report or "rank(s) [3] left the job" in report, done.stderr
+    assert elapsed < 25, elapsed
+    assert_only_mtrain_output(done.stderr)
+    assert_no_leftovers(cluster, token, within=10)
+
+
+def test_shutdown_needs_no_peer_that_left_politely(cluster, tmp_path, token):
+    done, elapsed = run_cell(cluster, tmp_path, token, "shutdown", "exit0")
+    assert done.returncode == 0, done.stderr
+    assert elapsed < 25, elapsed
+    assert_no_leftovers(cluster, token, within=10)
