@@ -32,7 +32,7 @@ import uuid
 from mtrain.launcher.config import ElasticSettings, LaunchConfig
 from mtrain.launcher.hosts import HostSlots, is_local, local_names
 from mtrain.launcher.supervise import first_failure, print_failure_report
-from mtrain.launcher.records import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_EXIT_STATUS, AgentEventKind,
+from mtrain.launcher.records import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_EXIT_STATUS, new_job_secret, AgentEventKind,
                             ElasticResume, ExitRecord)
 
 DISCOVERY_INTERVAL = 1.0      # seconds between runs of the discovery script while a generation runs
@@ -144,6 +144,7 @@ class ElasticDriver:
         self.config, self.settings = config, config.elastic
         self.blacklist = Blacklist(self.settings.cooldown)
         self.job_id = uuid.uuid4().hex
+        self.secret = new_job_secret()  # signs every generation's snapshots (bindings/elastic/snapshot.py)
         self.state_dir = os.path.join(STATE_DIRECTORY, f"mtrain-elastic-{self.job_id}")
         self.resets = 0
         self.pending: _Reset | None = None
@@ -220,8 +221,8 @@ class ElasticDriver:
                 names = local_names()
                 config = dataclasses.replace(self.config, plan=tuple(plan), remote_hosts=tuple(
                     h.name for h in plan if not is_local(h.name, names)))
-                generation = Generation(env=(f"{ENV_ELASTIC}=1",
-                                             f"{ENV_ELASTIC_STATE_DIR}={self.state_dir}/{{host}}"),
+                generation = Generation(env={ENV_ELASTIC: "1", ENV_ELASTIC_STATE_DIR: f"{self.state_dir}/{{host}}"},
+                                        job_id=self.job_id, secret=self.secret,
                                         on_resume=self._resumed(plan))
                 stop = threading.Event()
                 watcher = threading.Thread(target=self.watch, args=(plan, known, generation, stop), daemon=True)

@@ -22,8 +22,10 @@ from mtrain.launcher.config import LaunchConfig, MpiKind
 from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
-from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, AgentEvent, ElasticResume,
-                            ExitRecord, Gate, HostUpdates, JobLayout, host_path, updates_file)
+from mtrain.launcher.private import PrivatePathError, remove_private
+from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_SECRET, AgentEvent,
+                                     ElasticResume, ExitRecord, Gate, HostUpdates, JobLayout, host_path,
+                                     job_file_template, new_job_secret, updates_file)
 
 if TYPE_CHECKING:
     from mtrain.launcher.preflight import HostReport
@@ -40,22 +42,28 @@ def _log(config: LaunchConfig, message: str) -> None:
 
 
 def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple[str, ...] = (),
-                   job_file: str | None = None) -> list[str]:
+                   job_env: "dict[str, str] | None" = None) -> list[str]:
     """The launcher argv for `config` (pure apart from reading os.environ).
 
     `subnets` is the automatic interface choice, used when the user gave none.
+    `job_env`: the job's own variables for the ranks (its files, its secret), which go into
+    mpirun's environment (``job_environment``) and are forwarded by name: their values are
+    never on a command line, where any user of the host can read them.
     Whether ranks must yield the CPU (more ranks than cores on a host) is decided
     on each host by the rank wrapper, which knows that host's cores.
     """
-    names, values = rank_environment(os.environ, config.env_pass)
-    if job_file:
-        values.setdefault(ENV_JOB_FILE, job_file)
+    names, values = rank_environment(job_environment(job_env), config.env_pass)
     if config.mpi.kind is MpiKind.MPICH:
         subnets = ()  # hydra's -iface wants an interface name, not a subnet
     return mpilib.build_argv(
         config.mpi, config.plan, config.command, rank_python=sys.executable, agent=agent,
         env_names=names, env_values=values, network_interfaces=config.network_interfaces or subnets,
         as_root=os.geteuid() == 0, extra_args=config.mpi_args)
+
+
+def job_environment(job_env: "dict[str, str] | None") -> dict[str, str]:
+    """mpirun's environment: ours, with the job's own variables (``build_job_argv``)."""
+    return {**os.environ, **(job_env or {})}
 
 
 def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str, job_file: str,
@@ -90,9 +98,10 @@ def print_plan(config: LaunchConfig, argv: list[str]) -> None:
 class Generation:
     """What an elastic driver (launcher/elastic.py) adds to one launch, and learns from it."""
 
-    env: tuple[str, ...] = ()   # extra `-x NAME=value` items for the ranks
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # more of the job's variables for the ranks
     on_resume: Callable[[ElasticResume], None] | None = None
     job_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    secret: str = dataclasses.field(default_factory=new_job_secret)  # one for every generation of the job
     # Filled in by launch(): where a new host-set version goes (this host's file for its ranks,
     # and the file the SSH agents forward to their hosts), then how the job ended.
     updates_paths: list[str] = dataclasses.field(default_factory=list)
@@ -135,13 +144,14 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
         events_path = os.path.join(scratch, "events")
         gate = os.path.join(scratch, "gate")
         job_id = generation.job_id if generation else uuid.uuid4().hex
-        job_file = os.path.join(JOB_FILE_DIRECTORY, f"mtrain-job-{job_id}-{{host}}.json")
+        job_file = job_file_template(JOB_FILE_DIRECTORY, job_id)
+        job_env = {ENV_JOB_FILE: job_file, ENV_JOB_SECRET: generation.secret if generation else new_job_secret()}
         agents_updates = os.path.join(scratch, "updates") if generation else None
         local_file = host_path(job_file)
         try:
             if generation is not None:
-                config = dataclasses.replace(config, env_pass=config.env_pass + generation.env + (
-                    f"{ENV_ELASTIC_UPDATES}={updates_file(job_file)}", f"{ENV_ELASTIC_VERSION}=0"))
+                job_env.update(generation.env)
+                job_env.update({ENV_ELASTIC_UPDATES: updates_file(job_file), ENV_ELASTIC_VERSION: "0"})
                 generation.updates_paths = [host_path(updates_file(job_file)), agents_updates]
             if config.remote_hosts:
                 if dry_run and config.mpi.kind is not MpiKind.MPICH:
@@ -155,7 +165,7 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                                    master.path if master else None)
             subnets = _route_subnets(config) if config.remote_hosts and not config.network_interfaces else ()
             try:
-                argv = build_job_argv(config, agent, subnets, job_file)
+                argv = build_job_argv(config, agent, subnets, job_env)
             except ValueError as error:
                 print(f"mtrain run: error: {error}", file=sys.stderr)
                 return 2
@@ -172,8 +182,12 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                                       stopped=lambda: job.interrupted is not None)
             else:
                 preflight = None
-                _local_layout(config).write(local_file)
-            job = supervise.Job(argv, dict(os.environ), config.num_proc, config.output_dir, config.verbose,
+                try:
+                    _local_layout(config).write(local_file)
+                except PrivatePathError as error:  # another user's folder at the job's path
+                    print(error, file=sys.stderr)
+                    return 1
+            job = supervise.Job(argv, job_environment(job_env), config.num_proc, config.output_dir, config.verbose,
                                 events_path if agent else None, preflight=preflight,
                                 gate=Gate(gate) if agent else None,
                                 on_resume=generation.on_resume if generation else None,
@@ -192,9 +206,8 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                     _log(config, f"SSH: {counters.connections} connections shared; agents served by the "
                          f"waiting probe {counters.probe_sessions}, by a new session {counters.new_sessions}, "
                          f"sent to connect themselves {counters.unknown}")
-                for path in (local_file, host_path(updates_file(job_file))):
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+                for path in (host_path(updates_file(job_file)), local_file):
+                    remove_private(path)  # and the job's folder, once no host's file is left in it
 
 
 class _Termination:

@@ -4,14 +4,15 @@ Other users log in to the hosts our users train on, and the names mtrain uses th
 can be read from `ps` (the job id is on mpirun's command line).  A name alone is no
 protection, so:
 
+* nothing is put straight into the shared place: every file goes into a folder of the
+  job's own (`/tmp/mtrain-job-<id>/`, `/dev/shm/mtrain-elastic-<id>/<host>/`);
 * a folder is made with `mkdir(path, 0o700)`; one that is already there is used only
   if it is a real folder (not a symlink), owned by this user, with no group or other
   permissions: anything else is refused, never followed, read or reused;
-* a file is written to a temporary name opened with `O_CREAT | O_EXCL | O_NOFOLLOW`,
-  mode 0600, then renamed over the target (in a sticky /tmp, a rename over another
-  user's file fails instead of replacing it);
-* a file is read only through `O_NOFOLLOW`, and only if what was opened is a regular
-  file owned by this user that nobody else may write.
+* a file is written, inside such a folder, to a temporary name opened with
+  `O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600, then renamed over the target;
+* a file is read only from such a folder, through `O_NOFOLLOW`, and only if what was
+  opened is a regular file owned by this user that nobody else may write.
 
 `PrivatePathError` is the one-line refusal: the path, its owner and mode, what to do.
 """
@@ -66,7 +67,9 @@ def private_folder(path: str) -> str:
 
 
 def write_private(path: str, data: bytes, sync: bool = False) -> None:
-    """Replace `path` with `data`, mode 0600; readers see the old file or the new one, never half."""
+    """Replace `path` with `data`, mode 0600, in a folder of ours (made if needed); readers see
+    the old file or the new one, never half."""
+    private_folder(os.path.dirname(path))
     temporary = f"{path}.{os.getpid()}.tmp"
     fd = os.open(temporary, _CREATE, 0o600)
     try:
@@ -85,7 +88,10 @@ def write_private(path: str, data: bytes, sync: bool = False) -> None:
 
 
 def open_private(path: str):
-    """`path` opened for reading (binary), only if it is our own regular file that others cannot write."""
+    """`path` opened for reading (binary), only if it is our own regular file that others cannot
+    write, in a folder of ours that others cannot use; FileNotFoundError when either is missing."""
+    folder = os.path.dirname(path)
+    check_private(folder, os.lstat(folder), "folder")
     fd = os.open(path, _READ)
     try:
         check_private(path, os.fstat(fd), "file")
@@ -98,3 +104,14 @@ def open_private(path: str):
 def read_private(path: str) -> bytes:
     with open_private(path) as handle:
         return handle.read()
+
+
+def remove_private(path: str) -> None:
+    """Remove `path` (if there) and then its folder, once nothing else is left in it."""
+    for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+        try:
+            remove(target)
+        except FileNotFoundError:
+            pass
+        except OSError:  # a folder still holding another host's or rank's files: theirs to remove
+            return

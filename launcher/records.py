@@ -380,6 +380,12 @@ class StopReason(enum.Enum):
 ENV_JOB_FILE = "MTRAIN_JOB_FILE"  # a path template: "{host}" stands for the host's name
 
 
+def job_file_template(directory: str, job_id: str) -> str:
+    """Where each host keeps the job's layout: a file per host (hosts may share the folder) in a
+    private folder of the job's own, which launcher/private.py makes or refuses."""
+    return os.path.join(directory, f"mtrain-job-{job_id}", "{host}.json")
+
+
 @_record
 class JobLayout:
     slots: tuple[int, ...]            # ranks per host, hosts in rank order
@@ -405,7 +411,7 @@ class JobLayout:
             return None
 
     def write(self, path: str) -> None:
-        # In /tmp, under a name other users can see: mode 0600, never through a planted path.
+        # In the job's folder in /tmp (see launcher/private.py): mode 0600, never through a planted path.
         write_private(path, self.encode().encode())
 
     @staticmethod
@@ -451,6 +457,14 @@ ENV_ELASTIC_STATE_DIR = "MTRAIN_ELASTIC_STATE_DIR"  # template, "{host}": this h
 ENV_ELASTIC_UPDATES = "MTRAIN_ELASTIC_UPDATES"      # template, "{host}": file with the host-set version
 ENV_ELASTIC_VERSION = "MTRAIN_ELASTIC_VERSION"      # the host-set version this generation started with
 RESET_EXIT_STATUS = 75   # every rank exits with it to ask the driver for the next generation
+# A random key per job that signs the snapshots (bindings/elastic/snapshot.py), so that a new
+# generation loads only what this job wrote.  It reaches the ranks in their environment (mpirun
+# forwards it by name from its own, which only this user can read): never on a command line.
+ENV_JOB_SECRET = "MTRAIN_JOB_SECRET"
+
+
+def new_job_secret() -> str:
+    return os.urandom(32).hex()
 RESUME_MARKER = b"@@mtrain-elastic-resumed@@ "
 
 

@@ -24,7 +24,6 @@ starting here, and it leaves without running anything.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
@@ -37,6 +36,7 @@ import threading
 import time
 
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
+from mtrain.launcher.private import PrivatePathError, remove_private
 from mtrain.launcher.records import HostUpdates, JobLayout, host_path, updates_file
 
 HEARTBEAT_TIMEOUT = 8.0
@@ -170,18 +170,19 @@ def _run_guarded(command: str, job_file: str | None, layout: JobLayout | None, u
     if job_file and layout:
         try:
             layout.write(job_file)
-        except OSError as error:  # another user's file (or a planted temporary name) at that path
+        except PrivatePathError as error:  # another user's folder (or file) at the job's path
+            sys.stderr.write(f"{error} (on {os.uname().nodename})\n")
+            return 1
+        except OSError as error:
             sys.stderr.write(f"mtrain: cannot write the job layout {job_file} on {os.uname().nodename}: "
-                             f"{error.strerror or error}; another user may have made that path: remove it, "
-                             "or ask its owner to\n")
+                             f"{error.strerror or error}\n")
             return 1
     try:
         return _guard(command, updates_path, pending)
     finally:
-        for path in (job_file, updates_path):
+        for path in (updates_path, job_file):
             if path:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+                remove_private(path)  # and the job's folder, once no host's file is left in it
 
 
 def _guard(command: str, updates_path: str | None, pending: bytes = b"") -> int:

@@ -80,9 +80,10 @@ buffer and writing the result back while the stripes fit the cache. Where the
 cache is small or busy, the traffic is about twice a memcpy's (copy in, reduce,
 publish, copy out); cma on huge pages does better there.
 
-The segment (2·L·stripe_bytes) is a file in /dev/shm that local rank 0 creates
-and every rank maps once, when the Executor is made; rank 0 unlinks it as soon
-as everyone has it mapped, so nothing is left behind however the job ends.
+The segment (2·L·stripe_bytes) is a file in a private folder in /dev/shm that
+local rank 0 creates and every rank maps once, when the Executor is made; rank 0
+removes both as soon as everyone has it mapped, so nothing is left behind however
+the job ends.
 """
 from __future__ import annotations
 
@@ -92,11 +93,12 @@ import mmap
 import os
 import sys
 import tempfile
-import uuid
 from typing import Any, Callable, Iterator
 
 import numpy as np
 from mpi4py import MPI
+
+from mtrain.launcher.private import check_private, remove_private
 
 from . import ring
 from .backend import NumpyBackend
@@ -121,9 +123,12 @@ def map_shared(local: MPI.Comm, nbytes: int) -> "tuple[mmap.mmap | None, str | N
     (None, why) on every rank of ``local`` when any rank could not."""
     path, error = None, None
     if local.Get_rank() == 0:
-        path = os.path.join(_shm_dir(), f"mtrain-allreduce-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            # /dev/shm is shared by every user of the host: the file lives in a new 0700 folder of
+            # ours (mkdtemp's), never straight in it (launcher/private.py says why).
+            folder = tempfile.mkdtemp(prefix="mtrain-allreduce-", dir=_shm_dir())
+            path = os.path.join(folder, "segment")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
             try:
                 # Reserve the pages now: a full tmpfs is an error here, not a SIGBUS later.
                 os.posix_fallocate(fd, 0, nbytes)
@@ -135,8 +140,10 @@ def map_shared(local: MPI.Comm, nbytes: int) -> "tuple[mmap.mmap | None, str | N
     mapped = None
     if error is None:
         try:
-            fd = os.open(path, os.O_RDWR)
+            check_private(os.path.dirname(path), os.lstat(os.path.dirname(path)), "folder")
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
             try:
+                check_private(path, os.fstat(fd), "file")
                 mapped = mmap.mmap(fd, nbytes)
             finally:
                 os.close(fd)
@@ -144,10 +151,7 @@ def map_shared(local: MPI.Comm, nbytes: int) -> "tuple[mmap.mmap | None, str | N
             error = f"cannot map shared-memory file {path}: {exc}"
     errors = [e for e in local.allgather(error) if e]
     if local.Get_rank() == 0 and path is not None:
-        try:
-            os.unlink(path)  # mapped everywhere (or failed): the name is no longer needed
-        except OSError:
-            pass
+        remove_private(path)  # mapped everywhere (or failed): the names are no longer needed
     if errors:
         if mapped is not None:
             mapped.close()

@@ -28,6 +28,15 @@ def state_folder() -> str:
     return private_folder(folder)
 
 
+def secret() -> bytes:
+    """The job's key that signs its snapshots (the launcher's, in this rank's environment only)."""
+    value = os.environ.get(records.ENV_JOB_SECRET, "")
+    if not value:
+        raise RuntimeError(f"{records.ENV_ELASTIC} is set but {records.ENV_JOB_SECRET} is not: elastic ranks need "
+                           "the job's key to sign their snapshots; start the job with `mtrain run --min-np ...`")
+    return value.encode()
+
+
 def started_version() -> int:
     """The host-set version this generation started with."""
     try:

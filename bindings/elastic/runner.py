@@ -70,13 +70,14 @@ def resume_generation(state: State) -> int:
     folder = job.state_folder()
     if rr.local_rank() == 0:
         snapshot.remove_leftovers(folder)
-    header = snapshot.read_header(folder)
+    key = job.secret()
+    header = snapshot.read_header(folder, key)
     commits = rr.allgather_object(header.commit if header else -1, name="mtrain.elastic.commits")
     newest, source = newest_commit_source(commits)
     if newest >= 0:
         values = None
         if rr.rank() == source:
-            found = snapshot.read(folder)
+            found = snapshot.read(folder, key)
             if found is None or found[0].commit != newest:
                 raise RuntimeError(f"the elastic snapshot in {folder} changed while a generation started "
                                    "(another job using the same folder?)")

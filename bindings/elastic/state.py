@@ -113,7 +113,8 @@ class State:
         # Every rank holds the same committed state: one writer per host is enough.
         if rr.local_rank() != 0:
             return
-        snapshot.write(job.state_folder(), snapshot.new_header(self._commit_number, rr.size()), self._committed())
+        snapshot.write(job.state_folder(), snapshot.new_header(self._commit_number, rr.size()), self._committed(),
+                       job.secret())
 
 
 class ObjectState(State):

@@ -40,7 +40,8 @@ def test_tensorflow_and_keras_states_callbacks_and_resume():
     from mtrain.elastic import snapshot
     from mtrain.elastic import tensorflow as elastic
     n, me = rr.size(), rr.rank()
-    for name in ("MTRAIN_ELASTIC", "MTRAIN_ELASTIC_STATE_DIR", "MTRAIN_ELASTIC_UPDATES", "MTRAIN_ELASTIC_VERSION"):
+    for name in ("MTRAIN_ELASTIC", "MTRAIN_ELASTIC_STATE_DIR", "MTRAIN_ELASTIC_UPDATES", "MTRAIN_ELASTIC_VERSION",
+                 "MTRAIN_JOB_SECRET"):
         os.environ.pop(name, None)
 
     # --- TensorFlowState: variables and attributes, outside an elastic job ----------------------
@@ -98,10 +99,11 @@ def test_tensorflow_and_keras_states_callbacks_and_resume():
     base = rr.broadcast_object(tempfile.mkdtemp(prefix="mtrain-elastic-tf-") if me == 0 else None, 0)
     os.environ.update({"MTRAIN_ELASTIC": "1", "MTRAIN_ELASTIC_VERSION": "0",
                        "MTRAIN_ELASTIC_STATE_DIR": os.path.join(base, f"rank{me}", "{host}"),
-                       "MTRAIN_ELASTIC_UPDATES": os.path.join(base, "updates-{host}")})
+                       "MTRAIN_ELASTIC_UPDATES": os.path.join(base, "updates-{host}"),
+                       "MTRAIN_JOB_SECRET": "fedcba9876543210" * 4})
     if me == 1:  # this "host" committed the trained state (optimizer built) as commit 11
         snapshot.write(os.path.join(base, "rank1", os.uname().nodename), snapshot.new_header(11, 2),
-                       state._committed())
+                       state._committed(), os.environ["MTRAIN_JOB_SECRET"].encode())
     want = rr.broadcast_object(committed, 1)
     fresh = _model(keras, seed=40 + me)
     fresh.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9), loss="mse")
@@ -120,5 +122,6 @@ def test_tensorflow_and_keras_states_callbacks_and_resume():
     rr.barrier()
     if me == 0:
         shutil.rmtree(base)
-    for name in ("MTRAIN_ELASTIC", "MTRAIN_ELASTIC_STATE_DIR", "MTRAIN_ELASTIC_UPDATES", "MTRAIN_ELASTIC_VERSION"):
+    for name in ("MTRAIN_ELASTIC", "MTRAIN_ELASTIC_STATE_DIR", "MTRAIN_ELASTIC_UPDATES", "MTRAIN_ELASTIC_VERSION",
+                 "MTRAIN_JOB_SECRET"):
         os.environ.pop(name, None)

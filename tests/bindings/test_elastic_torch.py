@@ -20,7 +20,9 @@ import torch  # noqa: E402
 
 from tests.mpi.harness import launch, mpi_test  # noqa: E402
 
-ELASTIC_VARS = ("MTRAIN_ELASTIC", "MTRAIN_ELASTIC_STATE_DIR", "MTRAIN_ELASTIC_UPDATES", "MTRAIN_ELASTIC_VERSION")
+ELASTIC_VARS = ("MTRAIN_ELASTIC", "MTRAIN_ELASTIC_STATE_DIR", "MTRAIN_ELASTIC_UPDATES", "MTRAIN_ELASTIC_VERSION",
+                "MTRAIN_JOB_SECRET")
+KEY = "0123456789abcdef" * 4  # the job's key, as the launcher would give every rank
 
 
 def _model(seed: int):
@@ -53,7 +55,7 @@ def _elastic_env(base: str, rank: int, version: int = 0) -> None:
     os.environ.update({"MTRAIN_ELASTIC": "1",
                        "MTRAIN_ELASTIC_STATE_DIR": os.path.join(base, f"rank{rank}", "{host}"),
                        "MTRAIN_ELASTIC_UPDATES": os.path.join(base, f"updates-rank{rank}-{{host}}"),
-                       "MTRAIN_ELASTIC_VERSION": str(version)})
+                       "MTRAIN_ELASTIC_VERSION": str(version), "MTRAIN_JOB_SECRET": KEY})
 
 
 def _plain_env() -> None:
@@ -143,7 +145,7 @@ def test_a_generation_resumes_from_the_newest_commit_any_host_holds():
         old.save()  # collective: the sampler's record becomes every rank's
         if commits[me] >= 0:
             snapshot.write(os.path.join(base, f"rank{me}", os.uname().nodename),
-                           snapshot.new_header(commits[me], 7), old._committed())
+                           snapshot.new_header(commits[me], 7), old._committed(), KEY.encode())
         newest = max(commits)
         source = commits.index(newest)
         want_flat = hvd.broadcast_object(_flat(old_model), source)
@@ -195,7 +197,7 @@ def test_a_generation_resumes_from_the_newest_commit_any_host_holds():
         state.commit()
         assert state.commit_number == newest + 1
         if hvd.local_rank() == 0:
-            header = snapshot.read_header(os.path.join(base, f"rank{me}", os.uname().nodename))
+            header = snapshot.read_header(os.path.join(base, f"rank{me}", os.uname().nodename), KEY.encode())
             assert header is not None and header.commit == newest + 1 and header.size == n, (what, header)
         hvd.barrier()
         if me == 0:
@@ -305,7 +307,8 @@ def test_run_exits_every_rank_with_the_reset_status_and_the_next_generation_resu
     from mtrain.elastic import snapshot
     from mtrain.launcher.records import RESET_EXIT_STATUS, RESUME_MARKER, ElasticResume
     env = {"MTRAIN_ELASTIC": "1", "MTRAIN_ELASTIC_STATE_DIR": str(tmp_path / "state-{host}"),
-           "MTRAIN_ELASTIC_UPDATES": str(tmp_path / "updates-{host}"), "MTRAIN_ELASTIC_VERSION": "1"}
+           "MTRAIN_ELASTIC_UPDATES": str(tmp_path / "updates-{host}"), "MTRAIN_ELASTIC_VERSION": "1",
+           "MTRAIN_JOB_SECRET": KEY}
     argv = [sys.executable, "-m", "tests.mpi.harness", __name__, "reset_exit_body"]
     first = launch(2, argv, timeout=120, env=env)
     assert first.returncode == RESET_EXIT_STATUS, first.stdout[-3000:] + first.stderr[-3000:]
@@ -316,7 +319,7 @@ def test_run_exits_every_rank_with_the_reset_status_and_the_next_generation_resu
     resumed = [ElasticResume.decode(line[len(RESUME_MARKER):].encode())
                for line in first.stderr.splitlines() if line.startswith(RESUME_MARKER.decode())]
     assert resumed == [ElasticResume(-1, 2)]
-    header = snapshot.read_header(str(tmp_path / f"state-{os.uname().nodename}"))
+    header = snapshot.read_header(str(tmp_path / f"state-{os.uname().nodename}"), KEY.encode())
     assert header is not None and header.commit == 4, header
     # The next generation (version 2, three ranks) resumes from that commit and runs to the end.
     second = launch(3, argv, timeout=180, env=dict(env, MTRAIN_ELASTIC_VERSION="2"))

@@ -269,17 +269,26 @@ def test_master_port_flag_and_tf_config_on_one_host():
         "127.0.0.1 29611 0 2", "127.0.0.1 29611 1 2"]
 
 
-def test_the_job_layout_left_in_tmp_is_private_while_the_job_runs():
-    # The layout (master address, ports, TF_CONFIG) sits in /tmp under a name other users can
-    # read from `ps`: while the job runs it must be ours alone, mode 0600, a regular file.
+def test_the_job_layout_left_in_tmp_is_private_and_off_the_command_line_while_the_job_runs():
+    # The layout (master address, ports, TF_CONFIG) sits in /tmp: while the job runs it must be
+    # ours alone (a 0600 file in a 0700 folder of the job's), and neither its path nor the job's
+    # key may be on mpirun's command line, which every user of the host can read.
     code = ("import os, stat; path = os.environ['MTRAIN_JOB_FILE'].format(host=os.uname().nodename); "
-            "info = os.lstat(path); "
-            "print('layout', oct(stat.S_IMODE(info.st_mode)), stat.S_ISREG(info.st_mode), "
-            "info.st_uid == os.geteuid(), os.path.dirname(path))")
+            "info, folder = os.lstat(path), os.lstat(os.path.dirname(path)); "
+            "print('layout', oct(stat.S_IMODE(info.st_mode)), stat.S_ISREG(info.st_mode), info.st_uid == os.geteuid(), "
+            "oct(stat.S_IMODE(folder.st_mode)), stat.S_ISDIR(folder.st_mode), folder.st_uid == os.geteuid(), "
+            "os.path.dirname(os.path.dirname(path)), len(os.environ['MTRAIN_JOB_SECRET'])); "
+            "lines = [open(f'/proc/{p}/cmdline', 'rb').read() for p in os.listdir('/proc') if p.isdigit() "
+            "         and os.path.exists(f'/proc/{p}/cmdline')]; "
+            "job = os.path.basename(os.path.dirname(path)).encode(); "  # mtrain-job-<id>
+            "print('visible', any(os.environ['MTRAIN_JOB_SECRET'].encode() in l or job in l for l in lines))")
+    before = set(os.listdir("/tmp"))
     done = mtrain("-np", "2", PYTHON, "-c", code)
     assert done.returncode == 0, done.stderr
-    lines = sorted(line for line in done.stdout.splitlines() if "layout" in line)
-    assert lines == [f"[{r}]<stdout>:layout 0o600 True True /tmp" for r in (0, 1)], done.stdout
+    lines = sorted(line for line in done.stdout.splitlines() if "layout" in line or "visible" in line)
+    assert lines == sorted([f"[{r}]<stdout>:layout 0o600 True True 0o700 True True /tmp 64" for r in (0, 1)]
+                           + [f"[{r}]<stdout>:visible False" for r in (0, 1)]), done.stdout
+    assert not [name for name in set(os.listdir("/tmp")) - before if name.startswith("mtrain-job-")]
 
 
 @pytest.mark.parametrize("leave", ["sys.exit(0)", "pass  # falls off the end"])

@@ -13,10 +13,11 @@ import stat
 import pytest
 
 from mtrain.elastic import snapshot
-from mtrain.launcher.private import PrivatePathError, private_folder, read_private, write_private
+from mtrain.launcher.private import PrivatePathError, private_folder, read_private, remove_private, write_private
 from mtrain.launcher.records import HostUpdates, JobLayout
 
 OTHER_UID = 65534  # nobody
+KEY = b"k" * 64  # the job's key
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a path to another user needs root (CI runs as root)")
 
 
@@ -75,9 +76,9 @@ def test_a_folder_planted_by_another_user_is_refused(tmp_path):
 @needs_root
 def test_a_planted_snapshot_is_refused_not_unpickled(tmp_path):
     folder = str(tmp_path / "host")
-    snapshot.write(folder, snapshot.new_header(3, 2), {"step": 3})
+    snapshot.write(folder, snapshot.new_header(3, 2), {"step": 3}, KEY)
     assert mode(folder) == 0o700 and mode(snapshot.path_in(folder)) == 0o600
-    assert snapshot.read(folder)[1] == {"step": 3}
+    assert snapshot.read(folder, KEY)[1] == {"step": 3}
 
     class Boom:
         def __reduce__(self):
@@ -90,24 +91,25 @@ def test_a_planted_snapshot_is_refused_not_unpickled(tmp_path):
         handle.write(planted)
     os.chown(path, OTHER_UID, OTHER_UID)
     with pytest.raises(PrivatePathError, match="belongs to another user"):
-        snapshot.read(folder)
+        snapshot.read(folder, KEY)
     with pytest.raises(PrivatePathError):
-        snapshot.read_header(folder)
+        snapshot.read_header(folder, KEY)
     assert not (tmp_path / "ran").exists()
     os.chown(folder, OTHER_UID, OTHER_UID)  # a foreign folder: refused before any file in it is opened
     with pytest.raises(PrivatePathError, match="belongs to another user"):
-        snapshot.read(folder)
+        snapshot.read(folder, KEY)
 
 
 @needs_root
 def test_a_planted_job_layout_or_host_version_is_refused(tmp_path):
-    layout_path = str(tmp_path / "mtrain-job-x-host.json")
+    job_folder = private_folder(str(tmp_path / "mtrain-job-x"))
+    layout_path = os.path.join(job_folder, "host.json")
     with open(layout_path, "w") as handle:
         handle.write("{}")
     os.chown(layout_path, OTHER_UID, OTHER_UID)
     with pytest.raises(PrivatePathError):
         JobLayout.read(layout_path)
-    updates = str(tmp_path / "mtrain-job-x-host.updates")
+    updates = os.path.join(job_folder, "host.updates")
     HostUpdates(4).write(updates)
     assert mode(updates) == 0o600 and HostUpdates.read(updates) == 4
     os.chown(updates, OTHER_UID, OTHER_UID)
@@ -123,3 +125,54 @@ def test_a_planted_temporary_name_fails_the_write_instead_of_being_written_throu
     with pytest.raises(FileExistsError):
         write_private(str(target), b"secret")
     assert not decoy.exists() and not target.exists()
+
+
+def test_a_snapshot_not_signed_with_the_jobs_key_is_refused_not_unpickled(tmp_path):
+    folder = str(tmp_path / "job" / "host")
+    ran = tmp_path / "ran"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(ran),))
+
+    snapshot.write(folder, snapshot.new_header(4, 2), Boom(), b"another job's key")
+    with pytest.raises(snapshot.SnapshotRejected, match="not signed with this job's key") as caught:
+        snapshot.read(folder, KEY)
+    assert snapshot.path_in(folder) in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(snapshot.SnapshotRejected):
+        snapshot.read_header(folder, KEY)
+    # Signed by this job, then changed (the payload swapped under a header that was right).
+    snapshot.write(folder, snapshot.new_header(5, 2), {"step": 5}, KEY)
+    with open(snapshot.path_in(folder), "rb") as handle:
+        header = handle.readline()
+    with open(snapshot.path_in(folder), "wb") as handle:
+        handle.write(header + pickle.dumps(Boom()))
+    assert snapshot.read_header(folder, KEY).commit == 5  # the header itself is still right
+    with pytest.raises(snapshot.SnapshotRejected, match="do not match its signed header"):
+        snapshot.read(folder, KEY)
+    # A header edited to claim a newer commit breaks its MAC.
+    with open(snapshot.path_in(folder), "wb") as handle:
+        handle.write(header.replace(b'"commit": 5', b'"commit": 9') + pickle.dumps({"step": 5}))
+    with pytest.raises(snapshot.SnapshotRejected):
+        snapshot.read_header(folder, KEY)
+    assert not ran.exists()
+
+
+def test_files_are_read_only_from_a_folder_of_ours(tmp_path):
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    (open_folder / "layout.json").write_text("{}")
+    open_folder.chmod(0o777)
+    with pytest.raises(PrivatePathError, match="other users may use it"):
+        read_private(str(open_folder / "layout.json"))
+
+
+def test_removing_a_file_removes_its_folder_once_empty(tmp_path):
+    folder = private_folder(str(tmp_path / "mtrain-job-y"))
+    for host in ("a", "b"):
+        write_private(os.path.join(folder, f"{host}.json"), b"{}")
+    remove_private(os.path.join(folder, "a.json"))
+    assert os.listdir(folder) == ["b.json"]  # another host's file: the folder stays
+    remove_private(os.path.join(folder, "b.json"))
+    assert not os.path.exists(folder)
+    remove_private(os.path.join(folder, "b.json"))  # gone already: nothing to do

@@ -427,9 +427,9 @@ def _after_probe(stdin: bytes, wait: float = 10) -> subprocess.CompletedProcess:
 
 
 def test_probe_becomes_the_guard_on_its_go_line(tmp_path):
-    template = str(tmp_path / "job-{host}.json")
+    template = str(tmp_path / "mtrain-job-x" / "{host}.json")
     layout = json.dumps({"slots": [1], "master_addr": "10.0.0.1", "master_port": 1234, "workers": ["10.0.0.1:1"]})
-    command = f"test -f {tmp_path}/job-$(hostname).json && echo ran; exit 4"
+    command = f"test -f {tmp_path}/mtrain-job-x/$(hostname).json && echo ran; exit 4"
     code = "import sys; from mtrain.launcher.remote_guard import after_probe; sys.exit(after_probe(10))"
     # stdin stays open (the session lives) while the daemon runs: its end would stop the guard.
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -442,7 +442,7 @@ def test_probe_becomes_the_guard_on_its_go_line(tmp_path):
         proc.kill()
         proc.stdin.close()
     assert proc.stdout.read() == b"ran\n"
-    assert list(tmp_path.iterdir()) == []  # the layout file is removed when the job ends
+    assert list(tmp_path.iterdir()) == []  # the layout file and its folder are removed when the job ends
 
 
 def test_probe_without_go_line_runs_nothing(tmp_path):
