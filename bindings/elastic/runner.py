@@ -24,6 +24,7 @@ import sys
 from typing import Any, Callable
 
 import mtrain.ringreduce as rr
+from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import RESET_EXIT_STATUS, ElasticResume
 
 from . import job, snapshot
@@ -36,14 +37,19 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         if not job.is_elastic():
             return _run_in_place(func, state, args, kwargs)
-        resume_generation(state)
         try:
+            resume_generation(state)
             return func(state, *args, **kwargs)
         except HostsUpdatedInterrupt:
             # Every rank got here at the same commit, and that commit's snapshot is on disk.
             sys.stdout.flush()
             sys.stderr.flush()
             sys.exit(RESET_EXIT_STATUS)  # looked up now: the runtime notes the status it is asked for
+        except (PrivatePathError, snapshot.SnapshotRejected) as refused:
+            # Another user's path where the snapshots go, or a snapshot this job did not sign:
+            # said in one line (it names the path, its owner and mode), and the job ends.
+            print(refused, file=sys.stderr, flush=True)
+            sys.exit(1)
     return wrapper
 
 

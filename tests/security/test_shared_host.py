@@ -1,0 +1,272 @@
+"""On a host other people log in to: a job run by one local user keeps everything it leaves in
+/tmp and /dev/shm private, and a second local user can neither read it nor plant anything the
+job would use.
+
+The job runs as the ordinary user `mtrain-job` (root ignores file modes); `mtrain-other`
+reads and plants.  `.ci/run` makes both users; elsewhere these tests skip, in CI they fail
+when they cannot run.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mtrain.elastic import snapshot
+
+PYTHON = sys.executable
+JOB_USER, OTHER_USER = "mtrain-job", "mtrain-other"
+HERE = Path(__file__).resolve().parent
+SHARED = ("/tmp", "/dev/shm")
+pytestmark = pytest.mark.timeout(180)
+
+
+def _problem() -> "str | None":
+    if os.geteuid() != 0:
+        return "running a job as another local user needs root"
+    for user in (JOB_USER, OTHER_USER):
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            return f"no local user {user!r} (`.ci/run` makes it with useradd)"
+    if shutil.which("runuser") is None:
+        return "no runuser (util-linux)"
+    done = as_user(JOB_USER, [PYTHON, "-c", "import mtrain.launcher"], capture_output=True, text=True)
+    if done.returncode != 0:
+        return (f"{JOB_USER} cannot run this environment's Python ({done.stderr.strip()[-200:]}); a folder above it "
+                "may be closed to other users (`.ci/run` lets the test users through /root with setfacl)")
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def users():
+    problem = _problem()
+    if problem:
+        if os.environ.get("CI"):
+            pytest.fail(f"the shared-host tests must run in CI but cannot: {problem}")
+        pytest.skip(problem)
+
+
+def as_user(user: str, argv: "list[str]", **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(user_argv(user, argv), **kwargs)
+
+
+def user_argv(user: str, argv: "list[str]") -> "list[str]":
+    """`argv` as `user`, with a clean environment of the user's own (and this Python's bin first)."""
+    home = pwd.getpwnam(user).pw_dir
+    path = os.path.dirname(PYTHON) + ":/usr/local/bin:/usr/bin:/bin"
+    return ["runuser", "-u", user, "--", "env", "-i", f"HOME={home}", f"PATH={path}", "LANG=C.UTF-8",
+            f"USER={user}", *argv]
+
+
+def owned_entries(uid: int, besides: Path) -> "dict[str, int]":
+    """Every path under /tmp and /dev/shm that belongs to `uid` (and what is inside it), but the
+    test's own folder `besides`: its mode."""
+    found = {}
+    for base in SHARED:
+        for name in os.listdir(base):
+            top = os.path.join(base, name)
+            if top == str(besides):
+                continue
+            try:
+                if os.lstat(top).st_uid != uid:
+                    continue
+            except FileNotFoundError:
+                continue
+            for folder, folders, files in os.walk(top):
+                for path in [folder, *(os.path.join(folder, n) for n in folders + files)]:
+                    try:
+                        found[path] = os.lstat(path).st_mode
+                    except FileNotFoundError:
+                        pass
+    return found
+
+
+class Job:
+    """`mtrain run` of tests/security/shared_host_job.py as JOB_USER, its output read by threads."""
+
+    def __init__(self, work: Path, commits: int = 3) -> None:
+        self.work = work
+        self.go = work / "go"
+        argv = [PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", "--min-np", "2", "-H", "localhost:2",
+                PYTHON, str(HERE / "shared_host_job.py"), str(self.go), str(commits)]
+        self.proc = subprocess.Popen(user_argv(JOB_USER, argv), cwd=work, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.out: "list[str]" = []
+        self.err: "list[str]" = []
+        self.threads = [threading.Thread(target=lambda: self.out.extend(self.proc.stdout), daemon=True),
+                        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def wait_for(self, word: str, count: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(word in line for line in list(self.out)) < count:
+            assert self.proc.poll() is None or time.monotonic() < deadline, self.report()
+            assert time.monotonic() < deadline, f"no {count} {word!r} lines: " + self.report()
+            time.sleep(0.05)
+
+    def rank_environment(self) -> "dict[str, str]":
+        """A rank's environment, read as root from /proc (what the job user alone may read)."""
+        uid = pwd.getpwnam(JOB_USER).pw_uid
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.stat(f"/proc/{entry}").st_uid != uid:
+                    continue
+                with open(f"/proc/{entry}/environ", "rb") as handle:
+                    pairs = [item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item]
+            except OSError:
+                continue
+            env = {k.decode(): v.decode(errors="replace") for k, v in pairs}
+            if "OMPI_COMM_WORLD_RANK" in env and "MTRAIN_ELASTIC_STATE_DIR" in env:
+                return env
+        raise AssertionError("no rank of the job found in /proc: " + self.report())
+
+    def finish(self, timeout: float = 90) -> int:
+        try:
+            status = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError("the job did not end: " + self.report())
+        for thread in self.threads:
+            thread.join(timeout=5)
+        return status
+
+    def report(self) -> str:
+        return f"\n--- stdout ---\n{''.join(self.out)[-3000:]}\n--- stderr ---\n{''.join(self.err)[-3000:]}"
+
+
+@pytest.fixture
+def work():
+    """The job's working folder: the job user's own (pytest's tmp_path is closed to other users)."""
+    import tempfile
+    folder = Path(tempfile.mkdtemp(prefix="shared-host-test-"))
+    user = pwd.getpwnam(JOB_USER)
+    os.chown(folder, user.pw_uid, user.pw_gid)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_an_ordinary_users_job_keeps_what_it_leaves_private_and_leaves_nothing(work):
+    uid = pwd.getpwnam(JOB_USER).pw_uid
+    before = set(owned_entries(uid, work))
+    (work / "go.hold").touch()  # the ranks hold after their first commit, while the files are listed
+    job = Job(work)
+    job.wait_for("ready", 2)
+    job.go.touch()
+    job.wait_for("committed", 2)
+    env = job.rank_environment()
+    host = os.uname().nodename
+    layout = env["MTRAIN_JOB_FILE"].format(host=host)
+    snapshot_file = snapshot.path_in(env["MTRAIN_ELASTIC_STATE_DIR"].format(host=host))
+    made = {path: mode for path, mode in owned_entries(uid, work).items() if path not in before}
+    try:
+        for path in (layout, os.path.dirname(layout), snapshot_file, os.path.dirname(snapshot_file),
+                     os.path.dirname(os.path.dirname(snapshot_file))):
+            assert path in made, (path, sorted(made))
+        # Every file and folder the job has in a shared place, mtrain's and Open MPI's alike.
+        open_to_others = {path: stat.filemode(mode) for path, mode in made.items() if mode & 0o077}
+        assert not open_to_others, open_to_others
+        for path in (layout, snapshot_file):
+            peek = as_user(OTHER_USER, ["cat", path], capture_output=True, text=True)
+            assert peek.returncode != 0 and "Permission denied" in peek.stderr, (path, peek)
+        listing = as_user(OTHER_USER, ["ls", os.path.dirname(snapshot_file)], capture_output=True, text=True)
+        assert listing.returncode != 0 and "Permission denied" in listing.stderr, listing
+    finally:
+        (work / "go.hold").unlink()
+    assert job.finish() == 0, job.report()
+    assert sum("done" in line for line in job.out) == 2, job.report()
+    left = sorted(set(owned_entries(uid, work)) - before)
+    assert not left, left
+
+
+def _plant(kind: str, path: str, host: str, decoy: Path) -> "list[str]":
+    """As OTHER_USER, make `path` (the job's snapshot folder-to-be) a folder of theirs holding a
+    snapshot, a symlink to such a folder, or a plain file; the paths made."""
+    made = [path]
+    if kind == "folder":
+        commands = [["mkdir", "-m", "0777", path], ["mkdir", "-m", "0777", os.path.join(path, host)],
+                    ["cp", str(decoy), os.path.join(path, host, snapshot.FILE_NAME)]]
+    elif kind == "symlink":
+        target = f"/tmp/mtrain-other-{os.getpid()}-{time.monotonic_ns()}"
+        made.append(target)
+        commands = [["mkdir", "-m", "0777", "-p", os.path.join(target, host)],
+                    ["cp", str(decoy), os.path.join(target, host, snapshot.FILE_NAME)], ["ln", "-s", target, path]]
+    else:
+        commands = [["cp", str(decoy), path]]
+    for command in commands:
+        done = as_user(OTHER_USER, command, capture_output=True, text=True)
+        assert done.returncode == 0, (command, done.stderr)
+    return made
+
+
+@pytest.mark.parametrize("kind", ["folder", "symlink", "file"])
+def test_a_snapshot_folder_planted_by_another_user_is_refused_and_never_read(work, kind):
+    ran = work / "planted-code-ran"
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {ran}",))
+
+    decoy = Path(f"/tmp/mtrain-decoy-{os.getpid()}.snapshot")  # what the other user hopes the job unpickles
+    decoy.write_bytes(snapshot.MAGIC + b"0" * 64 + b' {"commit": 99, "size": 2, "time": 0, "sha256": ""}\n'
+                      + pickle.dumps(Planted()))
+    decoy.chmod(0o644)
+    job = Job(work)
+    job.wait_for("ready", 2)  # the ranks have not made the snapshot folder yet
+    env = job.rank_environment()
+    host = os.uname().nodename
+    planted = os.path.dirname(env["MTRAIN_ELASTIC_STATE_DIR"].format(host=host))
+    made = [planted]
+    try:
+        made = _plant(kind, planted, host, decoy)
+        job.go.touch()
+        status = job.finish()
+        stderr = "".join(job.err)
+        assert status == 1, job.report()
+        refusal = f"mtrain: refusing {planted}: "
+        assert refusal in stderr and f"owner {OTHER_USER}" in stderr, job.report()
+        lines = [line for line in stderr.splitlines() if refusal in line]
+        assert all(line.count("mtrain: refusing") == 1 for line in lines), lines
+        assert "Traceback" not in stderr, job.report()
+        assert not ran.exists()
+    finally:
+        subprocess.run(["rm", "-rf", *made, str(decoy)], check=False)
+
+
+def test_the_job_layout_folder_planted_by_another_user_is_refused_with_one_line():
+    # The launcher's and the rank wrapper's own calls, run as the job's user, at paths the other
+    # user made first: a folder of theirs open to all, and a symlink to it.
+    folder = f"/tmp/mtrain-job-planted{os.getpid()}"
+    link = folder + "-link"
+    for command in (["mkdir", "-m", "0777", folder], ["ln", "-s", folder, link]):
+        assert as_user(OTHER_USER, command).returncode == 0
+    code = ("import sys\n"
+            "from mtrain.launcher.private import PrivatePathError\n"
+            "from mtrain.launcher.records import HostUpdates, JobLayout\n"
+            "layout = JobLayout(slots=(1,), master_addr='10.0.0.1', master_port=1, workers=('10.0.0.1:1',))\n"
+            "for call in (lambda: layout.write(sys.argv[1] + '/h.json'), lambda: JobLayout.read(sys.argv[1] + '/h.json'),\n"
+            "             lambda: HostUpdates(2).write(sys.argv[1] + '/h.updates')):\n"
+            "    try:\n        call()\n        print('accepted')\n"
+            "    except PrivatePathError as error:\n        print(error)\n")
+    try:
+        for path, problem in ((folder, "it belongs to another user"), (link, "it is a symlink")):
+            done = as_user(JOB_USER, [PYTHON, "-c", code, path], capture_output=True, text=True, cwd="/")
+            lines = done.stdout.splitlines()
+            assert done.returncode == 0 and len(lines) == 3, (done.stdout, done.stderr)
+            for line in lines:
+                assert line.startswith(f"mtrain: refusing {path}: {problem} (owner {OTHER_USER}, mode "), line
+            assert os.listdir(folder) == []  # nothing of the job went into the planted folder
+    finally:
+        subprocess.run(["rm", "-rf", folder, link], check=False)
