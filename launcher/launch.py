@@ -23,7 +23,8 @@ from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
 from mtrain.launcher.private import PrivatePathError, remove_private
-from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_SECRET, AgentEvent,
+from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_SECRET,
+                                     ENV_USER_UMASK, AgentEvent,
                                      ElasticResume, ExitRecord, Gate, HostUpdates, JobLayout, host_path,
                                      job_file_template, new_job_secret, updates_file)
 
@@ -59,6 +60,12 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
         config.mpi, config.plan, config.command, rank_python=sys.executable, agent=agent,
         env_names=names, env_values=values, network_interfaces=config.network_interfaces or subnets,
         as_root=os.geteuid() == 0, extra_args=config.mpi_args)
+
+
+def _user_umask() -> int:
+    mask = os.umask(0o077)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 def job_environment(job_env: "dict[str, str] | None") -> dict[str, str]:
@@ -145,7 +152,8 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
         gate = os.path.join(scratch, "gate")
         job_id = generation.job_id if generation else uuid.uuid4().hex
         job_file = job_file_template(JOB_FILE_DIRECTORY, job_id)
-        job_env = {ENV_JOB_FILE: job_file, ENV_JOB_SECRET: generation.secret if generation else new_job_secret()}
+        job_env = {ENV_JOB_FILE: job_file, ENV_JOB_SECRET: generation.secret if generation else new_job_secret(),
+                   ENV_USER_UMASK: f"{_user_umask():03o}"}
         agents_updates = os.path.join(scratch, "updates") if generation else None
         local_file = host_path(job_file)
         try:

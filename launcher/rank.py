@@ -40,8 +40,8 @@ import time
 from mtrain.launcher import pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ErrorReport, ExitRecord, FailureCause, JobLayout,
-                            exception_line)
+from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_USER_UMASK, ErrorReport, ExitRecord,
+                                     FailureCause, JobLayout, exception_line)
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0
@@ -148,6 +148,16 @@ def _remove_scratch(scratch: str, error_file: str) -> None:
             return
 
 
+def _user_umask(env: "dict[str, str]") -> int:
+    """The umask of the user who launched the job: the program gets it back from Open MPI's
+    daemons, which run with a private one (records.ENV_USER_UMASK); -1 (leave it) without one."""
+    text = env.get(ENV_USER_UMASK, "")
+    try:
+        return int(text, 8) & 0o777 if text else -1
+    except ValueError:
+        return -1
+
+
 def _set_child_deathsig() -> None:
     # Runs in the child between fork and exec: if this wrapper is SIGKILLed, so is the rank.
     die_with_parent(signal.SIGKILL)
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     command = pymain.command_through_runner(argv, environment) or argv
     try:
         child = subprocess.Popen(command, stdout=out_write, stderr=err_write,
-                                 env=environment,
+                                 env=environment, umask=_user_umask(environment),
                                  start_new_session=True, preexec_fn=_set_child_deathsig)
     except OSError as error:
         _remove_scratch(scratch, error_file)

@@ -329,10 +329,7 @@ class Gate:
 
     def open(self, message: str = "") -> None:
         """Let the agents go on, handing them `message` (the job's layout, for the hosts)."""
-        temporary = self._marker(GateState.OPEN) + ".tmp"
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(message)
-        os.replace(temporary, self._marker(GateState.OPEN))  # agents never see half a message
+        write_private(self._marker(GateState.OPEN), message.encode())  # agents never see half a message
 
     def message(self) -> str:
         """What the supervisor handed over when it opened the gate ("" before)."""
@@ -343,7 +340,7 @@ class Gate:
             return ""
 
     def close(self) -> None:
-        open(self._marker(GateState.CLOSED), "w").close()
+        write_private(self._marker(GateState.CLOSED), b"")
 
     def state(self) -> GateState:
         for state in (GateState.OPEN, GateState.CLOSED):
@@ -461,6 +458,10 @@ RESET_EXIT_STATUS = 75   # every rank exits with it to ask the driver for the ne
 # generation loads only what this job wrote.  It reaches the ranks in their environment (mpirun
 # forwards it by name from its own, which only this user can read): never on a command line.
 ENV_JOB_SECRET = "MTRAIN_JOB_SECRET"
+# Open MPI's daemons run with umask 077, so that what they leave in /tmp is private whatever
+# the user's umask; the rank wrapper gives the user's program the user's own umask back.
+ENV_USER_UMASK = "MTRAIN_USER_UMASK"   # octal, e.g. "022"
+DAEMON_UMASK = 0o077
 
 
 def new_job_secret() -> str:

@@ -28,16 +28,18 @@ import json
 import os
 import pwd
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
 from mtrain.launcher.private import PrivatePathError, remove_private
-from mtrain.launcher.records import HostUpdates, JobLayout, host_path, updates_file
+from mtrain.launcher.records import DAEMON_UMASK, HostUpdates, JobLayout, host_path, updates_file
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -187,7 +189,21 @@ def _run_guarded(command: str, job_file: str | None, layout: JobLayout | None, u
 
 def _guard(command: str, updates_path: str | None, pending: bytes = b"") -> int:
     become_subreaper()
-    child = subprocess.Popen([_login_shell(), "-c", command], stdin=subprocess.DEVNULL, env=_daemon_environment())
+    # Open MPI's daemon makes its session folder (open to all, whatever the umask) in a new 0700
+    # folder of ours, and runs with a private umask (the rank wrapper gives the user's program
+    # the user's umask back: records.ENV_USER_UMASK).
+    session = tempfile.mkdtemp(prefix="mtrain-prted-")
+    env = _daemon_environment()
+    env["PRTE_MCA_prte_tmpdir_base"] = session
+    try:
+        return _run_daemon(command, env, updates_path, pending)
+    finally:
+        shutil.rmtree(session, ignore_errors=True)
+
+
+def _run_daemon(command: str, env: "dict[str, str]", updates_path: str | None, pending: bytes) -> int:
+    child = subprocess.Popen([_login_shell(), "-c", command], stdin=subprocess.DEVNULL, env=env,
+                             umask=DAEMON_UMASK)
     done = threading.Event()
     ending = threading.Lock()
 

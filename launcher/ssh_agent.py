@@ -62,12 +62,11 @@ def write_config(path: str, options: SshOptions, python: str, events_path: str |
     passes each new version to the guard, which leaves it for the ranks.  `master` is the
     Unix socket of the launcher's connection master, if it shares its connections.
     """
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump({"port": options.port, "identity_file": options.identity_file,
-                   "accept_new_hosts": options.accept_new_hosts,
-                   "connect_timeout": options.connect_timeout, "python": python,
-                   "events": events_path, "gate": gate, "job_file": job_file, "updates": updates,
-                   "master": master}, handle)
+    from mtrain.launcher.private import write_private
+    write_private(path, json.dumps({
+        "port": options.port, "identity_file": options.identity_file, "accept_new_hosts": options.accept_new_hosts,
+        "connect_timeout": options.connect_timeout, "python": python, "events": events_path, "gate": gate,
+        "job_file": job_file, "updates": updates, "master": master}).encode())
 
 
 def _settings(path: str | None) -> dict[str, Any]:

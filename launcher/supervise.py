@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Callable, Sequence
 
 from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_process
-from mtrain.launcher.records import (EXIT_MARKER, RESUME_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
+from mtrain.launcher.records import (DAEMON_UMASK, EXIT_MARKER, RESUME_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
                             signal_name,
                             ElasticResume, ExitRecord, Gate, StopReason)
 
@@ -184,8 +184,9 @@ class Job:
     def _run(self, env: dict[str, str], reader: AgentEventReader | None) -> int:
         self.log("starting: " + " ".join(self.argv))
         try:
+            # umask: what Open MPI leaves in /tmp is private (see records.ENV_USER_UMASK).
             process = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, umask=DAEMON_UMASK,
                                        start_new_session=True, preexec_fn=_mpirun_dies_with_us)
         except OSError as error:
             print(f"mtrain: cannot start {self.argv[0]}: {error.strerror}", file=sys.stderr)

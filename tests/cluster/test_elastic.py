@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -63,11 +64,58 @@ def assert_trained_exactly_once(final: dict[int, dict], size: int) -> None:
         assert data["params"] == final[0]["params"]  # identical replicas
 
 
+def shared_entries_since(started: float) -> "dict[str, int]":
+    """What mtrain and Open MPI made in /tmp and /dev/shm (the namespace hosts share them) since
+    `started`, the test cluster's own folders aside, with everything inside: path -> mode."""
+    found = {}
+    for base in ("/tmp", "/dev/shm"):
+        for name in os.listdir(base):
+            top = os.path.join(base, name)
+            if not name.startswith(("mtrain-", "ompi.", "prte", "sm_segment.")) or name.startswith(
+                    ("mtrain-cluster-", "mtrain-netcluster")):
+                continue
+            try:
+                if os.lstat(top).st_ctime < started:
+                    continue
+            except FileNotFoundError:
+                continue
+            for folder, folders, files in os.walk(top):
+                for path in [folder, *(os.path.join(folder, n) for n in folders + files)]:
+                    try:
+                        found[path] = os.lstat(path).st_mode
+                    except FileNotFoundError:
+                        pass
+    return found
+
+
+def reachable(path: str, modes: "dict[str, int]") -> bool:
+    """Whether other users may use `path`: it is open to them, and no folder above it (below
+    /tmp or /dev/shm) is closed to them (Open MPI opens its own folders inside ours)."""
+    if not modes[path] & 0o077:
+        return False
+    parent = os.path.dirname(path)
+    while parent in modes:
+        if not modes[parent] & 0o077:
+            return False
+        parent = os.path.dirname(parent)
+    return True
+
+
 def test_losing_a_host_mid_training_finishes_at_the_smaller_size(cluster, tmp_path, token):
     script = discovery(tmp_path, "mtr-a:2\nmtr-b:2\n")
+    started = time.time()
     job = start(cluster, tmp_path, token, "-np", "4", "--min-np", "2", "--host-discovery-script", str(script))
     try:
         seen = progress(job, 4 * 5)
+        # While it runs on both hosts: every file and folder the job has in a shared place is
+        # closed to other users (mtrain's: the job's layout, snapshots, scratch; Open MPI's too).
+        made = shared_entries_since(started)
+        job_id = next((os.path.basename(p)[len("mtrain-elastic-"):] for p in made
+                       if os.path.basename(p).startswith("mtrain-elastic-")), None)
+        assert job_id and f"/tmp/mtrain-job-{job_id}/mtr-b.json" in made, sorted(made)
+        assert f"/dev/shm/mtrain-elastic-{job_id}/mtr-b/state.snapshot" in made, sorted(made)
+        open_to_others = [f"{stat.filemode(mode)} {p}" for p, mode in sorted(made.items()) if reachable(p, made)]
+        assert not open_to_others, "\n".join(open_to_others)
         victims = {pid for rank, host, pid in seen if host == "mtr-b"}
         assert len(victims) == 2, seen
         for pid in victims:  # every rank on mtr-b dies at once, as when the host goes
@@ -82,6 +130,7 @@ def test_losing_a_host_mid_training_finishes_at_the_smaller_size(cluster, tmp_pa
     assert line, err
     assert_trained_exactly_once(results(out), 2)
     assert_no_leftovers(cluster, token, within=10)
+    assert not [p for p in shared_entries_since(started) if job_id in p]  # nothing of the job's is left
 
 
 def test_a_host_added_by_the_discovery_script_joins(cluster, tmp_path, token):

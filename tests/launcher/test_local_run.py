@@ -307,3 +307,18 @@ def test_rank_leaving_while_the_others_remove_a_process_set_is_named_not_a_hang(
     assert done.returncode != 0, done.stderr
     assert "rank(s) [2] left the job" in done.stderr or "rank 2 left the job" in done.stderr, done.stderr
     assert_only_mtrain_output(done.stderr)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_the_program_keeps_the_users_umask_while_open_mpi_runs_with_a_private_one(mask):
+    # mpirun runs with umask 077 (what Open MPI leaves in /tmp is private); the user's program
+    # gets the launching user's umask back, so its checkpoints come out as they always did (its
+    # parent, the rank wrapper, runs with Open MPI's).
+    code = ("import os; mask = os.umask(0)\n"
+            "daemon = [l for l in open(f'/proc/{os.getppid()}/status') if l.startswith('Umask')][0].split()[1]\n"
+            "print('umask', oct(mask), daemon)")
+    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-c", code],
+                          capture_output=True, text=True, timeout=60, env=env(), umask=mask)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines())
+    assert lines == [f"umask {oct(mask)} 0077"] * 2, done.stdout
