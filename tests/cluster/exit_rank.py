@@ -32,6 +32,7 @@ rr.barrier()
 print(f"ready {rank}", flush=True)
 if rank == 3:
     time.sleep(1)
+    print(f"leaving at {time.time()}", flush=True)  # the job must end within seconds of this
     print(f"rank 3 ending on purpose: {how}", file=sys.stderr, flush=True)
     if how == "exit7":
         sys.exit(7)
