@@ -27,7 +27,7 @@ import shutil
 import sys
 from typing import Any, Mapping, Sequence
 
-from mtrain.launcher.records import ENV_ELASTIC, RESET_EXIT_STATUS
+from mtrain.launcher.records import ENV_ELASTIC, RESET_EXIT_STATUS, Phase, PhaseNote
 
 MODULE = "mtrain.launcher.pymain"
 # Options of the interpreter (before the program): these take no value...
@@ -71,6 +71,9 @@ def abort_mpi_at_exit(status: int) -> bool:
 def _ended(status: int) -> None:
     global _final
     _final = status
+    # The supervisor learns that this rank will call nothing more: others waiting for it in
+    # init() never would get out (see records.stuck_in_init).
+    PhaseNote(Phase.ENDED, status=status).emit()
     # Whether or not the runtime was initialized: a rank that fails before init() must not
     # keep the others waiting in theirs (its exit handler, when it has one, says the same).
     abort_mpi_at_exit(status)

@@ -40,8 +40,8 @@ import time
 from mtrain.launcher import pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_USER_UMASK, ErrorReport, ExitRecord,
-                                     FailureCause, JobLayout, exception_line)
+from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_USER_UMASK, PHASE_MARKER, ErrorReport,
+                                     ExitRecord, FailureCause, JobLayout, exception_line)
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0
@@ -75,7 +75,7 @@ class _Relay(threading.Thread):
         with self.lock:
             self.target.write(self.prefix + line)
             self.target.flush()
-        if self.tail is not None:
+        if self.tail is not None and PHASE_MARKER not in line:  # the supervisor's, not the rank's words
             text = line.rstrip(b"\n").decode(errors="replace")
             self.tail.append(text)
             # Kept apart from the tail: a long exception message can push its first line out.

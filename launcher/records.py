@@ -366,7 +366,70 @@ class StopReason(enum.Enum):
     INTERRUPTED = "interrupted"                 # Ctrl-C or SIGTERM reached mtrain
     HOST_LOST = "a host was lost"               # an agent reported a dead connection
     RANK_FAILED = "a rank failed and mpirun did not stop the job"
+    STUCK = "the job could never go on"         # ranks wait in init() for one whose program ended
 
+
+
+# --------------------------------------------------------------------------------------------
+# PhaseNote: where a rank's program is, so that the supervisor can tell a job that can never go
+# on (a rank that ended while others wait for it in init()) from one that is merely slow.  A
+# marker line on the rank's stderr, removed by the supervisor; the line's prefix names the rank.
+
+PHASE_MARKER = b"@@mtrain-rank-phase@@ "
+
+
+class Phase(enum.Enum):
+    INIT_WAITING = "init-waiting"   # in init(), whose collectives need every rank of `ranks`
+    INIT_DONE = "init-done"         # out of init() again
+    ENDED = "ended"                 # the program ended with `status` (the process may wait in MPI_Finalize)
+
+
+@_record
+class PhaseNote:
+    phase: Phase
+    ranks: tuple = ()  # INIT_WAITING: the job's ranks that init() waits for
+    status: int = 0    # ENDED: the program's exit status
+
+    def encode(self) -> bytes:
+        return PHASE_MARKER + json.dumps({"phase": self.phase.value, "ranks": list(self.ranks),
+                                          "status": self.status}).encode() + b"\n"
+
+    @staticmethod
+    def decode(payload: bytes) -> "PhaseNote | None":
+        try:
+            data = json.loads(payload)
+            return PhaseNote(Phase(data["phase"]), tuple(int(r) for r in data["ranks"]), int(data["status"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def emit(self) -> None:
+        """Tell the supervisor, when there is one (the rank runs under mtrain run's rank wrapper)."""
+        if ENV_ERROR_FILE not in os.environ:
+            return
+        import sys
+        try:
+            sys.stderr.flush()  # after what the program already said, on a line of its own
+        except (OSError, ValueError):
+            pass
+        try:
+            os.write(2, self.encode())
+        except OSError:
+            pass
+
+
+def stuck_in_init(waiting: "dict[int, tuple]", ended: "dict[int, int]") -> "str | None":
+    """Why the job can never go on, when ranks wait in init() for a rank whose program has ended
+    (with status 0: an error status ends the job by itself); None when it may."""
+    stuck = {rank: [r for r in ranks if ended.get(r) == 0] for rank, ranks in waiting.items()}
+    stuck = {rank: gone for rank, gone in stuck.items() if gone}
+    if not stuck:
+        return None
+    gone = sorted({r for ranks in stuck.values() for r in ranks})
+    who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
+    waiters = sorted(stuck)
+    them = f"rank {waiters[0]} waits" if len(waiters) == 1 else f"ranks {', '.join(map(str, waiters))} wait"
+    return (f"{who} ended (exit code 0) without calling init(), while {them} for it in init(); every rank must "
+            "call init() (or give init(comm=[...]) only the ranks that do)")
 
 
 # --------------------------------------------------------------------------------------------

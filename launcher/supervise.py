@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import IO, Callable, Sequence
 
 from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_process
-from mtrain.launcher.records import (DAEMON_UMASK, EXIT_MARKER, RESUME_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
+from mtrain.launcher.records import (DAEMON_UMASK, EXIT_MARKER, PHASE_MARKER, RESUME_MARKER, AgentEvent, Phase,
+                                     PhaseNote, stuck_in_init, AgentEventKind, AgentEventReader,
                             signal_name,
                             ElasticResume, ExitRecord, Gate, StopReason)
 
@@ -42,6 +43,7 @@ LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead dae
 FAILURE_GRACE = 2.0        # mpirun normally stops the job itself after a rank fails
 SESSION_DRAIN = 3.0        # time for agents to finish after mpirun has exited
 CAUSE_WINDOW = 1.0         # failures closer than this are ordered by evidence, not by clock
+STUCK_GRACE = 3.0          # a job that can never go on (records.stuck_in_init) is stopped after this
 LAUNCHER_TAIL = 40         # MPI launcher lines kept to explain a failure no rank reported
 _PREFIX = re.compile(rb"^\[(\d+)\]<(stdout|stderr)>:")
 
@@ -132,6 +134,10 @@ class Job:
         self.launcher_tail: list[str] = []
         self.lock = threading.Lock()
         self.interrupted: int | None = None
+        # Where each rank's program is (records.PhaseNote): in init() for whom, or ended how.
+        self.in_init: dict[int, tuple] = {}
+        self.ended: dict[int, int] = {}
+        self.stuck: str | None = None  # why the job was stopped as one that could never go on
 
     def log(self, message: str) -> None:
         if self.verbose:
@@ -146,6 +152,15 @@ class Job:
                 if not before.strip():
                     continue
                 line = before + b"\n"
+            if is_stderr and PHASE_MARKER in line:
+                before, _, payload = line.partition(PHASE_MARKER)
+                prefix = _PREFIX.match(before)
+                if prefix is not None:  # the rank wrapper's prefix names the rank
+                    self._phase(int(prefix.group(1)), payload)
+                    before = before[prefix.end():]
+                if not before.strip():
+                    continue
+                line = (prefix.group(0) if prefix else b"") + before + b"\n"
             if is_stderr and RESUME_MARKER in line:
                 resumed = ElasticResume.decode(line.partition(RESUME_MARKER)[2])
                 if resumed is not None and self.on_resume is not None:
@@ -166,6 +181,22 @@ class Job:
             self.records.append(record)
         if record.failed:
             self.log(f"{record.describe()}{' (after being stopped)' if record.stopped else ''}")
+
+    def _phase(self, rank: int, payload: bytes) -> None:
+        note = PhaseNote.decode(payload)
+        if note is None:
+            return
+        with self.lock:
+            if note.phase is Phase.INIT_WAITING:
+                self.in_init[rank] = note.ranks
+            elif note.phase is Phase.INIT_DONE:
+                self.in_init.pop(rank, None)
+            else:
+                self.ended[rank] = note.status
+
+    def _stuck_now(self) -> str | None:
+        with self.lock:
+            return stuck_in_init(dict(self.in_init), dict(self.ended))
 
     def run(self) -> int:
         """Run to completion; print the outcome; return mtrain's exit status."""
@@ -204,6 +235,7 @@ class Job:
         stop_reason: StopReason | None = None
         stop_sent_at: float | None = None
         failure_seen_at: float | None = None
+        stuck_since: float | None = None
         ended = _EndWatch(process)
         while True:
             if ended.wait(0.1):
@@ -214,9 +246,15 @@ class Job:
                 self.log(f"{event.kind.value}: {event.detail}")
             if failure_seen_at is None and any(r.failed and not r.stopped for r in self.records):
                 failure_seen_at = now
+            # Held for a moment first: a rank's note that it left init() may come a little
+            # after a peer's note that its program ended, through another pipe.
+            stuck = self._stuck_now()
+            stuck_since = (stuck_since or now) if stuck else None
             if stop_reason is None:
                 if self.interrupted is not None:
                     stop_reason = StopReason.INTERRUPTED
+                elif stuck and now - stuck_since > STUCK_GRACE:
+                    stop_reason, self.stuck = StopReason.STUCK, stuck
                 elif any(e.kind is AgentEventKind.HOST_LOST for e in host_problems):
                     stop_reason = StopReason.HOST_LOST
                 elif failure_seen_at is not None and now - failure_seen_at > FAILURE_GRACE:
@@ -267,6 +305,9 @@ class Job:
             print(f"mtrain: {signal_name(self.interrupted)} received; all ranks were stopped",
                   file=sys.stderr)
             return 128 + self.interrupted
+        if self.stuck is not None:
+            print(f"mtrain: job stopped: it could never go on: {self.stuck}", file=sys.stderr)
+            return 1
         failure = first_failure(records)
         lost = [e for e in host_problems if e.kind is AgentEventKind.HOST_LOST]
         say = self.report_failures

@@ -8,6 +8,8 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from mtrain.launcher.records import Phase, PhaseNote
+
 from . import comm as comm_module
 from . import cuda, exits, process_sets as _ps, ring
 from .backend import is_device_array
@@ -54,6 +56,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if not comm_module.threading_level_ok():
         raise RuntimeError("MPI was initialized without thread support; mtrain's background engine needs "
                            "MPI_THREAD_SERIALIZED or higher: leave mpi4py.rc.thread_level at its default")
+    # Until every rank of the communicator comes, init() waits in MPI, where nothing can tell a
+    # rank that is coming from one whose program ended: the supervisor can (records.PhaseNote).
+    PhaseNote(Phase.INIT_WAITING, ranks=tuple(_job_ranks_of(comm))).emit()
     if isinstance(comm, (list, tuple)):  # Horovod also takes a list of ranks here
         comm = _comm_of_ranks(list(comm))
     segment = int(env_number("MTRAIN_RING_SEGMENT_BYTES", ring.DEFAULT_SEGMENT_BYTES)) or ring.DEFAULT_SEGMENT_BYTES
@@ -83,8 +88,24 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     global_process_set.ranks = world_ranks  # as Horovod fills in hvd.global_process_set.ranks
     comm_module.install_abort_on_exception()
     exits.install(shutdown)
+    PhaseNote(Phase.INIT_DONE).emit()
     if wanted:
         _runtime.register(wanted)
+
+
+def _job_ranks_of(comm: Any) -> "list[int]":
+    """The ranks of COMM_WORLD that init(comm) needs (no communication)."""
+    world = MPI.COMM_WORLD
+    if comm is None:
+        return list(range(world.Get_size()))
+    if isinstance(comm, (list, tuple)):
+        return sorted(int(r) for r in comm if isinstance(r, (int, np.integer)))
+    group = comm.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world.Get_group())
+    finally:
+        group.Free()
+    return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
 
 
 def _check_process_sets_argument(process_sets: Any) -> "list[ProcessSet]":

@@ -2,7 +2,8 @@
 
 Rank 3 (on host mtr-b) leaves in a way only the program's runner can see, or politely
 with status 0, while ranks 0-2 wait in a blocking call that needs it.  The job ends with
-rank 3's own status, or, when it left with 0, with an error naming it; never a hang.
+rank 3's own status, or, when it left with 0, with an error naming it (in init(), where
+MPI cannot tell, the supervisor's); never a hang.
 """
 from __future__ import annotations
 
@@ -58,6 +59,18 @@ def test_a_peer_leaving_politely_is_named_by_every_blocking_call_that_needs_it(c
     assert done.returncode != 0, done.stderr
     report = done.stderr[done.stderr.index("mtrain: job failed; first failure:"):]
     assert "rank 3 left the job" in report or "rank(s) [3] left the job" in report, done.stderr
+    assert elapsed < 10, elapsed
+    assert_only_mtrain_output(done.stderr)
+    assert_no_leftovers(cluster, token, within=10)
+
+
+def test_a_peer_that_ended_before_init_stops_the_others_waiting_in_init(cluster, tmp_path, token):
+    # MPI cannot tell the ranks in init() that rank 3's program ended (it waits in MPI_Finalize
+    # for them, they wait in init() for it); the supervisor hears it from both sides.
+    done, elapsed = run_cell(cluster, tmp_path, token, "init", "exit0")
+    assert done.returncode == 1, done.stderr
+    assert ("mtrain: job stopped: it could never go on: rank 3 ended (exit code 0) without calling init(), while "
+            "ranks 0, 1, 2 wait for it in init()") in done.stderr, done.stderr
     assert elapsed < 10, elapsed
     assert_only_mtrain_output(done.stderr)
     assert_no_leftovers(cluster, token, within=10)

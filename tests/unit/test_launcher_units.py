@@ -10,9 +10,9 @@ import pytest
 from mtrain.launcher.config import SshOptions
 from mtrain.launcher.rank import child_environment, exit_record
 from mtrain.launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
-from mtrain.launcher.supervise import first_failure, print_failure_report
+from mtrain.launcher.supervise import Job, first_failure, print_failure_report
 from mtrain.launcher.records import (EXIT_MARKER, AgentEvent, AgentEventKind, AgentEventReader, ErrorReport, ExitRecord,
-                            FailureCause, Gate, exception_line, report_error)
+                            FailureCause, Gate, Phase, PhaseNote, exception_line, report_error)
 
 
 def test_agent_parses_ssh_style_arguments():
@@ -82,11 +82,12 @@ def test_wrapper_hides_open_mpi_abort_delay_line_and_records_it():
                              "print('before', file=sys.stderr)\n"
                              "print(f'[node-1:{os.getpid()}] Delaying for 1 seconds before aborting', file=sys.stderr)\n"
                              "sys.exit(14)")
-    assert shown == "[5]<stderr>:before\n"
+    # The program's runner adds its note for the supervisor (which takes it out): never in the tail.
+    assert shown == "[5]<stderr>:before\n" + "[5]<stderr>:" + PhaseNote(Phase.ENDED, status=14).encode().decode()
     assert (record.rank, record.returncode, record.mpi_abort) == (5, 14, True)
     assert record.stderr_tail == ("before",)
     shown, record = _wrapped("import sys; print('Delaying for 1 seconds before aborting', file=sys.stderr); sys.exit(3)")
-    assert shown == "[5]<stderr>:Delaying for 1 seconds before aborting\n" and record.mpi_abort is False
+    assert shown.startswith("[5]<stderr>:Delaying for 1 seconds before aborting\n") and record.mpi_abort is False
 
 
 def test_wrapper_carries_the_runtimes_own_account_into_the_record():
@@ -269,3 +270,35 @@ def test_records_are_frozen_compare_by_value_and_take_defaults():
     with pytest.raises(TypeError, match="unexpected or repeated field 'rank'"):
         ExitRecord(3, "h", 1, False, 2.5, rank=4)
     assert ExitRecord.decode(record.encode()[len(EXIT_MARKER):]) == record
+
+
+def test_phase_notes_round_trip_and_tell_a_job_stuck_in_init():
+    from mtrain.launcher.records import stuck_in_init
+    for note in (PhaseNote(Phase.INIT_WAITING, (0, 1, 3)), PhaseNote(Phase.INIT_DONE), PhaseNote(Phase.ENDED, status=4)):
+        marker, _, payload = note.encode().partition(b" ")
+        assert PhaseNote.decode(payload) == note
+    assert PhaseNote.decode(b"{not json") is None
+    # Rank 3 ended with 0 while ranks 0 and 1 wait for it: stuck. An error status ends the job
+    # by itself, init(comm=[0, 1]) needs no rank 3, and a rank already out of init() waits for nobody.
+    assert stuck_in_init({0: (0, 1, 2, 3), 1: (0, 1, 2, 3)}, {3: 0, 2: 5}) == (
+        "rank 3 ended (exit code 0) without calling init(), while ranks 0, 1 wait for it in init(); every rank "
+        "must call init() (or give init(comm=[...]) only the ranks that do)")
+    assert stuck_in_init({0: (0, 1, 2, 3)}, {3: 7}) is None
+    assert stuck_in_init({0: (0, 1)}, {3: 0}) is None
+    assert stuck_in_init({}, {3: 0}) is None
+    assert "ranks 2, 3 ended" in stuck_in_init({0: (0, 1, 2, 3)}, {2: 0, 3: 0})
+
+
+def test_the_supervisor_takes_phase_notes_out_of_the_ranks_output():
+    import io
+    job = Job(["mpirun"], {}, 2, None, False, None)
+    text = (b"[0]<stderr>:" + PhaseNote(Phase.INIT_WAITING, (0, 1)).encode()
+            + b"[1]<stderr>:half a line" + PhaseNote(Phase.ENDED, status=0).encode()
+            + b"[1]<stderr>:still talking\n")
+    shown = io.BytesIO()
+    job._read(io.BytesIO(text), shown, True)
+    assert job.in_init == {0: (0, 1)} and job.ended == {1: 0}
+    assert job._stuck_now().startswith("rank 1 ended (exit code 0) without calling init(), while rank 0 waits")
+    assert shown.getvalue() == b"[1]<stderr>:half a line\n[1]<stderr>:still talking\n"
+    job._read(io.BytesIO(b"[0]<stderr>:" + PhaseNote(Phase.INIT_DONE).encode()), io.BytesIO(), True)
+    assert job.in_init == {} and job._stuck_now() is None
