@@ -328,14 +328,24 @@ class Job:
             for event in unreachable if say else ():
                 print(f"mtrain: {event.detail}", file=sys.stderr)
             return 255
-        if mpirun_status != 0:
+        # Every rank's wrapper writes a record however its rank ends, so a rank without one was
+        # killed with its wrapper: Open MPI 5's launcher exits 0 when a host's daemon dies
+        # (killed, with its ranks), and 0 must mean that every rank finished.
+        silent = sorted(set(range(self.ranks)) - {r.rank for r in records})
+        if mpirun_status != 0 or silent:
             launcher = os.path.basename(self.argv[0])
             if self.launcher_tail and not self.verbose:
                 print(f"mtrain: {launcher} said:", file=sys.stderr)
                 for line in self.launcher_tail:
                     print(f"    {line}", file=sys.stderr)
-            print(f"mtrain: {launcher} failed with exit status {exit_code(mpirun_status)} "
-                  "before any rank reported a failure", file=sys.stderr)
+            if mpirun_status != 0:
+                print(f"mtrain: {launcher} failed with exit status {exit_code(mpirun_status)} "
+                      "before any rank reported a failure", file=sys.stderr)
+            else:
+                which = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}"
+                print(f"mtrain: {launcher} exited with status 0, but {which} of {self.ranks} never reported "
+                      "an end (killed with the rank wrapper, or the host's MPI daemon died): the job did not "
+                      "finish", file=sys.stderr)
             return exit_code(mpirun_status) or 1
         return 0
 

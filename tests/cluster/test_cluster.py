@@ -204,6 +204,25 @@ def test_cut_link_ends_the_job_naming_the_host(cluster, tmp_path, token):
     assert_only_mtrain_output(err)
 
 
+def test_a_hosts_mpi_daemon_killed_is_no_success(cluster, tmp_path, token):
+    # Open MPI 5's launcher exits 0 after it loses a remote daemon; the ranks there never finished.
+    job = start_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "fault_rank.py"),
+                        "loop", token, cwd=tmp_path)
+    try:
+        job.wait_for_lines("ready", 4, timeout=60)
+        daemons = [pid for pid in cluster.namespace_pids("mtr-b") if Path(f"/proc/{pid}/comm").read_text().strip()
+                   == "prted"]
+        assert daemons
+        for pid in daemons:
+            os.kill(pid, signal.SIGKILL)
+        job.proc.wait(timeout=30)
+    finally:
+        err = job.stop()
+    assert job.proc.returncode == 1, err
+    assert "exited with status 0, but ranks " in err and "never reported an end" in err, err
+    assert_no_leftovers(cluster, token, within=10)
+
+
 def test_launcher_host_plus_remote_hosts_from_a_hostfile(cluster, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# this machine, then two namespace hosts\nlocalhost slots=1\n\nmtr-a slots=2\nmtr-b slots=2\n")

@@ -144,6 +144,21 @@ def _exit(rank, code, stopped, time, message="", mpi_abort=False, tail=()):
     return ExitRecord(rank, "h", code, stopped, time, tuple(tail), message, mpi_abort)
 
 
+def test_mpirun_status_0_is_no_success_while_ranks_never_reported_an_end(capsys):
+    # Open MPI 5's launcher exits 0 when a remote host's daemon is killed with its ranks (and their
+    # wrappers, which never write a record); only every rank's record makes a job a success.
+    job = Job(["mpirun"], {}, 4, None, False, None)
+    job.records = [_exit(0, 0, False, 1.0), _exit(1, 0, False, 1.0)]
+    assert job._outcome(0, []) == 1
+    assert "mpirun exited with status 0, but ranks 2, 3 of 4 never reported an end" in capsys.readouterr().err
+    job.records.append(_exit(2, 0, False, 1.0))
+    assert job._outcome(0, []) == 1
+    assert "but rank 3 of 4 never reported" in capsys.readouterr().err
+    job.records.append(_exit(3, 0, False, 1.0))
+    assert job._outcome(0, []) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_first_failure_prefers_own_failures_over_stopped_ranks():
     records = [_exit(0, -15, True, 1.0), _exit(2, 3, False, 2.0), _exit(1, 1, False, 3.0), _exit(3, 0, False, 0.5)]
     assert first_failure(records).rank == 2
