@@ -22,17 +22,16 @@ from mtrain.launcher.config import LaunchConfig, MpiKind
 from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
-from mtrain.launcher.private import PrivatePathError, remove_private
+from mtrain.launcher import job_files
+from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_SECRET,
                                      ENV_USER_UMASK, AgentEvent,
                                      ElasticResume, ExitRecord, Gate, HostUpdates, JobLayout, host_path,
-                                     job_file_template, new_job_secret, updates_file)
+                                     new_job_secret, updates_file)
 
 if TYPE_CHECKING:
     from mtrain.launcher.preflight import HostReport
 
-# Where each host keeps the job's layout for its ranks: a path that exists on every Linux host.
-JOB_FILE_DIRECTORY = "/tmp"
 # "0" turns off the shared SSH connections (each agent then connects by itself, as before).
 ENV_SHARE_SSH = "MTRAIN_SSH_SHARE"
 
@@ -136,7 +135,7 @@ def launch(config: LaunchConfig, dry_run: bool = False, generation: Generation |
     connection, one session and one Python for checking and running.  The
     job's layout (torchrun's variables, TF_CONFIG) needs the preflight's
     ports, so it travels through the gate to the hosts, where the remote guard
-    leaves it for the rank wrappers in JOB_FILE_DIRECTORY.
+    leaves it for the rank wrappers in the job's folder (job_files.py).
     """
     with _Termination() as termination:
         return _launch(config, dry_run, generation, termination)
@@ -151,11 +150,13 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
         events_path = os.path.join(scratch, "events")
         gate = os.path.join(scratch, "gate")
         job_id = generation.job_id if generation else uuid.uuid4().hex
-        job_file = job_file_template(JOB_FILE_DIRECTORY, job_id)
+        job_file = job_files.template(job_id)
         job_env = {ENV_JOB_FILE: job_file, ENV_JOB_SECRET: generation.secret if generation else new_job_secret(),
                    ENV_USER_UMASK: f"{_user_umask():03o}"}
         agents_updates = os.path.join(scratch, "updates") if generation else None
         local_file = host_path(job_file)
+        local_host = socket.gethostname()
+        job_files.remove_host(job_file, local_host)  # what a killed launch of this job left here
         try:
             if generation is not None:
                 job_env.update(generation.env)
@@ -214,8 +215,7 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                     _log(config, f"SSH: {counters.connections} connections shared; agents served by the "
                          f"waiting probe {counters.probe_sessions}, by a new session {counters.new_sessions}, "
                          f"sent to connect themselves {counters.unknown}")
-                for path in (host_path(updates_file(job_file)), local_file):
-                    remove_private(path)  # and the job's folder, once no host's file is left in it
+                job_files.remove_host(job_file, local_host)  # and the job's folders, once no host's entry is left
 
 
 class _Termination:

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 
-from mtrain.launcher import pymain
+from mtrain.launcher import job_files, pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_USER_UMASK, PHASE_MARKER, ErrorReport,
@@ -108,10 +108,15 @@ def child_environment(env, error_file: str, rank: int = 0) -> dict[str, str]:
     child = dict(env)
     child[ENV_ERROR_FILE] = error_file
     template = child.get(ENV_JOB_FILE, "")
-    layout = JobLayout.read(template.format(host=os.uname().nodename)) if "{host}" in template else None
+    host = os.uname().nodename
+    layout = JobLayout.read(job_files.layout(template, host)) if "{host}" in template else None
     if layout is not None and rank < sum(layout.slots):
         for name, value in layout.rank_environment(rank).items():
             child.setdefault(name, value)
+    if "{host}" in template:
+        # Open MPI's segments in a private folder of the job's, removed with the job's part on
+        # this host, even when a killed rank leaves them behind.
+        child.setdefault("OMPI_MCA_btl_sm_backing_directory", job_files.shared_memory_folder(template, host))
     child.setdefault("OMPI_MCA_mpi_abort_delay", ABORT_DELAY_SECONDS)
     local = child.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
     if local.isdigit() and int(local) > (os.cpu_count() or 1):
@@ -119,9 +124,13 @@ def child_environment(env, error_file: str, rank: int = 0) -> dict[str, str]:
     return child
 
 
-def _scratch_directory() -> str:
-    """A new private directory for the rank's error file: tempfile.mkdtemp's job, without
-    importing tempfile and shutil (with random and hashlib, ~5 ms of every wrapper's start)."""
+def _scratch_directory(rank: int) -> str:
+    """A new private directory for the rank's error file: in the job's folder (job_files.py)
+    under mtrain run, else tempfile.mkdtemp's job, without importing tempfile (with random and
+    hashlib, ~5 ms of every wrapper's start)."""
+    template = os.environ.get(ENV_JOB_FILE, "")
+    if "{host}" in template:
+        return job_files.rank_scratch(template, os.uname().nodename, rank)
     base = os.environ.get("TMPDIR") or "/tmp"
     for _ in range(16):
         path = os.path.join(base, f"mtrain-rank-{os.urandom(6).hex()}")
@@ -176,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
-    scratch = _scratch_directory()
+    try:
+        scratch = _scratch_directory(rank)
+    except PrivatePathError as error:  # another user's folder at the job's path
+        sys.stderr.buffer.write(f"[{rank}]<stderr>:{error}\n".encode())
+        _write_record(ExitRecord(rank, host, 1, stopped=False, time=time.time(), stderr_tail=(str(error),)))
+        return 1
     error_file = os.path.join(scratch, "error.json")
     try:
         environment = child_environment(os.environ, error_file, rank)

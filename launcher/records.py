@@ -437,13 +437,8 @@ def stuck_in_init(waiting: "dict[int, tuple]", ended: "dict[int, int]") -> "str 
 # tf.distribute programs find each other (written by the launcher once the preflight knows
 # addresses and free ports; on each host a file the rank wrapper reads).
 
-ENV_JOB_FILE = "MTRAIN_JOB_FILE"  # a path template: "{host}" stands for the host's name
+ENV_JOB_FILE = "MTRAIN_JOB_FILE"  # a path template: "{host}" stands for the host's name (launcher/job_files.py)
 
-
-def job_file_template(directory: str, job_id: str) -> str:
-    """Where each host keeps the job's layout: a file per host (hosts may share the folder) in a
-    private folder of the job's own, which launcher/private.py makes or refuses."""
-    return os.path.join(directory, f"mtrain-job-{job_id}", "{host}.json")
 
 
 @_record

@@ -38,7 +38,8 @@ import tempfile
 import time
 
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
-from mtrain.launcher.private import PrivatePathError, remove_private
+from mtrain.launcher import job_files
+from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import DAEMON_UMASK, HostUpdates, JobLayout, host_path, updates_file
 
 HEARTBEAT_TIMEOUT = 8.0
@@ -136,9 +137,7 @@ def after_probe(wait: float) -> int:
         print(f"mtrain-guard: {socket.gethostname()}: bad go line from the launcher: {error}",
               file=sys.stderr, flush=True)
         return 2
-    job_file = host_path(template) if template and layout else None
-    updates_path = host_path(updates_file(template)) if template and layout else None
-    return _run_guarded(command, job_file, layout, updates_path, rest)
+    return _run_guarded(command, template if layout else None, layout, rest)
 
 
 def end_tree(grace: float = TERM_GRACE) -> None:
@@ -155,44 +154,48 @@ def end_tree(grace: float = TERM_GRACE) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    job_file, layout, updates_path = None, None, None
+    template, layout = None, None
     if argv[:1] == ["--job-file"] and len(argv) >= 4 and argv[2] == "--layout":
-        template = argv[1]
-        job_file, layout, argv = host_path(template), JobLayout.decode(argv[3]), argv[4:]
-        updates_path = host_path(updates_file(template))
+        template, layout, argv = argv[1], JobLayout.decode(argv[3]), argv[4:]
     if len(argv) != 1:
         print("usage: python -m mtrain.launcher.remote_guard [--job-file PATH --layout JSON] 'COMMAND'",
               file=sys.stderr)
         return 2
-    return _run_guarded(argv[0], job_file, layout, updates_path)
+    return _run_guarded(argv[0], template if layout else None, layout)
 
 
-def _run_guarded(command: str, job_file: str | None, layout: JobLayout | None, updates_path: str | None,
-                 pending: bytes = b"") -> int:
+def _run_guarded(command: str, template: str | None, layout: JobLayout | None, pending: bytes = b"") -> int:
+    """Guard `command` (Open MPI's daemon), leaving the job's `layout` for the ranks on this host
+    at `template`'s path (job_files.py) and removing what the job keeps here when it ends."""
+    host = os.uname().nodename
+    job_file = job_files.layout(template, host) if template else None
+    updates_path = host_path(updates_file(template), host) if template else None
+    if template:
+        job_files.remove_host(template, host)  # what a killed generation of this job left here
     if job_file and layout:
         try:
             layout.write(job_file)
         except PrivatePathError as error:  # another user's folder (or file) at the job's path
-            sys.stderr.write(f"{error} (on {os.uname().nodename})\n")
+            sys.stderr.write(f"{error} (on {host})\n")
             return 1
         except OSError as error:
-            sys.stderr.write(f"mtrain: cannot write the job layout {job_file} on {os.uname().nodename}: "
+            sys.stderr.write(f"mtrain: cannot write the job layout {job_file} on {host}: "
                              f"{error.strerror or error}\n")
             return 1
     try:
-        return _guard(command, updates_path, pending)
+        return _guard(command, template, updates_path, pending)
     finally:
-        for path in (updates_path, job_file):
-            if path:
-                remove_private(path)  # and the job's folder, once no host's file is left in it
+        if template:
+            job_files.remove_host(template, host)  # and the job's folders, once no host's entry is left
 
 
-def _guard(command: str, updates_path: str | None, pending: bytes = b"") -> int:
+def _guard(command: str, template: str | None, updates_path: str | None, pending: bytes = b"") -> int:
     become_subreaper()
     # Open MPI's daemon makes its session folder (open to all, whatever the umask) in a new 0700
-    # folder of ours, and runs with a private umask (the rank wrapper gives the user's program
-    # the user's umask back: records.ENV_USER_UMASK).
-    session = tempfile.mkdtemp(prefix="mtrain-prted-")
+    # folder of the job's (job_files.py), and runs with a private umask (the rank wrapper gives the
+    # user's program the user's umask back: records.ENV_USER_UMASK).
+    session = (job_files.daemon_session(template, os.uname().nodename) if template
+               else tempfile.mkdtemp(prefix="mtrain-prted-"))
     env = _daemon_environment()
     env["PRTE_MCA_prte_tmpdir_base"] = session
     try:
