@@ -22,13 +22,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
+import shlex
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 
+from mtrain.launcher import job_files
 from mtrain.launcher.config import ElasticSettings, LaunchConfig
 from mtrain.launcher.hosts import HostSlots, is_local, local_names
 from mtrain.launcher.supervise import first_failure, print_failure_report
@@ -38,6 +40,7 @@ from mtrain.launcher.records import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_E
 DISCOVERY_INTERVAL = 1.0      # seconds between runs of the discovery script while a generation runs
 DISCOVERY_TIMEOUT = 30.0      # one run of the script
 STATE_DIRECTORY = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+CLEANUP_TIMEOUT = 5.0         # connecting to a host, and removing its snapshots, at the job's end
 
 
 class DiscoveryError(Exception):
@@ -146,6 +149,7 @@ class ElasticDriver:
         self.job_id = uuid.uuid4().hex
         self.secret = new_job_secret()  # signs every generation's snapshots (bindings/elastic/snapshot.py)
         self.state_dir = os.path.join(STATE_DIRECTORY, f"mtrain-elastic-{self.job_id}")
+        self.remote_hosts_used: set[str] = set()  # their snapshots are removed at the end
         self.resets = 0
         self.pending: _Reset | None = None
         self.discovery_problem = ""
@@ -221,6 +225,7 @@ class ElasticDriver:
                 names = local_names()
                 config = dataclasses.replace(self.config, plan=tuple(plan), remote_hosts=tuple(
                     h.name for h in plan if not is_local(h.name, names)))
+                self.remote_hosts_used.update(config.remote_hosts)
                 generation = Generation(env={ENV_ELASTIC: "1", ENV_ELASTIC_STATE_DIR: f"{self.state_dir}/{{host}}"},
                                         job_id=self.job_id, secret=self.secret,
                                         on_resume=self._resumed(plan))
@@ -238,7 +243,34 @@ class ElasticDriver:
                 if decision is not None:
                     return decision
         finally:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+            self._remove_snapshots()
+
+    def _remove_snapshots(self) -> None:
+        """At the job's end, remove the snapshots every host holds: this one's here, the others'
+        over SSH, in parallel and bounded (a host that is gone keeps its own, in its /dev/shm)."""
+        template = os.path.join(self.state_dir, "{host}")
+        job_files.remove_folder(template, socket.gethostname())
+        command = f"{shlex.quote(sys.executable)} -m mtrain.launcher.job_files remove-folder {shlex.quote(template)}"
+
+        def remove_on(host: str) -> None:
+            from mtrain.launcher import ssh  # paramiko only for jobs with remote hosts
+            try:
+                client = ssh.connect(host, self.config.ssh, timeout=CLEANUP_TIMEOUT)
+            except Exception:  # noqa: BLE001 - a host that is gone or refuses: nothing to do there
+                return
+            try:
+                ssh.run_command(client, command, CLEANUP_TIMEOUT)
+            except Exception:  # noqa: BLE001
+                pass
+            finally:
+                client.close()
+
+        workers = [threading.Thread(target=remove_on, args=(host,), daemon=True)
+                   for host in sorted(self.remote_hosts_used)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=2 * CLEANUP_TIMEOUT)
 
     def _after(self, generation, status: int) -> int | None:
         """None to go on with the next generation, else mtrain's exit status."""

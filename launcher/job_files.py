@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from mtrain.launcher.private import PrivatePathError, check_private, private_folder
 
@@ -100,3 +101,34 @@ def remove_host(job_file: str, host: str) -> None:
             os.rmdir(parent)
         except OSError:  # another host's or generation's entries are still there: theirs to remove
             pass
+
+
+def remove_folder(template: str, host: str) -> None:
+    """Remove `template`'s folder for `host` ("{host}" in it), if it is a folder of ours (a path
+    another user made is left alone), then the folder above it once it is empty."""
+    path = template.format(host=host)
+    try:
+        check_private(path, os.lstat(path), "folder")
+    except (FileNotFoundError, PrivatePathError):
+        pass
+    else:
+        import shutil
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(path))
+    except OSError:  # another host's folder is still there (a shared /dev/shm), or it is not ours
+        pass
+
+
+def main(argv: "list[str]") -> int:
+    """`python -m mtrain.launcher.job_files remove-folder TEMPLATE`: what the elastic driver runs on
+    each host a job used, at the job's end, for the snapshots there ("{host}": this host's name)."""
+    if len(argv) != 2 or argv[0] != "remove-folder" or "{host}" not in argv[1]:
+        print("usage: python -m mtrain.launcher.job_files remove-folder TEMPLATE-WITH-{host}", file=sys.stderr)
+        return 2
+    remove_folder(argv[1], os.uname().nodename)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
