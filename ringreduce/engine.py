@@ -45,10 +45,10 @@ from mtrain.launcher.records import FailureCause, report_error
 from . import cuda, join
 from .backend import NumpyBackend
 from .collectives import Executor, Kind
-from .errors import EngineError, InvalidArgumentError, ShutdownError, Verdict
+from .errors import EngineError, InvalidArgumentError, Refusal, ShutdownError, Verdict
 from .fusion import PLAN_CACHE_SIZE, FusionBuffers, Plan, PlanCache, Ring
-from .negotiation import (UNNAMED_PREFIX, Agreement, Control, Coordinator, Negotiator, RequestState, ResponseCache,
-                          SteadyBatch)
+from .negotiation import (UNNAMED_PREFIX, Agreement, Control, Coordinator, Negotiator, Report, RequestState,
+                          ResponseCache, SteadyBatch)
 from .ops import ReduceOp
 from .requests import AllreduceOp, Completion, Handle, Request, Signature
 from .settings import EngineConfig
@@ -102,6 +102,12 @@ class Engine:
         self._step_waited = False  # whether a thread waited on any of them
         self._incoming: "list[Request]" = []
         self._in_flight: "set[str]" = set()
+        # Names in flight as a refusal (``errors.Refusal``: this rank refused the op's arguments, and
+        # the name goes through the negotiation anyway) -> the ops submitted under that name since,
+        # in order, each held back until the one before has ended on every rank (refusals, then at
+        # most one op that runs). A retry right after an argument error is no "already in flight"
+        # error, and meets the other ranks' retries.
+        self._refusals: "dict[str, list[Request]]" = {}
         self._closing = False
         self._closed_error: "BaseException | None" = None
         # One counter for every kind of unnamed op: a rank calling a different
@@ -146,10 +152,12 @@ class Engine:
                 raise self._closed()
             if len(requests) > 1:
                 names = [r.name for r in requests]
-                taken = [n for n in names if n in self._in_flight]
+                taken = [n for n in names if n in self._in_flight and not self._may_hold(n)]
                 if taken or len(set(names)) != len(names):
                     raise _already_in_flight(taken[0] if taken else next(n for n in names if names.count(n) > 1))
             for request in requests:
+                if type(request.signature) is Refusal and request.name not in self._in_flight:
+                    self._refusals[request.name] = []
                 self._enqueue(request, now)
 
     def submit_allreduce(self, array: Any, name: "str | None", op: ReduceOp, in_place: bool, prescale: float,
@@ -180,6 +188,10 @@ class Engine:
         name = request.name
         in_flight = self._in_flight
         if name in in_flight:
+            if self._may_hold(name):
+                request.submitted = now
+                self._refusals[name].append(request)  # queued by ``_finish`` once the refusal has ended
+                return
             raise _already_in_flight(name)
         if not self._incoming:
             self._first_submit = now
@@ -198,6 +210,12 @@ class Engine:
                 self._wake.notify()
         self._last_submit = now
         self._incoming.append(request)
+
+    def _may_hold(self, name: str) -> bool:
+        """Whether an op under ``name``, which is in flight, can wait behind it (under ``self._lock``):
+        when what is in flight, and whatever waits already, are refusals."""
+        held = self._refusals.get(name)
+        return held is not None and (not held or type(held[-1].signature) is Refusal)
 
     def _note_waiter(self, delta: int) -> None:
         """A user thread starts (+1) or stops (-1) blocking on one of this engine's handles."""
@@ -427,8 +445,9 @@ class Engine:
                 continue
             elif verdict is Verdict.INVALIDATE:
                 self._pending[response.name].state = RequestState.UNREPORTED
-            else:  # MISMATCH or STALLED: the op ends with that error on every rank
-                self._finish(self._pending.pop(response.name), error=verdict.error(response.message))
+            else:  # MISMATCH, STALLED or REFUSED: the op ends with that error on every rank
+                error = verdict.error(response.message, response.meta)
+                self._finish(self._pending.pop(response.name), error=error)
         coordinator = self._coordinator
         if coordinator is not None:
             now = time.monotonic()
@@ -451,7 +470,9 @@ class Engine:
         reports = []
         for request in self._pending.values():
             if request.state is RequestState.UNREPORTED:
-                reports.append((request.name, request.signature, request.describe(self._members)))
+                handle = request.handle
+                group = id(handle) if len(handle._results) > 1 else 0  # the parts of one grouped op
+                reports.append(Report(request.name, request.signature, request.describe(self._members), group))
                 request.state = RequestState.REPORTED
         pending = sorted(self._pending) if stall_check else None
         gathered = self._control.gather((reports, pending), root=0)
@@ -594,7 +615,22 @@ class Engine:
 
     def _finish(self, request: Request, result: Any = None, error: "BaseException | None" = None) -> None:
         with self._lock:
-            self._in_flight.discard(request.name)
+            name = request.name
+            if name in self._refusals and type(request.signature) is Refusal:
+                held = self._refusals.pop(name)
+                if held:  # the next op submitted under the refused op's name: its turn now
+                    following = held.pop(0)
+                    if type(following.signature) is Refusal:
+                        self._refusals[name] = held
+                    if not self._incoming:
+                        self._first_submit = following.submitted
+                    self._last_submit = following.submitted
+                    self._incoming.append(following)
+                    self._wake.notify()
+                else:
+                    self._in_flight.discard(name)
+            else:
+                self._in_flight.discard(name)
         if error is not None:
             request.handle._fail(error)
         else:
@@ -619,6 +655,8 @@ class Engine:
                 self._closed_error = None
             self._closing = True
             leftovers = list(self._pending.values()) + self._incoming
+            leftovers += [request for held in self._refusals.values() for request in held]
+            self._refusals.clear()
             join_handle, self._join.handle = self._join.handle, None
             self._incoming = []
             self._in_flight.clear()

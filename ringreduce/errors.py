@@ -6,7 +6,8 @@ error travels in the coordinator's response (``Verdict``), never in its text.
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+import pickle
+from typing import NamedTuple, Sequence
 
 
 class HorovodInternalError(RuntimeError):
@@ -60,10 +61,42 @@ class Verdict(enum.Enum):
     INVALIDATE = "invalidate"  # drop its cache entry; every rank reports it afresh
     MISMATCH = "mismatch"      # ranks submitted it with different arguments
     STALLED = "stalled"        # some ranks never submitted it within the stall limit
+    REFUSED = "refused"        # a rank refused its own arguments at submission (``Refusal``)
 
-    def error(self, message: str) -> Exception:
-        """The exception this verdict ends an op with (only MISMATCH and STALLED end one)."""
+    def error(self, message: str, refusal: "Refusal | None" = None) -> Exception:
+        """The exception this verdict ends an op with (MISMATCH, STALLED, and REFUSED with the
+        first refusing rank's ``refusal``)."""
+        if self is Verdict.REFUSED:
+            assert refusal is not None
+            return refusal.error(message)
         return _ERROR_OF[self](message)
 
 
 _ERROR_OF = {Verdict.MISMATCH: MismatchError, Verdict.STALLED: StallError}
+
+# The classes a submit-time check raises, so that a refusal can name its class to the other ranks
+# by position (most specific first: a class not listed travels as the first one it derives from).
+REFUSABLE: "tuple[type[Exception], ...]" = (InvalidArgumentError, TypeError, ValueError, pickle.PicklingError,
+                                              AttributeError)
+
+
+class Refusal(NamedTuple):
+    """What a rank submits under an op's name in the place of an op whose arguments it refused.
+
+    The rank raises its own error at once; the op's name still goes through the negotiation, so
+    the ranks that did submit the op get a ``Verdict.REFUSED`` and raise the same class (instead
+    of waiting for an op that never comes), and unnamed ops stay numbered alike on every rank.
+    Never equal to a ``Signature``: a refused op never runs."""
+
+    error_class: int  # position in REFUSABLE
+    text: str         # "TypeError: ...", for the other ranks' messages
+
+    @staticmethod
+    def of(error: Exception) -> "Refusal":
+        kind = type(error)
+        index = REFUSABLE.index(kind) if kind in REFUSABLE else next(
+            (i for i, cls in enumerate(REFUSABLE) if isinstance(error, cls)), 0)
+        return Refusal(index, f"{kind.__name__}: {error}")
+
+    def error(self, message: str) -> Exception:
+        return REFUSABLE[self.error_class](message)

@@ -15,7 +15,12 @@ same metadata. Two paths:
   which keeps a table of who submitted what. When all ranks have reported a
   name it checks their metadata agree, assigns a cache bit, and broadcasts the
   decision; if they disagree, it broadcasts an error naming each rank's
-  submission. It also names the ranks missing from a stalled op.
+  submission. A rank that refused its own arguments at submission reports a
+  ``Refusal`` under the name instead: every rank then raises that rank's error
+  class. When one part of a grouped op fails, so do the rest of its parts.
+  It also names the ranks missing from a stalled op, and forgets the op's
+  reports when the stall ends it. A cached name that some ranks hold by its bit
+  while others report it with new arguments is invalidated at the next cycle.
 
 This module is the one owner of the negotiation vector: its layout
 (``VectorLayout``), how a rank fills it (``Negotiator.vector``), the
@@ -41,7 +46,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import Verdict
+from .errors import Refusal, Verdict
 
 
 
@@ -70,6 +75,15 @@ class RequestState(enum.Enum):
     UNREPORTED = "unreported"  # neither cached nor reported to the coordinator yet
     REPORTED = "reported"      # sent to the coordinator; waiting for its verdict
     CACHED = "cached"          # known to every rank as a cache bit: goes in the bit vector
+
+
+class Report(NamedTuple):
+    """What a rank tells the coordinator about one op it submitted that is not cached."""
+
+    name: str
+    signature: Any    # requests.Signature, or an errors.Refusal
+    description: str  # what the rank submitted, for error messages
+    group: int = 0    # the parts of one grouped op share it on their rank (0: not grouped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,20 +183,54 @@ class Coordinator:
         self.members = list(members) if members is not None else list(range(size))  # names in messages
         self.warn_seconds = warn_seconds
         self.shutdown_seconds = shutdown_seconds
-        self.reported: "dict[str, dict[int, tuple[Any, str]]]" = {}
+        self.reported: "dict[str, dict[int, Report]]" = {}
+        # (rank, group) -> the parts of that rank's grouped op still reported and undecided. When
+        # one part fails, so do the rest: a rank that grouped more tensors than the others would
+        # otherwise keep parts nobody else submits, which a later op of that name would meet.
+        self.groups: "dict[tuple[int, int], set[str]]" = {}
         self.first_seen: "dict[str, float]" = {}
         self.warned: "set[str]" = set()
+        # Cached ops pending on some ranks while others reported the same name afresh (new
+        # arguments, or a refusal): those ranks wait on a cache bit the others never set, so
+        # the next cycle must coordinate (``stall_check_due``) to invalidate the entry.
+        self.conflicts = False
 
     def note_partial(self, names: Sequence[str], now: float) -> None:
         """Cached ops pending on some ranks but not all (from the bit vectors)."""
+        reported = self.reported
         for name in names:
             self.first_seen.setdefault(name, now)
+            if name in reported:
+                self.conflicts = True
 
     def forget(self, name: str) -> None:
         self.first_seen.pop(name, None)
         self.warned.discard(name)
 
+    def _drop(self, name: str) -> "dict[int, Report]":
+        """Remove ``name``'s reports (its op is decided, or ended); returns them."""
+        by_rank = self.reported.pop(name, {})
+        for rank, report in by_rank.items():
+            if report.group:
+                parts = self.groups.get((rank, report.group))
+                if parts is not None:
+                    parts.discard(name)
+                    if not parts:
+                        del self.groups[(rank, report.group)]
+        return by_rank
+
+    def _siblings(self, by_rank: "dict[int, Report]") -> "list[str]":
+        """The other parts, still undecided, of the grouped ops these reports belong to."""
+        names: "set[str]" = set()
+        for rank, report in by_rank.items():
+            if report.group:
+                names |= self.groups.get((rank, report.group), set())
+        return sorted(names)
+
     def stall_check_due(self, now: float) -> bool:
+        """Whether the next cycle must coordinate: a stall to warn about or end, or a conflict."""
+        if self.conflicts:
+            return True
         for name, seen in self.first_seen.items():
             age = now - seen
             if age > self.warn_seconds and name not in self.warned:
@@ -198,24 +246,36 @@ class Coordinator:
         responses: "list[Response]" = []
         invalidated: "set[str]" = set()
         for rank, (reports, _) in enumerate(gathered):
-            for name, meta, description in reports:
-                if name in cache.entries and name in cached_anywhere and name not in invalidated:
-                    # Some ranks hold this op under its cached metadata, this one under
-                    # other metadata: drop the entry so every rank reports it afresh.
-                    responses.append(Response(Verdict.INVALIDATE, name))
-                    invalidated.add(name)
-                self.reported.setdefault(name, {})[rank] = (meta, description)
+            for report in reports:
+                report = Report(*report)
+                name = report.name
+                self.reported.setdefault(name, {})[rank] = report
                 self.first_seen.setdefault(name, now)
+                if report.group:
+                    self.groups.setdefault((rank, report.group), set()).add(name)
+        # Some ranks hold an op under its cached metadata, others reported it (now or in an
+        # earlier round) under other metadata: drop the entry so every rank reports it afresh.
+        for name in self.reported:
+            if name in cache.entries and name in cached_anywhere:
+                responses.append(Response(Verdict.INVALIDATE, name))
+                invalidated.add(name)
+        self.conflicts = False
         next_bit = len(cache.names)
         for name in list(self.reported):
-            by_rank = self.reported[name]
+            by_rank = self.reported.get(name)
             # Ranks that have joined (hvd.join()) never submit: the others decide.
-            if len(by_rank.keys() | joined) < self.size:
+            if by_rank is None or len(by_rank.keys() | joined) < self.size:
                 continue
-            del self.reported[name]
+            self._drop(name)
             self.forget(name)
-            metas = [by_rank[r][0] for r in sorted(by_rank)]
-            if all(m == metas[0] for m in metas):
+            metas = [by_rank[r].signature for r in sorted(by_rank)]
+            refused = [r for r in sorted(by_rank) if isinstance(by_rank[r].signature, Refusal)]
+            if refused:  # every rank raises the first refusing rank's class
+                lines = "; ".join(f"rank {self.members[r]}: {by_rank[r].signature.text}" for r in refused)
+                responses.append(Response(Verdict.REFUSED, name, meta=by_rank[refused[0]].signature, message=(
+                    f"op {name!r} was refused at submission ({lines}), so no rank runs it; every rank "
+                    f"raises that error: fix the arguments there")))
+            elif all(m == metas[0] for m in metas):
                 if name in cache.entries and name not in invalidated:
                     bit = cache.entries[name][0]  # same name, new metadata everywhere: update
                 elif cache.cacheable(name) and next_bit < CACHE_CAPACITY:
@@ -223,11 +283,17 @@ class Coordinator:
                 else:
                     bit = -1
                 responses.append(Response(Verdict.READY, name, bit, metas[0]))
+                continue
             else:
-                lines = "; ".join(f"rank {self.members[r]}: {by_rank[r][1]}" for r in sorted(by_rank))
+                lines = "; ".join(f"rank {self.members[r]}: {by_rank[r].description}" for r in sorted(by_rank))
                 responses.append(Response(Verdict.MISMATCH, name, message=(
                     f"ranks submitted op {name!r} with different arguments ({lines}); every rank must "
                     f"submit the same dtype, shape, op and root for the same name")))
+            failed = responses[-1]
+            for sibling in self._siblings(by_rank):  # the rest of a failed group fails with it
+                self._drop(sibling)
+                self.forget(sibling)
+                responses.append(dataclasses.replace(failed, name=sibling))
         if any(pending is not None for _, pending in gathered):
             responses += self._stall_report(gathered, now)
         return responses
@@ -252,6 +318,9 @@ class Coordinator:
                     f"stalled: {text}; giving up after MTRAIN_STALL_SHUTDOWN_SECONDS="
                     f"{self.shutdown_seconds:g}. Make every rank submit the same ops (same names)")))
                 self.forget(name)
+                # The reports end with the op: a rank that submits the name later starts afresh
+                # (and stalls in turn) instead of completing the stale reports of ops that failed.
+                self._drop(name)
             elif age > self.warn_seconds and name not in self.warned:
                 stalled.append(text)
                 self.warned.add(name)

@@ -20,6 +20,7 @@ import numpy as np
 
 from .backend import backend_for
 from .collectives import Kind
+from .errors import Refusal
 from .negotiation import UNNAMED_PREFIX, RequestState  # noqa: F401  (UNNAMED_PREFIX: re-exported)
 from .ops import ReduceOp, dtype_code
 
@@ -35,6 +36,7 @@ class Signature(NamedTuple):
     prescale: float
     postscale: float
     backend: str         # where the memory lives (Backend.name)
+    parts: int = 1       # how many ops the handle groups: ranks grouping different counts mismatch
 
 
 # Kinds whose signature leaves out (part of) the shape.
@@ -185,12 +187,14 @@ class Request:
             shape = tuple(array.shape)
         op = self.op
         return intern(Signature(int(kind), dtype_code(array.dtype), shape, -1 if op is None else int(op), self.root,
-                                self.prescale, self.postscale, self.backend.name))
+                                self.prescale, self.postscale, self.backend.name, len(self.handle._results)))
 
     def describe(self, members: "Sequence[int] | None" = None) -> str:
         """What this rank submitted, for error messages; ``members`` maps the engine's ranks to
         the job's (a process set's root is a rank of the set inside, a job rank to the user)."""
         text = self.kind.name.lower()
+        if isinstance(self.signature, Refusal):
+            return f"{text} refused ({self.signature.text})"
         if self.array is not None and self.kind not in _SHAPELESS:
             text += f" {self.array.dtype}{list(self.array.shape)}"
         if self.op is not None:
@@ -199,6 +203,9 @@ class Request:
             text += f" root_rank={self.root if members is None else members[self.root]}"
         if (self.prescale, self.postscale) != (1.0, 1.0):
             text += f" prescale={self.prescale:g} postscale={self.postscale:g}"
+        parts = len(self.handle._results)
+        if parts > 1:
+            text += f" (part {self.index + 1} of {parts})"
         return text
 
     @property
@@ -269,3 +276,11 @@ def make_request(kind: Kind, array: "Any | None", name: str, handle: Handle, ind
         array = PLACEHOLDER
     backend = HOST if type(array) is np.ndarray else backend_for(array)
     return Request(kind, name, array, handle, index, backend, **fields)
+
+
+def make_refusal(kind: Kind, name: str, handle: Handle, index: int, refusal: Refusal) -> Request:
+    """What this rank negotiates under ``name`` for an op whose arguments it refused (``errors.Refusal``):
+    carries no data, and its signature is the refusal, so the op never runs on any rank."""
+    request = Request(kind, name, PLACEHOLDER, handle, index, HOST)
+    request.signature = refusal  # type: ignore[assignment]
+    return request

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -15,9 +15,9 @@ from . import cuda, exits, process_sets as _ps, ring
 from .backend import is_device_array
 from .collectives import Executor, Kind
 from .engine import Engine, EngineStats
-from .requests import AllreduceOp, Handle, Signature, make_request
-from .errors import InvalidArgumentError
-from .ops import Adasum, Average, ReduceOp, check_op, check_reducible
+from .requests import AllreduceOp, Handle, Signature, host_allreduce_signature, make_refusal, make_request
+from .errors import HorovodInternalError, InvalidArgumentError, Refusal
+from .ops import Adasum, Average, ReduceOp, check_op, check_reducible, dtype_code
 from .process_sets import ProcessSet, global_process_set
 from .settings import EngineConfig, env_number
 
@@ -282,32 +282,80 @@ def _array(value: Any) -> np.ndarray:
                     "wrap Python data with numpy.asarray() first")
 
 
-def _submit(kind: Kind, arrays: "Sequence[np.ndarray | None]", name: "str | None", grouped: bool = False,
-            process_set: ProcessSet = global_process_set, **fields: Any) -> Handle:
-    engine = _rt().member(process_set).engine
+def _check_name(name: Any) -> None:
+    """An op's name is a str, or None for an unnamed op (numbered by the engine)."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"an op's name must be a str, or None to leave it unnamed; got {type(name).__name__} "
+                        f"{name!r}")
+
+
+def _writable(array: Any, what: str) -> Any:
+    """``array``, which an in-place op writes its result into."""
+    if type(array) is np.ndarray and not array.flags.writeable:
+        raise InvalidArgumentError(f"{what} writes its result into its input, which is read-only; pass a writable "
+                                   "array, or use the out-of-place form")
+    return array
+
+
+def _listed(arrays: Any) -> list:
+    """A grouped op's arrays as a list (something that is not a sequence is one array, refused by ``_array``)."""
+    try:
+        return list(arrays)
+    except TypeError:
+        return [arrays]
+
+
+def _refuse(engine: Engine, kind: Kind, names: "list[str]", error: Exception) -> None:
+    """Submit a refusal (``errors.Refusal``) under each of ``names``: what this rank takes part in the
+    negotiation with when its own arguments were refused, so that the ranks that did submit the op raise
+    the same class instead of waiting for this one, and unnamed ops stay numbered alike on every rank."""
+    refusal = Refusal.of(error)
+    handle = Handle(len(names), len(names) > 1, engine.done_cv)  # nobody waits on it
+    try:
+        engine.submit([make_refusal(kind, name, handle, index, refusal) for index, name in enumerate(names)])
+    except (InvalidArgumentError, HorovodInternalError):
+        pass  # shut down, or the name is in flight here already: the caller's own error is what it sees
+
+
+def _submit(kind: Kind, name: "str | None", process_set: ProcessSet,
+            checked: "Callable[[], tuple[list[Any], dict[str, Any]]]", parts: int = 1,
+            grouped: bool = False) -> Handle:
+    """Submit one op of ``parts`` arrays under one handle. ``checked`` runs the op's argument checks and
+    returns its arrays (None: an op that carries none) and request fields. If it raises, this rank still
+    takes the op's name(s) into the negotiation, as a refusal (``_refuse``), then raises."""
+    engine = _rt().member(process_set).engine  # outside the set: there is nothing to take part in
+    _check_name(name)
     exits.forget_status()  # still submitting: any SystemExit noted before was caught, not an exit
-    handle = Handle(len(arrays), grouped, engine.done_cv)
-    if grouped:
-        base = name or engine.auto_name()
-        names: "list[str | None]" = [f"{base}.{i}" for i in range(len(arrays))]
-    else:
-        names = [name]
-    requests = [make_request(kind, array, n or engine.auto_name(), handle, i, **fields)
-                for i, (array, n) in enumerate(zip(arrays, names))]
+    handle = Handle(parts, grouped, engine.done_cv)
+    base = name or engine.auto_name()
+    names = [f"{base}.{i}" for i in range(parts)] if grouped else [base]
+    try:
+        arrays, fields = checked()
+        requests = [make_request(kind, array, n, handle, i, **fields)
+                    for i, (array, n) in enumerate(zip(arrays, names))]
+    except Exception as error:
+        _refuse(engine, kind, names, error)
+        raise
     engine.submit(requests)
     return handle
 
 
-def _submit_allreduce(arrays: "list[np.ndarray]", op: ReduceOp, name: "str | None", prescale_factor: float,
-                      postscale_factor: float, in_place: bool, grouped: bool,
-                      process_set: ProcessSet = global_process_set) -> Handle:
-    if not grouped:  # one tensor, the per-gradient path: the same checks, in the same order, kept short
-        return submit_allreduce(arrays[0], op, name, prescale_factor, postscale_factor, in_place, process_set)
-    op = check_op(op)
-    for array in arrays:
-        check_reducible(array.dtype, op)
-    return _submit(Kind.ALLREDUCE, arrays, name, grouped, process_set, op=op, in_place=in_place,
-                   prescale=float(prescale_factor), postscale=float(postscale_factor))
+def _submit_grouped_allreduce(arrays: Any, op: ReduceOp, name: "str | None", prescale_factor: float,
+                              postscale_factor: float, in_place: bool,
+                              process_set: ProcessSet = global_process_set) -> Handle:
+    """Several all-reduces under one handle (one tensor alone takes ``submit_allreduce``)."""
+    items = _listed(arrays)
+
+    def checked() -> "tuple[list[Any], dict[str, Any]]":
+        checked_op = check_op(op)
+        group = [_array(a) for a in items]
+        for array in group:
+            check_reducible(array.dtype, checked_op)
+            if in_place:
+                _writable(array, "grouped_allreduce_")
+        return group, dict(op=checked_op, in_place=in_place, prescale=float(prescale_factor),
+                           postscale=float(postscale_factor))
+    return _submit(Kind.ALLREDUCE, name, process_set, checked, len(items), True)
 
 
 def submit_allreduce(array: Any, op: Any, name: "str | None", prescale_factor: float, postscale_factor: float,
@@ -319,19 +367,34 @@ def submit_allreduce(array: Any, op: Any, name: "str | None", prescale_factor: f
 
     ``op_class``: a subclass of ``AllreduceOp`` to create, so that a binding's handle is the
     runtime's op itself; ``signature``: the op's ``signature`` from an earlier submit of the
-    same host array with the same (checked) arguments, so the checks need not run again."""
-    if signature is None:
-        if type(op) is not ReduceOp or op is Adasum:  # a ReduceOp member passes as is (check_op's result)
-            op = check_op(op)
-        if array.dtype.kind == "b":  # only bool arrays restrict the op
-            check_reducible(array.dtype, op)
-        prescale_factor, postscale_factor = float(prescale_factor), float(postscale_factor)
+    same host array with the same (checked) arguments, so the checks need not run again.
+    Arguments refused here are refused as by every other op (``_submit``)."""
     runtime = _runtime
     if runtime is not None and process_set is global_process_set and process_set.process_set_id == 0:
         engine = runtime.engine  # the global set's engine: what member() returns for it
     else:
         engine = _rt().member(process_set).engine
+    if name is not None and type(name) is not str:
+        _check_name(name)
     exits.forget_status()  # still submitting: any SystemExit noted before was caught, not an exit
+    if signature is None:
+        try:
+            if type(op) is not ReduceOp or op is Adasum:  # a ReduceOp member passes as is (check_op's result)
+                op = check_op(op)
+            if type(array) is not np.ndarray:
+                array = _array(array)
+            if array.dtype.kind == "b":  # only bool arrays restrict the op
+                check_reducible(array.dtype, op)
+            prescale_factor, postscale_factor = float(prescale_factor), float(postscale_factor)
+            if type(array) is np.ndarray:  # the signature checks the dtype (TypeError)
+                if in_place and not array.flags.writeable:
+                    _writable(array, "allreduce_")  # raises
+                signature = host_allreduce_signature(array, op, prescale_factor, postscale_factor)
+            else:
+                dtype_code(array.dtype)
+        except Exception as error:
+            _refuse(engine, Kind.ALLREDUCE, [name or engine.auto_name()], error)
+            raise
     return engine.submit_allreduce(array, name, op, in_place, prescale_factor, postscale_factor, op_class,
                                    signature)
 
@@ -351,6 +414,8 @@ def _check_root(root_rank: int, process_set: ProcessSet = global_process_set) ->
 # Every op returns a Handle at once; synchronize(handle) waits and returns the
 # result or raises the op's error. Ops are matched across ranks by name, so
 # ranks may submit in different orders; unnamed ops must come in the same order.
+# An op whose arguments are refused here raises at once on this rank, and the
+# ranks that submitted it raise the same class (``_submit``).
 
 
 def poll(handle: Handle) -> bool:
@@ -366,85 +431,90 @@ def synchronize(handle: Handle) -> Any:
 def allreduce_async(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an all-reduce into a new array; ``synchronize`` returns it."""
-    return _submit_allreduce([_array(array)], op, name, prescale_factor, postscale_factor, False, False, process_set)
+    return submit_allreduce(array, op, name, prescale_factor, postscale_factor, False, process_set)
 
 
 def allreduce_async_(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce of ``array``; ``synchronize`` returns ``array``."""
-    return _submit_allreduce([_array(array)], op, name, prescale_factor, postscale_factor, True, False, process_set)
+    return submit_allreduce(array, op, name, prescale_factor, postscale_factor, True, process_set)
 
 
 def grouped_allreduce_async(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average, name: "str | None" = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start all-reduces of several arrays as one unit; ``synchronize`` returns a list of new arrays."""
-    return _submit_allreduce([_array(a) for a in arrays], op, name, prescale_factor, postscale_factor,
-                             False, True, process_set)
+    return _submit_grouped_allreduce(arrays, op, name, prescale_factor, postscale_factor, False, process_set)
 
 
 def grouped_allreduce_async_(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average,
                              name: "str | None" = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """In-place grouped all-reduce; ``synchronize`` returns the list of the same arrays."""
-    return _submit_allreduce([_array(a) for a in arrays], op, name, prescale_factor, postscale_factor,
-                             True, True, process_set)
+    return _submit_grouped_allreduce(arrays, op, name, prescale_factor, postscale_factor, True, process_set)
 
 
 def allgather_async(array: np.ndarray, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
-    return _submit(Kind.ALLGATHER, [_array(array)], name, process_set=process_set)
+    return _submit(Kind.ALLGATHER, name, process_set, lambda: ([_array(array)], {}))
 
 
 def grouped_allgather_async(arrays: "Sequence[np.ndarray]", name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
     """Start all-gathers of several arrays as one unit; ``synchronize`` returns a list."""
-    return _submit(Kind.ALLGATHER, [_array(a) for a in arrays], name, grouped=True, process_set=process_set)
+    items = _listed(arrays)
+    return _submit(Kind.ALLGATHER, name, process_set, lambda: ([_array(a) for a in items], {}), len(items), True)
 
 
 def broadcast_async(array: np.ndarray, root_rank: int, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
-    return _submit(Kind.BROADCAST, [_array(array)], name, process_set=process_set,
-                   root=_check_root(root_rank, process_set))
+    return _submit(Kind.BROADCAST, name, process_set,
+                   lambda: ([_array(array)], dict(root=_check_root(root_rank, process_set))))
 
 
 def broadcast_async_(array: np.ndarray, root_rank: int, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
-    return _submit(Kind.BROADCAST, [_array(array)], name, process_set=process_set,
-                   root=_check_root(root_rank, process_set), in_place=True)
+    return _submit(Kind.BROADCAST, name, process_set,
+                   lambda: ([_writable(_array(array), "broadcast_")],
+                            dict(root=_check_root(root_rank, process_set), in_place=True)))
 
 
 def reducescatter_async(array: np.ndarray, op: ReduceOp = Average, name: "str | None" = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start a reduce-scatter; ``synchronize`` returns this rank's rows of the reduction."""
-    array = _array(array)
-    op = check_op(op)
-    check_reducible(array.dtype, op)
-    if array.ndim == 0:
-        raise InvalidArgumentError("reducescatter needs an array with at least one dimension to split; "
-                                   "got a scalar (0-d): reshape it to (1,) or use allreduce")
-    return _submit(Kind.REDUCESCATTER, [array], name, process_set=process_set, op=op,
-                   prescale=float(prescale_factor), postscale=float(postscale_factor))
+    def checked() -> "tuple[list[Any], dict[str, Any]]":
+        checked_array = _array(array)
+        checked_op = check_op(op)
+        check_reducible(checked_array.dtype, checked_op)
+        if checked_array.ndim == 0:
+            raise InvalidArgumentError("reducescatter needs an array with at least one dimension to split; "
+                                       "got a scalar (0-d): reshape it to (1,) or use allreduce")
+        return [checked_array], dict(op=checked_op, prescale=float(prescale_factor), postscale=float(postscale_factor))
+    return _submit(Kind.REDUCESCATTER, name, process_set, checked)
 
 
 def grouped_reducescatter_async(arrays: "Sequence[np.ndarray]", op: ReduceOp = Average,
                                 name: "str | None" = None, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start reduce-scatters of several arrays as one unit; ``synchronize`` returns a list."""
-    op = check_op(op)
-    arrays = [_array(a) for a in arrays]
-    for index, array in enumerate(arrays):
-        check_reducible(array.dtype, op)
-        if array.ndim == 0:
-            raise InvalidArgumentError(f"reducescatter needs arrays with at least one dimension to split; "
-                                       f"arrays[{index}] is a scalar (0-d): reshape it to (1,)")
-    return _submit(Kind.REDUCESCATTER, arrays, name, grouped=True, process_set=process_set, op=op,
-                   prescale=float(prescale_factor), postscale=float(postscale_factor))
+    items = _listed(arrays)
+
+    def checked() -> "tuple[list[Any], dict[str, Any]]":
+        checked_op = check_op(op)
+        group = [_array(a) for a in items]
+        for index, array in enumerate(group):
+            check_reducible(array.dtype, checked_op)
+            if array.ndim == 0:
+                raise InvalidArgumentError(f"reducescatter needs arrays with at least one dimension to split; "
+                                           f"arrays[{index}] is a scalar (0-d): reshape it to (1,)")
+        return group, dict(op=checked_op, prescale=float(prescale_factor), postscale=float(postscale_factor))
+    return _submit(Kind.REDUCESCATTER, name, process_set, checked, len(items), True)
 
 
 def alltoall_async(array: np.ndarray, splits: "Sequence[int] | None" = None,
                    name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an all-to-all; ``synchronize`` returns ``(received, received_splits)``."""
-    array = _array(array)
-    if array.ndim == 0:
-        raise ValueError("alltoall needs an array with at least one dimension to split")
-    return _submit(Kind.ALLTOALL, [array], name, process_set=process_set,
-                   splits=_check_splits(splits, array.shape[0], process_set))
+    def checked() -> "tuple[list[Any], dict[str, Any]]":
+        checked_array = _array(array)
+        if checked_array.ndim == 0:
+            raise ValueError("alltoall needs an array with at least one dimension to split")
+        return [checked_array], dict(splits=_check_splits(splits, checked_array.shape[0], process_set))
+    return _submit(Kind.ALLTOALL, name, process_set, checked)
 
 
 def _check_splits(splits: "Sequence[int] | None", first: int,
@@ -528,41 +598,24 @@ def alltoall(array: np.ndarray, splits: "Sequence[int] | None" = None, name: "st
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of ``process_set`` reaches the barrier."""
-    synchronize(_submit(Kind.BARRIER, [None], None, process_set=process_set))
+    synchronize(_submit(Kind.BARRIER, None, process_set, lambda: ([None], {})))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s picklable object, on every rank."""
-    root = _check_root(root_rank, process_set)
-    # Pickled and unpickled here, in the caller's thread: the engine moves bytes only.  A root
-    # that cannot pickle its object still takes part, sending word of its failure, so the
-    # other ranks raise too instead of waiting for an op the root never submits.
-    payload, failure = None, None
-    if root == _rt().member(process_set).rank:
-        try:
-            payload = pickle.dumps(obj)
-        except Exception as error:
-            failure = error
-            payload = pickle.dumps(_RootCannotPickle(f"{type(error).__name__}: {error}"))
-    value = pickle.loads(synchronize(_submit(Kind.BROADCAST_OBJECT, [None], name, process_set=process_set, root=root, obj=payload)))
-    if failure is not None:
-        raise failure
-    if isinstance(value, _RootCannotPickle):
-        raise pickle.PicklingError(f"broadcast_object: root rank {root_rank} could not pickle its object "
-                                   f"({value.message}); broadcast only picklable objects")
-    return value
-
-
-class _RootCannotPickle:
-    """What a broadcast_object root sends when its object cannot be pickled."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
+    # Pickled and unpickled here, in the caller's thread: the engine moves bytes only. A root
+    # that cannot pickle its object refuses the op (``_submit``): the others raise its class.
+    def checked() -> "tuple[list[Any], dict[str, Any]]":
+        root = _check_root(root_rank, process_set)
+        payload = pickle.dumps(obj) if root == _rt().member(process_set).rank else None
+        return [None], dict(root=root, obj=payload)
+    return pickle.loads(synchronize(_submit(Kind.BROADCAST_OBJECT, name, process_set, checked)))
 
 
 def allgather_object(obj: Any, name: "str | None" = None, process_set: ProcessSet = global_process_set) -> list:
     """A list of every rank's picklable object, in rank order."""
-    payloads = synchronize(_submit(Kind.ALLGATHER_OBJECT, [None], name, process_set=process_set, obj=pickle.dumps(obj)))
+    payloads = synchronize(_submit(Kind.ALLGATHER_OBJECT, name, process_set,
+                                   lambda: ([None], dict(obj=pickle.dumps(obj)))))
     return [pickle.loads(payload) for payload in payloads]
 
 
