@@ -75,6 +75,7 @@ def test_every_rank_ending_normally_exits_zero_quickly(cluster, tmp_path, token)
             "total = rr.allreduce(np.full(3, rr.rank() + 1.0), op=rr.Sum)\n"
             "print('total', total.tolist())\n"
             "if rr.rank() == 2:\n    sys.exit(0)\n")
+    started = time.monotonic()
     done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, "-c", code, token, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("total [10.0, 10.0, 10.0]") == 4
