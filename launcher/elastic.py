@@ -239,7 +239,7 @@ class ElasticDriver:
                     watcher.join(timeout=DISCOVERY_TIMEOUT + 2)
                 if status == 0 or generation.interrupted:
                     return status
-                decision = self._after(generation, status)
+                decision = self._after(generation, status, plan)
                 if decision is not None:
                     return decision
         finally:
@@ -272,14 +272,21 @@ class ElasticDriver:
         for worker in workers:
             worker.join(timeout=2 * CLEANUP_TIMEOUT)
 
-    def _after(self, generation, status: int) -> int | None:
+    def _after(self, generation, status: int, plan: "list[HostSlots]") -> int | None:
         """None to go on with the next generation, else mtrain's exit status."""
         now, wall = time.monotonic(), time.time()
         records = generation.records
         failure = first_failure(records)
-        lost = sorted({e.host for e in generation.host_problems
-                       if e.kind in (AgentEventKind.HOST_LOST, AgentEventKind.CONNECT_FAILED)})
-        if records and all(r.returncode == RESET_EXIT_STATUS for r in records):
+        lost = sorted({e.host for e in generation.host_problems if e.kind in (
+            AgentEventKind.HOST_LOST, AgentEventKind.DAEMON_DIED, AgentEventKind.CONNECT_FAILED)})
+        # Ranks that never reported an end died with their wrappers: the whole host died, or its
+        # MPI daemon did (then Open MPI's launcher kills every rank and exits 0, and the event
+        # above names the host). Lost as surely as a dead link. (No record and no event: nothing
+        # started, and the preflight said why.)
+        silent = silent_hosts(plan, records) if records else []
+        if silent and not lost:
+            lost = silent
+        if records and all(r.returncode == RESET_EXIT_STATUS for r in records) and not lost:
             if self.pending is None:
                 self.pending = _Reset(self.resets + 1, "change", "the ranks asked for a new host set", wall)
         elif lost:
@@ -314,6 +321,17 @@ class ElasticDriver:
                   f"resumed from {commit} {time.time() - reset.started:.1f} s after the {reset.kind}",
                   file=sys.stderr, flush=True)
         return say
+
+
+def silent_hosts(plan: "list[HostSlots]", records: "list[ExitRecord]") -> "list[str]":
+    """The hosts of the plan's ranks (in plan order) that wrote no exit record."""
+    reported = {r.rank for r in records}
+    hosts, first = [], 0
+    for host in plan:
+        if any(rank not in reported for rank in range(first, first + host.slots)):
+            hosts.append(host.name)
+        first += host.slots
+    return hosts
 
 
 def _host_failure(record: ExitRecord) -> bool:

@@ -276,7 +276,7 @@ def _start_master(config: LaunchConfig, scratch: str, job_file: str, updates: st
 
     master = ConnectionMaster(scratch, config.remote_hosts, remote_command=remote_command, go_line=go_line,
                               updates=updates, session_timeout=config.start_timeout,
-                              log=lambda message: _log(config, message))
+                              log=lambda message: _log(config, message), events=os.path.join(scratch, "events"))
     try:
         master.start()
     except (OSError, RuntimeError) as error:

@@ -257,6 +257,7 @@ def signal_name(number: int) -> str:
 class AgentEventKind(enum.Enum):
     CONNECT_FAILED = "connect-failed"  # the host could not be reached or refused a session
     HOST_LOST = "host-lost"            # the connection died while the job ran
+    DAEMON_DIED = "daemon-died"        # the host's MPI daemon was killed (by a signal) while the job ran
 
 
 @_record
@@ -266,12 +267,14 @@ class AgentEvent:
     detail: str   # one line for the user, naming the host
     time: float
 
+    def _json(self) -> str:
+        return json.dumps({"kind": self.kind.value, "host": self.host, "detail": self.detail, "time": self.time})
+
     def emit(self, path: "str | None") -> None:
         """Append the event to `path` if a supervisor listens (None: nothing)."""
         if not path:
             return
-        line = json.dumps({"kind": self.kind.value, "host": self.host, "detail": self.detail,
-                           "time": self.time}) + "\n"
+        line = self._json() + "\n"
         # One write() on an O_APPEND file: lines from several agents never interleave.
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -287,6 +290,33 @@ class AgentEvent:
                               float(data["time"]))
         except (ValueError, KeyError, TypeError):
             return None
+
+
+# The remote guard, which sees its host's MPI daemon die first, says so in a marker line on its
+# stderr; the SSH relay that carries it (the connection master, or the agent) takes it out and
+# appends the event, before mpirun, which stops its agents as soon as it misses a daemon, can.
+EVENT_MARKER = b"@@mtrain-agent-event@@ "
+
+
+def event_line(event: AgentEvent) -> bytes:
+    return EVENT_MARKER + event._json().encode() + b"\n"
+
+
+def take_events(data: bytes, path: "str | None") -> bytes:
+    """`data` (a chunk of a guard's stderr) without its event lines, which go to `path`."""
+    if EVENT_MARKER not in data:
+        return data
+    kept = []
+    for line in data.splitlines(keepends=True):
+        before, marker, payload = line.partition(EVENT_MARKER)
+        event = AgentEvent.decode(payload) if marker else None
+        if event is None:
+            kept.append(line)
+            continue
+        event.emit(path)
+        if before:
+            kept.append(before + b"\n")
+    return b"".join(kept)
 
 
 class AgentEventReader:

@@ -40,7 +40,8 @@ import time
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import DAEMON_UMASK, HostUpdates, JobLayout, host_path, updates_file
+from mtrain.launcher.records import (DAEMON_UMASK, AgentEvent, AgentEventKind, HostUpdates, JobLayout, event_line,
+                                     host_path, signal_name, updates_file)
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -238,6 +239,13 @@ def _run_daemon(command: str, env: "dict[str, str]", updates_path: str | None, p
         if pid == child.pid:
             status = os.waitstatus_to_exitcode(raw)
             child.returncode = status
+            # Killed (or its shell says it was: 128+N), and not by the job's own end: tell the launcher
+            # now (records.EVENT_MARKER); its ranks, reparented to us, may take seconds more to go.
+            killer = -status if status < 0 else status - 128 if status > 128 else 0
+            if killer and killer not in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT) and not ending.locked():
+                host = socket.gethostname()
+                os.write(2, event_line(AgentEvent(AgentEventKind.DAEMON_DIED, host, f"host {host}: the MPI daemon "
+                                                  f"there died (killed by {signal_name(killer)})", time.time())))
     done.set()
     return exit_code(status if status is not None else 255)
 

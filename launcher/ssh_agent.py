@@ -144,7 +144,8 @@ def remote_command(words: list[str], python: str, job_file: str | None = None, l
     return f"{guard} {shlex.quote(inner)}"
 
 
-def _pump(read, fd: int) -> None:
+def _pump(read, fd: int, events_path: str | None = None) -> None:
+    from mtrain.launcher.records import take_events
     while True:
         try:
             data = read(65536)
@@ -152,6 +153,8 @@ def _pump(read, fd: int) -> None:
             return
         if not data:
             return
+        if fd == 2:
+            data = take_events(data, events_path)  # the guard's news of its daemon's death
         try:
             os.write(fd, data)
         except OSError:
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mtrain-agent: host {host}: cannot start a session: {error}", file=sys.stderr)
         return 255
     pumps = [threading.Thread(target=_pump, args=(channel.recv, 1), daemon=True),
-             threading.Thread(target=_pump, args=(channel.recv_stderr, 2), daemon=True)]
+             threading.Thread(target=_pump, args=(channel.recv_stderr, 2, events_path), daemon=True)]
     for thread in pumps:
         thread.start()
 

@@ -34,6 +34,7 @@ import enum
 import json
 import os
 import select
+import signal
 import socket
 import struct
 import threading
@@ -43,6 +44,7 @@ from typing import Any, Callable, Sequence
 HEARTBEAT_SECONDS = 1.0
 MAX_FRAME = 1 << 20            # a request is a few KiB; anything bigger is garbage
 REQUEST_TIMEOUT = 10.0         # an agent that connects says what it wants within this
+DRAIN_SECONDS = 0.5            # what a session still says after its agent went, before it is closed
 SOCKET_NAME = "ssh-master.sock"
 _HEADER = struct.Struct("!cI")  # kind (one byte), payload length
 _AF_UNIX_PATH_MAX = 107
@@ -161,13 +163,15 @@ class ConnectionMaster:
 
     def __init__(self, directory: str, hosts: Sequence[str], *, remote_command: Callable[[list[str], str], str],
                  go_line: Callable[[list[str], str], bytes], updates: str | None = None,
-                 session_timeout: float = 30.0, log: Callable[[str], None] | None = None) -> None:
+                 session_timeout: float = 30.0, log: Callable[[str], None] | None = None,
+                 events: str | None = None) -> None:
         """`hosts`: the hosts the preflight checks (a request for another one is sent away at
         once); `remote_command(words, layout)` is the shell command of a new session;
         `go_line(words, layout)` what a waiting probe is sent instead."""
         self.expected = frozenset(hosts)
         self.remote_command, self.go_line = remote_command, go_line
         self.updates, self.session_timeout = updates, session_timeout
+        self.events = events  # the supervisor's agent-events file (records.AgentEvent)
         self._log = log or (lambda message: None)
         self.hosts: dict[str, _Host] = {}
         self.counters = Counters()
@@ -380,6 +384,7 @@ class ConnectionMaster:
         done = threading.Event()
 
         def pump(read: Callable[[int], bytes], kind: FrameKind) -> None:
+            from mtrain.launcher.records import take_events
             while True:
                 try:
                     data = read(65536)
@@ -387,6 +392,10 @@ class ConnectionMaster:
                     return
                 if not data:
                     return
+                if kind is FrameKind.STDERR:
+                    data = take_events(data, self.events)  # the guard's news of its daemon's death
+                    if not data:
+                        continue
                 try:
                     send_frame(agent, kind, data, lock)
                 except OSError:
@@ -414,6 +423,9 @@ class ConnectionMaster:
                     pass
             if not done.is_set():
                 done.set()
+                # mpirun stops its agents as soon as it misses a daemon: what the guard said of
+                # that (its event line, records.EVENT_MARKER) may still be on its way.
+                pumps[1].join(timeout=DRAIN_SECONDS)
                 with contextlib.suppress(Exception):
                     channel.close()
 

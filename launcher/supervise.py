@@ -46,6 +46,8 @@ CAUSE_WINDOW = 1.0         # failures closer than this are ordered by evidence, 
 STUCK_GRACE = 3.0          # a job that can never go on (records.stuck_in_init) is stopped after this
 LAUNCHER_TAIL = 40         # MPI launcher lines kept to explain a failure no rank reported
 _PREFIX = re.compile(rb"^\[(\d+)\]<(stdout|stderr)>:")
+# A host whose connection or whose MPI daemon died: the job there is gone.
+_LOST = (AgentEventKind.HOST_LOST, AgentEventKind.DAEMON_DIED)
 
 
 def first_failure(records: Sequence[ExitRecord]) -> ExitRecord | None:
@@ -255,7 +257,7 @@ class Job:
                     stop_reason = StopReason.INTERRUPTED
                 elif stuck and now - stuck_since > STUCK_GRACE:
                     stop_reason, self.stuck = StopReason.STUCK, stuck
-                elif any(e.kind is AgentEventKind.HOST_LOST for e in host_problems):
+                elif any(e.kind in _LOST for e in host_problems):
                     stop_reason = StopReason.HOST_LOST
                 elif failure_seen_at is not None and now - failure_seen_at > FAILURE_GRACE:
                     stop_reason = StopReason.RANK_FAILED
@@ -309,7 +311,7 @@ class Job:
             print(f"mtrain: job stopped: it could never go on: {self.stuck}", file=sys.stderr)
             return 1
         failure = first_failure(records)
-        lost = [e for e in host_problems if e.kind is AgentEventKind.HOST_LOST]
+        lost = [e for e in host_problems if e.kind in _LOST]
         say = self.report_failures
         if lost and (failure is None or failure.stopped or lost[0].time <= failure.time):
             for event in lost if say else ():

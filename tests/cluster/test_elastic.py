@@ -136,6 +136,27 @@ def test_losing_a_host_mid_training_finishes_at_the_smaller_size(cluster, tmp_pa
     assert not [p for p in shared_entries_since(started) if job_id in p]  # nothing of the job's is left
 
 
+def test_losing_a_hosts_mpi_daemon_mid_training_finishes_at_the_smaller_size(cluster, tmp_path, token):
+    # Open MPI's launcher exits 0 when it loses a remote daemon, and the ranks there die without a
+    # word: the driver counts their host as lost, as it does a host whose link dies.
+    script = discovery(tmp_path, "mtr-a:2\nmtr-b:2\n")
+    job = start(cluster, tmp_path, token, "-np", "4", "--min-np", "2", "--host-discovery-script", str(script))
+    try:
+        progress(job, 4 * 5)
+        daemons = [pid for pid in cluster.namespace_pids("mtr-b")
+                   if Path(f"/proc/{pid}/comm").read_text().strip() == "prted"]
+        assert daemons
+        for pid in daemons:
+            os.kill(pid, signal.SIGKILL)
+        job.proc.wait(timeout=200)
+    finally:
+        err = job.stop()
+    assert job.proc.returncode == 0, err
+    assert re.search(r"mtrain: elastic reset 1: host mtr-b lost; now 2 ranks on mtr-a:2", err), err
+    assert_trained_exactly_once(results("".join(job.stdout_parts)), 2)
+    assert_no_leftovers(cluster, token, within=10)
+
+
 def test_a_host_added_by_the_discovery_script_joins(cluster, tmp_path, token):
     script = discovery(tmp_path, "mtr-a:2\n")
     job = start(cluster, tmp_path, token, "-np", "2", "--min-np", "2", "--max-np", "4",

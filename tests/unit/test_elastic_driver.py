@@ -46,3 +46,16 @@ def test_plan_skips_blacklisted_hosts_and_trims_to_the_limit():
     assert plan_hosts(hosts, blacklist, 1.0, None) == [HostSlots("a", 2), HostSlots("c", 2)]
     assert plan_hosts(hosts, Blacklist(None), 1.0, 4) == [HostSlots("a", 2), HostSlots("b", 2)]
     assert plan_hosts(hosts, Blacklist(None), 1.0, 2) == [HostSlots("a", 2)]
+
+
+def test_the_hosts_of_ranks_that_never_reported_an_end():
+    # Ranks are placed in plan order: a:0-1, b:2-4, c:5. Open MPI's launcher exits 0 when b's
+    # daemon dies with its ranks; their wrappers die too and write no record.
+    from mtrain.launcher.elastic import silent_hosts
+    from mtrain.launcher.records import ExitRecord
+    plan = [HostSlots("a", 2), HostSlots("b", 3), HostSlots("c", 1)]
+    records = [ExitRecord(rank, "x", 0, False, 1.0, ()) for rank in (0, 1, 5)]
+    assert silent_hosts(plan, records) == ["b"]
+    assert silent_hosts(plan, records + [ExitRecord(3, "b", 0, False, 1.0, ())]) == ["b"]
+    assert silent_hosts(plan, [ExitRecord(r, "x", 0, False, 1.0, ()) for r in range(6)]) == []
+    assert silent_hosts(plan, records[:2]) == ["b", "c"]

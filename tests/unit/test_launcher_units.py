@@ -317,3 +317,14 @@ def test_the_supervisor_takes_phase_notes_out_of_the_ranks_output():
     assert shown.getvalue() == b"[1]<stderr>:half a line\n[1]<stderr>:still talking\n"
     job._read(io.BytesIO(b"[0]<stderr>:" + PhaseNote(Phase.INIT_DONE).encode()), io.BytesIO(), True)
     assert job.in_init == {} and job._stuck_now() is None
+
+
+def test_event_lines_are_taken_out_of_a_guards_stderr_and_appended(tmp_path):
+    from mtrain.launcher.records import event_line, take_events
+    events = str(tmp_path / "events")
+    died = AgentEvent(AgentEventKind.DAEMON_DIED, "h2", "host h2: the MPI daemon there died (killed by SIGKILL)", 5.0)
+    chunk = b"mtrain-guard: one\n" + event_line(died) + b"two, unterminated"
+    assert take_events(chunk, events) == b"mtrain-guard: one\ntwo, unterminated"
+    assert AgentEventReader(events).poll() == [died]
+    assert take_events(b"plain\n", events) == b"plain\n"
+    assert take_events(b"@@mtrain-agent-event@@ not json\n", events) == b"@@mtrain-agent-event@@ not json\n"
