@@ -150,6 +150,7 @@ class ElasticDriver:
         self.secret = new_job_secret()  # signs every generation's snapshots (bindings/elastic/snapshot.py)
         self.state_dir = os.path.join(STATE_DIRECTORY, f"mtrain-elastic-{self.job_id}")
         self.remote_hosts_used: set[str] = set()  # their snapshots are removed at the end
+        self.generations = 0  # started so far
         self.resets = 0
         self.pending: _Reset | None = None
         self.discovery_problem = ""
@@ -226,8 +227,9 @@ class ElasticDriver:
                 config = dataclasses.replace(self.config, plan=tuple(plan), remote_hosts=tuple(
                     h.name for h in plan if not is_local(h.name, names)))
                 self.remote_hosts_used.update(config.remote_hosts)
+                self.generations += 1
                 generation = Generation(env={ENV_ELASTIC: "1", ENV_ELASTIC_STATE_DIR: f"{self.state_dir}/{{host}}"},
-                                        job_id=self.job_id, secret=self.secret,
+                                        job_id=self.job_id, secret=self.secret, number=self.generations,
                                         on_resume=self._resumed(plan))
                 stop = threading.Event()
                 watcher = threading.Thread(target=self.watch, args=(plan, known, generation, stop), daemon=True)

@@ -1,18 +1,21 @@
 """What a job keeps on each host, where, and how it goes: the one owner of those paths.
 
-    /tmp/mtrain-job-<id>/               0700: the job's folder (hosts whose /tmp is shared share it)
-        <host>.json                     the job's layout for the ranks (records.JobLayout)
-        <host>.updates                  an elastic job's host-set version (records.HostUpdates)
-        <host>.prted/                   Open MPI's daemon's session folder, on a remote host
-        <host>.rank<N>/                 rank N's wrapper's scratch (its error file)
-    /dev/shm/mtrain-job-<id>/<host>/    Open MPI's shared-memory segments (btl_sm_backing_directory)
+    /tmp/mtrain-job-<id>/                0700: the job's folder (hosts whose /tmp is shared share it)
+        <host>.g<N>.json                 generation N's layout for the ranks (records.JobLayout)
+        <host>.g<N>.updates              an elastic job's host-set version (records.HostUpdates)
+        <host>.g<N>.prted/               Open MPI's daemon's session folder, on a remote host
+        <host>.g<N>.rank<R>/             rank R's wrapper's scratch (its error file)
+    /dev/shm/mtrain-job-<id>/<host>.g<N>/  Open MPI's shared-memory segments (btl_sm_backing_directory)
 
 $MTRAIN_JOB_FILE is the layout's path with "{host}" for the host's name; every other path
-follows from it.  Everything is made private (launcher/private.py).  A host's entries go when
-its part of a generation ends (the remote guard removes them, or the launcher on its own host)
-and before a new part starts there (what a killed host left behind: Open MPI leaves its
-segments when a rank is killed); each folder goes with its last entry.  An elastic job's
-snapshots live elsewhere (/dev/shm/mtrain-elastic-<id>/), since they outlive generations.
+follows from it.  Everything is made private (launcher/private.py).  Each generation of an
+elastic job has its own names: the remote guard of the generation that ended may still be
+stopping its daemon while the next generation's starts on the same host.  A host's entries
+of a generation go when its part of that generation ends (the remote guard removes them, or
+the launcher on its own host), and entries of earlier generations go when a later one starts
+there (what a killed host left behind: Open MPI leaves its segments when a rank is killed);
+each folder goes with its last entry.  An elastic job's snapshots live elsewhere
+(/dev/shm/mtrain-elastic-<id>/), since they outlive generations.
 """
 from __future__ import annotations
 
@@ -24,15 +27,23 @@ from mtrain.launcher.private import PrivatePathError, check_private, private_fol
 
 JOB_FOLDER_PARENT = "/tmp"  # exists on every Linux host
 SHARED_MEMORY_PARENT = "/dev/shm" if os.path.isdir("/dev/shm") else JOB_FOLDER_PARENT
+_LAYOUT = re.compile(r"\{host\}\.g(\d+)\.json")
 
 
-def template(job_id: str) -> str:
-    """The job's $MTRAIN_JOB_FILE."""
-    return os.path.join(JOB_FOLDER_PARENT, f"mtrain-job-{job_id}", "{host}.json")
+def template(job_id: str, generation: int = 0) -> str:
+    """The job's $MTRAIN_JOB_FILE for one generation (0 for a job that is not elastic)."""
+    return os.path.join(JOB_FOLDER_PARENT, f"mtrain-job-{job_id}", f"{{host}}.g{int(generation)}.json")
 
 
 def _folder(job_file: str) -> str:
     return os.path.dirname(job_file)
+
+
+def _generation(job_file: str) -> int:
+    found = _LAYOUT.fullmatch(os.path.basename(job_file))
+    if found is None:
+        raise ValueError(f"not a job file template of mtrain's: {job_file!r}")
+    return int(found.group(1))
 
 
 def layout(job_file: str, host: str) -> str:
@@ -40,11 +51,11 @@ def layout(job_file: str, host: str) -> str:
 
 
 def _entry(job_file: str, host: str, suffix: str) -> str:
-    return os.path.join(_folder(job_file), f"{host}{suffix}")
+    return os.path.join(_folder(job_file), f"{host}.g{_generation(job_file)}{suffix}")
 
 
 def _shared_memory(job_file: str, host: str) -> str:
-    return os.path.join(SHARED_MEMORY_PARENT, os.path.basename(_folder(job_file)), host)
+    return os.path.join(SHARED_MEMORY_PARENT, os.path.basename(_folder(job_file)), f"{host}.g{_generation(job_file)}")
 
 
 def _fresh(path: str) -> str:
@@ -74,20 +85,25 @@ def shared_memory_folder(job_file: str, host: str) -> str:
     return private_folder(path)
 
 
-def remove_host(job_file: str, host: str) -> None:
-    """Remove what the job keeps on `host`, and each folder once it is empty; never what is not
-    ours (a folder another user made at the job's path is left alone, as it was refused)."""
-    folder = _folder(job_file)
+def remove_host(job_file: str, host: str, earlier: bool = False) -> None:
+    """Remove what this generation of the job keeps on `host` (with `earlier`, what earlier
+    generations left there instead), and each folder once it is empty; never what is not ours
+    (a folder another user made at the job's path is left alone, as it was refused)."""
+    now = _generation(job_file)
     # This host's entries (and write_private's temporaries), not another host's in a shared /tmp.
-    ours = re.compile(re.escape(host) + r"\.(json|updates|prted|rank\d+)(\.\d+\.tmp)?")
-    for parent, entries in ((folder, None), (os.path.dirname(_shared_memory(job_file, host)), [host])):
+    ours = re.compile(re.escape(host) + r"\.g(\d+)(\.(json|updates|prted|rank\d+)(\.\d+\.tmp)?)?")
+
+    def wanted(name: str) -> bool:
+        found = ours.fullmatch(name)
+        return found is not None and (int(found.group(1)) < now if earlier else int(found.group(1)) == now)
+
+    for parent in (_folder(job_file), os.path.dirname(_shared_memory(job_file, host))):
         try:
             check_private(parent, os.lstat(parent), "folder")
+            names = os.listdir(parent)
         except (FileNotFoundError, PrivatePathError):
             continue
-        for name in entries if entries is not None else os.listdir(parent):
-            if entries is None and not ours.fullmatch(name):
-                continue
+        for name in filter(wanted, names):
             path = os.path.join(parent, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 import shutil

@@ -107,6 +107,7 @@ class Generation:
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # more of the job's variables for the ranks
     on_resume: Callable[[ElasticResume], None] | None = None
     job_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    number: int = 0   # the generation's number in its job: its files' names (job_files.py)
     secret: str = dataclasses.field(default_factory=new_job_secret)  # one for every generation of the job
     # Filled in by launch(): where a new host-set version goes (this host's file for its ranks,
     # and the file the SSH agents forward to their hosts), then how the job ended.
@@ -150,13 +151,13 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
         events_path = os.path.join(scratch, "events")
         gate = os.path.join(scratch, "gate")
         job_id = generation.job_id if generation else uuid.uuid4().hex
-        job_file = job_files.template(job_id)
+        job_file = job_files.template(job_id, generation.number if generation else 0)
         job_env = {ENV_JOB_FILE: job_file, ENV_JOB_SECRET: generation.secret if generation else new_job_secret(),
                    ENV_USER_UMASK: f"{_user_umask():03o}"}
         agents_updates = os.path.join(scratch, "updates") if generation else None
         local_file = host_path(job_file)
         local_host = socket.gethostname()
-        job_files.remove_host(job_file, local_host)  # what a killed launch of this job left here
+        job_files.remove_host(job_file, local_host, earlier=True)  # what a killed generation left here
         try:
             if generation is not None:
                 job_env.update(generation.env)

@@ -172,7 +172,7 @@ def _run_guarded(command: str, template: str | None, layout: JobLayout | None, p
     job_file = job_files.layout(template, host) if template else None
     updates_path = host_path(updates_file(template), host) if template else None
     if template:
-        job_files.remove_host(template, host)  # what a killed generation of this job left here
+        job_files.remove_host(template, host, earlier=True)  # what a killed generation of this job left here
     if job_file and layout:
         try:
             layout.write(job_file)
@@ -187,7 +187,7 @@ def _run_guarded(command: str, template: str | None, layout: JobLayout | None, p
         return _guard(command, template, updates_path, pending)
     finally:
         if template:
-            job_files.remove_host(template, host)  # and the job's folders, once no host's entry is left
+            job_files.remove_host(template, host)  # this generation's, and the folders once empty
 
 
 def _guard(command: str, template: str | None, updates_path: str | None, pending: bytes = b"") -> int:

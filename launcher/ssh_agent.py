@@ -181,8 +181,7 @@ def _through_master(path: str, host: str, words: list[str], events_path: str | N
         return None
     if result.outcome is Outcome.STOPPED:
         return 143
-    if result.outcome is Outcome.LOST:
-        _report(events_path, AgentEventKind.HOST_LOST, host, result.detail)
+    if result.outcome is Outcome.LOST:  # (the master has told the supervisor)
         print(f"mtrain-agent: {result.detail}", file=sys.stderr)
     elif result.outcome is Outcome.FAILED:
         _report(events_path, AgentEventKind.CONNECT_FAILED, host, result.detail)

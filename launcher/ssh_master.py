@@ -34,7 +34,6 @@ import enum
 import json
 import os
 import select
-import signal
 import socket
 import struct
 import threading
@@ -379,9 +378,16 @@ class ConnectionMaster:
             self._channels.add(channel)
         return channel
 
+    def _lost(self, host: str, detail: str) -> None:
+        """Tell the supervisor that `host` was lost (its agent-events file, records.AgentEvent)."""
+        if self.events:
+            from mtrain.launcher.records import AgentEvent, AgentEventKind
+            AgentEvent(AgentEventKind.HOST_LOST, host, detail, time.time()).emit(self.events)
+
     def _relay(self, host: str, channel: Any, agent: socket.socket, transport: Any) -> None:
         lock = threading.Lock()
         done = threading.Event()
+        closed_here = threading.Event()
 
         def pump(read: Callable[[int], bytes], kind: FrameKind) -> None:
             from mtrain.launcher.records import take_events
@@ -426,6 +432,7 @@ class ConnectionMaster:
                 # mpirun stops its agents as soon as it misses a daemon: what the guard said of
                 # that (its event line, records.EVENT_MARKER) may still be on its way.
                 pumps[1].join(timeout=DRAIN_SECONDS)
+                closed_here.set()  # (closing sets the channel's status event too: not news)
                 with contextlib.suppress(Exception):
                     channel.close()
 
@@ -439,15 +446,26 @@ class ConnectionMaster:
                 # paramiko also sets status_event when the connection dies; the status is then -1.
                 if channel.status_event.wait(0.5) or not transport.is_active():
                     break
+            if done.is_set():  # the agent went: the session's own end may follow in a moment
+                channel.status_event.wait(DRAIN_SECONDS)
+            lost = None
+            if not transport.is_active():
+                lost = f"host {host}: lost the SSH connection mid-job (host down or network cut)"
+            elif (channel.status_event.is_set() and channel.exit_status < 0 and not closed_here.is_set()
+                  and not self._closed):  # (close() ends every session: the launch's own end)
+                lost = f"host {host}: the job's processes there were killed, its remote guard with them"
+            if lost is not None:
+                # Said here, not left to the agent: mpirun stops its agents as soon as it misses
+                # a daemon, and it may have done so already.
+                self._lost(host, lost)
             if done.is_set():
                 return
-            if channel.status_event.is_set() and channel.exit_status >= 0:
+            if lost is None:
                 for thread in pumps:
                     thread.join(timeout=2)
                 send_frame(agent, FrameKind.EXIT, str(channel.exit_status).encode(), lock)
             else:
-                detail = f"host {host}: lost the SSH connection mid-job (host down or network cut)"
-                send_frame(agent, FrameKind.LOST, detail.encode(), lock)
+                send_frame(agent, FrameKind.LOST, lost.encode(), lock)
         except OSError:
             pass
         finally:

@@ -112,10 +112,10 @@ def test_losing_a_host_mid_training_finishes_at_the_smaller_size(cluster, tmp_pa
         made = shared_entries_since(started)
         job_id = next((os.path.basename(p)[len("mtrain-elastic-"):] for p in made
                        if os.path.basename(p).startswith("mtrain-elastic-")), None)
-        assert job_id and f"/tmp/mtrain-job-{job_id}/mtr-b.json" in made, sorted(made)
+        assert job_id and f"/tmp/mtrain-job-{job_id}/mtr-b.g1.json" in made, sorted(made)  # generation 1's
         assert f"/dev/shm/mtrain-elastic-{job_id}/mtr-b/state.snapshot" in made, sorted(made)
         # Open MPI's shared-memory segments are in the job's folder, not loose in /dev/shm.
-        assert any(p.startswith(f"/dev/shm/mtrain-job-{job_id}/mtr-b/") for p in made), sorted(made)
+        assert any(p.startswith(f"/dev/shm/mtrain-job-{job_id}/mtr-b.g1/") for p in made), sorted(made)
         assert not [p for p in made if os.path.dirname(p) == "/dev/shm" and "sm_segment" in p], sorted(made)
         open_to_others = [f"{stat.filemode(mode)} {p}" for p, mode in sorted(made.items()) if reachable(p, made)]
         assert not open_to_others, "\n".join(open_to_others)

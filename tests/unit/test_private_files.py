@@ -176,3 +176,30 @@ def test_removing_a_file_removes_its_folder_once_empty(tmp_path):
     remove_private(os.path.join(folder, "b.json"))
     assert not os.path.exists(folder)
     remove_private(os.path.join(folder, "b.json"))  # gone already: nothing to do
+
+
+def test_a_hosts_job_files_go_by_generation(tmp_path, monkeypatch):
+    # The guard of a generation that ended may still be stopping its daemon while the next
+    # generation starts on the same host: each removes only its own generation's entries, and a
+    # new generation what earlier ones left (a killed host's).
+    from mtrain.launcher import job_files
+    monkeypatch.setattr(job_files, "JOB_FOLDER_PARENT", str(tmp_path / "tmp"))
+    monkeypatch.setattr(job_files, "SHARED_MEMORY_PARENT", str(tmp_path / "shm"))
+    os.makedirs(tmp_path / "tmp", mode=0o700)
+    os.makedirs(tmp_path / "shm", mode=0o700)
+    first, second = job_files.template("j", 1), job_files.template("j", 2)
+    for template in (first, second):
+        for host in ("a", "b"):
+            write_private(job_files.layout(template, host), b"{}")
+            job_files.daemon_session(template, host)
+            job_files.rank_scratch(template, host, 0)
+            job_files.shared_memory_folder(template, host)
+    folder = tmp_path / "tmp" / "mtrain-job-j"
+    job_files.remove_host(second, "a", earlier=True)  # generation 2 starts on a: 1's entries there go
+    assert sorted(os.listdir(folder)) == sorted(["a.g2.json", "a.g2.prted", "a.g2.rank0", "b.g1.json", "b.g1.prted",
+                                                 "b.g1.rank0", "b.g2.json", "b.g2.prted", "b.g2.rank0"])
+    assert sorted(os.listdir(tmp_path / "shm" / "mtrain-job-j")) == ["a.g2", "b.g1", "b.g2"]
+    job_files.remove_host(first, "b")  # generation 1's guard on b finishes late: its own only
+    job_files.remove_host(second, "b")
+    job_files.remove_host(second, "a")
+    assert not folder.exists() and not (tmp_path / "shm" / "mtrain-job-j").exists()

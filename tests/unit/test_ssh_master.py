@@ -72,6 +72,7 @@ class FakeChannel:
 
     def close(self) -> None:
         self.closed = True
+        self.status_event.set()  # as paramiko's Channel.close() does (the status stays -1)
         self.out.put(b"")
         self.err.put(b"")
 
@@ -161,13 +162,13 @@ def scratch(tmp_path):
     return directory
 
 
-def make_master(scratch, hosts=("hosta", "hostb"), timeout=20.0) -> ConnectionMaster:
+def make_master(scratch, hosts=("hosta", "hostb"), timeout=20.0, events=None) -> ConnectionMaster:
     master = ConnectionMaster(
         str(scratch), hosts,
         remote_command=lambda words, layout: ssh_agent.remote_command(words, "/py", "/tmp/job-{host}.json", layout),
         go_line=lambda words, layout: remote_guard.go_line(ssh_agent.daemon_command(words), "/tmp/job-{host}.json",
                                                            layout),
-        session_timeout=timeout)
+        session_timeout=timeout, events=events)
     master.start()
     return master
 
@@ -338,13 +339,16 @@ def test_agent_that_dies_while_waiting_starts_nothing(scratch, tmp_path):
 
 
 def test_connection_lost_mid_job_is_reported_as_host_lost(scratch, tmp_path):
+    transport = FakeTransport()
+
     def die(channel: FakeChannel, first: str) -> None:
         time.sleep(0.2)
-        channel.close()
-        channel.status_event.set()  # what paramiko does when the connection dies (status -1)
+        transport.active = False  # what paramiko does when the connection dies: the transport
+        channel.close()           # ends, then its channels, with status -1
+        channel.status_event.set()
 
-    master = make_master(scratch)
-    master.adopt("hosta", FakeClient(FakeTransport()), FakeChannel(die))
+    master = make_master(scratch, events=str(tmp_path / "events"))  # the master tells the supervisor
+    master.adopt("hosta", FakeClient(transport), FakeChannel(die))
     master.open_gate("")
     proc = agent(master, tmp_path, "hosta", "prted")
     out, err = proc.communicate(timeout=20)
@@ -354,6 +358,55 @@ def test_connection_lost_mid_job_is_reported_as_host_lost(scratch, tmp_path):
     assert err.decode().strip() == f"mtrain-agent: {detail}"
     events = AgentEventReader(str(tmp_path / "events")).poll()
     assert [(e.kind, e.host, e.detail) for e in events] == [(AgentEventKind.HOST_LOST, "hosta", detail)]
+
+
+@pytest.mark.parametrize("agent_stays", [True, False])
+def test_a_guard_killed_mid_job_is_a_host_lost_even_when_its_agent_is_gone(scratch, tmp_path, agent_stays):
+    # The whole job on a host killed, its guard too: the session ends with a signal (status -1)
+    # while the connection lives. mpirun may have stopped the agent already: the master says it.
+    stopped = threading.Event()
+
+    def killed(channel: FakeChannel, first: str) -> None:
+        stopped.wait(10) if not agent_stays else time.sleep(0.2)
+        channel.status_event.set()
+
+    master = make_master(scratch, events=str(tmp_path / "events"))
+    channel = FakeChannel(killed)
+    master.adopt("hosta", FakeClient(FakeTransport()), channel)
+    master.open_gate("")
+    proc = agent(master, tmp_path, "hosta", "prted")
+    if not agent_stays:
+        assert channel.started.wait(10)  # the daemon runs on the host
+        proc.terminate()  # as mpirun stops its agents
+        time.sleep(0.1)   # within the master's drain of the session
+        stopped.set()
+    out, err = proc.communicate(timeout=20)
+    reader, events = AgentEventReader(str(tmp_path / "events")), []
+    deadline = time.monotonic() + 10
+    while not events and time.monotonic() < deadline:  # as the supervisor polls while mpirun runs
+        events = reader.poll()
+        time.sleep(0.05)
+    master.close()
+    detail = "host hosta: the job's processes there were killed, its remote guard with them"
+    assert [(e.kind, e.host, e.detail) for e in events] == [(AgentEventKind.HOST_LOST, "hosta", detail)]
+    if agent_stays:
+        assert proc.returncode == 255 and err.decode().strip() == f"mtrain-agent: {detail}"
+
+
+def test_a_session_the_master_closes_itself_is_no_host_lost(scratch, tmp_path):
+    # The agent goes (the job ends or is stopped): the master closes the session, which sets the
+    # channel's status event with -1 too. That is the job's own end, not news.
+    master = make_master(scratch, events=str(tmp_path / "events"))
+    master.adopt("hosta", FakeClient(FakeTransport()), FakeChannel(lambda channel, first: None))
+    master.open_gate("")
+    proc = agent(master, tmp_path, "hosta", "prted")
+    channel = master.hosts["hosta"].waiting_probe
+    assert channel is None or channel.started.wait(10)
+    time.sleep(0.2)
+    proc.terminate()
+    proc.communicate(timeout=20)
+    master.close()
+    assert AgentEventReader(str(tmp_path / "events")).poll() == []
 
 
 def test_session_that_cannot_start_is_a_connect_failure(scratch, tmp_path):
@@ -427,9 +480,9 @@ def _after_probe(stdin: bytes, wait: float = 10) -> subprocess.CompletedProcess:
 
 
 def test_probe_becomes_the_guard_on_its_go_line(tmp_path):
-    template = str(tmp_path / "mtrain-job-x" / "{host}.json")
+    template = str(tmp_path / "mtrain-job-x" / "{host}.g0.json")
     layout = json.dumps({"slots": [1], "master_addr": "10.0.0.1", "master_port": 1234, "workers": ["10.0.0.1:1"]})
-    command = f"test -f {tmp_path}/mtrain-job-x/$(hostname).json && echo ran; exit 4"
+    command = f"test -f {tmp_path}/mtrain-job-x/$(hostname).g0.json && echo ran; exit 4"
     code = "import sys; from mtrain.launcher.remote_guard import after_probe; sys.exit(after_probe(10))"
     # stdin stays open (the session lives) while the daemon runs: its end would stop the guard.
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
