@@ -64,7 +64,7 @@ def _fresh(path: str) -> str:
     if os.path.lexists(path):  # inside a folder of ours: only we could have made it
         import shutil  # (not on every rank wrapper's start, where there is nothing to remove)
         shutil.rmtree(path, ignore_errors=True)
-    return private_folder(path)
+    return private_folder(path, parents=1)  # (the job's folder made again if another host removed it)
 
 
 def daemon_session(job_file: str, host: str) -> str:
@@ -80,9 +80,7 @@ def rank_scratch(job_file: str, host: str, rank: int) -> str:
 def shared_memory_folder(job_file: str, host: str) -> str:
     """The private folder where Open MPI puts the shared-memory segments of the job's ranks on
     `host` (made if needed: every rank of the host asks for it)."""
-    path = _shared_memory(job_file, host)
-    private_folder(os.path.dirname(path))
-    return private_folder(path)
+    return private_folder(_shared_memory(job_file, host), parents=1)
 
 
 def remove_host(job_file: str, host: str, earlier: bool = False) -> None:

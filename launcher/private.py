@@ -56,22 +56,49 @@ def check_private(path: str, info: os.stat_result, kind: str) -> None:
         raise _refusal(path, info, "other users may use it")
 
 
-def private_folder(path: str) -> str:
-    """`path` as a folder only this user can use: made with mode 0700, or checked if it is there."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass  # another rank on this host, or an earlier generation, made it: checked below
-    check_private(path, os.lstat(path), "folder")
-    return path
+# How many times a folder that went away while we were making it, or putting a file in it, is
+# made again: on hosts that share /tmp (or /dev/shm), another host's part of the job removes the
+# job's folder once it is empty, which it may be for a moment while this host starts.
+REMADE = 20
+
+
+def private_folder(path: str, parents: int = 0) -> str:
+    """`path` as a folder only this user can use: made with mode 0700, or checked if it is there;
+    with `parents`, that many folders above it are made (or checked) the same way first, and
+    made again if another host's cleanup removes one, empty, in between."""
+    for _ in range(REMADE):
+        if parents:
+            private_folder(os.path.dirname(path), parents - 1)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass  # another rank on this host, or an earlier generation, made it: checked below
+        except FileNotFoundError:
+            if not parents:
+                raise
+            continue  # the folder above went, empty, as we made this one: make both again
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue  # removed, empty, by another host's cleanup as soon as it was made
+        check_private(path, info, "folder")
+        return path
+    raise FileNotFoundError(f"mtrain: {path} was removed {REMADE} times as it was made")
 
 
 def write_private(path: str, data: bytes, sync: bool = False) -> None:
-    """Replace `path` with `data`, mode 0600, in a folder of ours (made if needed); readers see
-    the old file or the new one, never half."""
-    private_folder(os.path.dirname(path))
+    """Replace `path` with `data`, mode 0600, in a folder of ours (made if needed, and again if
+    another host's cleanup removes it, empty, before the file is in it); readers see the old
+    file or the new one, never half."""
     temporary = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temporary, _CREATE, 0o600)
+    for attempt in range(REMADE):
+        private_folder(os.path.dirname(path))
+        try:
+            fd = os.open(temporary, _CREATE, 0o600)
+            break
+        except FileNotFoundError:
+            if attempt == REMADE - 1:
+                raise
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)

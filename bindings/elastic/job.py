@@ -24,8 +24,7 @@ def state_folder() -> str:
                            "elastic ranks need a snapshot folder; start the job with `mtrain run --min-np ...`")
     folder = records.host_path(template)
     # /dev/shm/mtrain-elastic-<job>/<host>: both made 0700 by us, or refused (see launcher/private.py).
-    private_folder(os.path.dirname(folder))
-    return private_folder(folder)
+    return private_folder(folder, parents=1)
 
 
 def secret() -> bytes:

@@ -62,8 +62,7 @@ def _mac(key: bytes, header: bytes) -> bytes:
 def write(folder: str, header: SnapshotHeader, payload: Any, key: bytes) -> str:
     """Write the snapshot into `folder` (it and its parent, the job's folder, made private if
     needed), signed with the job's `key`, replacing the previous one."""
-    private_folder(os.path.dirname(folder))
-    private_folder(folder)
+    private_folder(folder, parents=1)
     target = path_in(folder)
     body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
     header = dataclasses.replace(header, sha256=hashlib.sha256(body).hexdigest())

@@ -245,28 +245,39 @@ def test_a_snapshot_folder_planted_by_another_user_is_refused_and_never_read(wor
         subprocess.run(["rm", "-rf", *made, str(decoy)], check=False)
 
 
-def test_the_job_layout_folder_planted_by_another_user_is_refused_with_one_line():
-    # The launcher's and the rank wrapper's own calls, run as the job's user, at paths the other
-    # user made first: a folder of theirs open to all, and a symlink to it.
-    folder = f"/tmp/mtrain-job-planted{os.getpid()}"
-    link = folder + "-link"
-    for command in (["mkdir", "-m", "0777", folder], ["ln", "-s", folder, link]):
-        assert as_user(OTHER_USER, command).returncode == 0
+def test_the_job_folders_planted_by_another_user_are_refused_with_one_line():
+    # Every call the launcher, the remote guard and the rank wrapper make in the job's folders
+    # (launcher/job_files.py), run as the job's user, at paths the other user made first: folders
+    # of theirs open to all in /tmp and /dev/shm, and symlinks to them.
+    name = f"mtrain-job-planted{os.getpid()}"
+    planted = [f"{base}/{name}{suffix}" for base in ("/tmp", "/dev/shm") for suffix in ("", "-link")]
+    for base in ("/tmp", "/dev/shm"):
+        for command in (["mkdir", "-m", "0777", f"{base}/{name}"], ["ln", "-s", f"{base}/{name}", f"{base}/{name}-link"]):
+            assert as_user(OTHER_USER, command).returncode == 0
     code = ("import sys\n"
+            "from mtrain.launcher import job_files\n"
             "from mtrain.launcher.private import PrivatePathError\n"
-            "from mtrain.launcher.records import HostUpdates, JobLayout\n"
+            "from mtrain.launcher.records import HostUpdates, JobLayout, updates_file\n"
+            "template = sys.argv[1] + '/{host}.g0.json'\n"
             "layout = JobLayout(slots=(1,), master_addr='10.0.0.1', master_port=1, workers=('10.0.0.1:1',))\n"
-            "for call in (lambda: layout.write(sys.argv[1] + '/h.json'), lambda: JobLayout.read(sys.argv[1] + '/h.json'),\n"
-            "             lambda: HostUpdates(2).write(sys.argv[1] + '/h.updates')):\n"
+            "for call in (lambda: layout.write(job_files.layout(template, 'h')),\n"
+            "             lambda: JobLayout.read(job_files.layout(template, 'h')),\n"
+            "             lambda: HostUpdates(2).write(updates_file(template).format(host='h')),\n"
+            "             lambda: job_files.daemon_session(template, 'h'), lambda: job_files.rank_scratch(template, 'h', 0),\n"
+            "             lambda: job_files.shared_memory_folder(template, 'h')):\n"
             "    try:\n        call()\n        print('accepted')\n"
             "    except PrivatePathError as error:\n        print(error)\n")
     try:
-        for path, problem in ((folder, "it belongs to another user"), (link, "it is a symlink")):
-            done = as_user(JOB_USER, [PYTHON, "-c", code, path], capture_output=True, text=True, cwd="/")
+        for suffix, problem in (("", "it belongs to another user"), ("-link", "it is a symlink")):
+            folder = f"/tmp/{name}{suffix}"
+            done = as_user(JOB_USER, [PYTHON, "-c", code, folder], capture_output=True, text=True, cwd="/")
             lines = done.stdout.splitlines()
-            assert done.returncode == 0 and len(lines) == 3, (done.stdout, done.stderr)
-            for line in lines:
-                assert line.startswith(f"mtrain: refusing {path}: {problem} (owner {OTHER_USER}, mode "), line
-            assert os.listdir(folder) == []  # nothing of the job went into the planted folder
+            assert done.returncode == 0 and len(lines) == 6, (done.stdout, done.stderr)
+            for line in lines[:5]:
+                assert line.startswith(f"mtrain: refusing {folder}: {problem} (owner {OTHER_USER}, mode "), line
+            shm = f"/dev/shm/{name}{suffix}"
+            assert lines[5].startswith(f"mtrain: refusing {shm}: {problem} (owner {OTHER_USER}, mode "), lines[5]
+            for base in ("/tmp", "/dev/shm"):
+                assert os.listdir(f"{base}/{name}") == []  # nothing of the job went into a planted folder
     finally:
-        subprocess.run(["rm", "-rf", folder, link], check=False)
+        subprocess.run(["rm", "-rf", *planted], check=False)

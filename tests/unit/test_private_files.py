@@ -203,3 +203,48 @@ def test_a_hosts_job_files_go_by_generation(tmp_path, monkeypatch):
     job_files.remove_host(second, "b")
     job_files.remove_host(second, "a")
     assert not folder.exists() and not (tmp_path / "shm" / "mtrain-job-j").exists()
+
+
+def test_a_job_folder_another_hosts_cleanup_removes_as_it_is_made_is_made_again(tmp_path, monkeypatch):
+    # Hosts that share /tmp share the job's folder: one host's guard removes it once it is empty
+    # (what its earlier generations left is gone) just as another host has made it and is about
+    # to put its layout, daemon folder or rank folder in it.  The second host makes it again.
+    from mtrain.launcher import job_files
+    monkeypatch.setattr(job_files, "JOB_FOLDER_PARENT", str(tmp_path / "tmp"))
+    monkeypatch.setattr(job_files, "SHARED_MEMORY_PARENT", str(tmp_path / "shm"))
+    os.makedirs(tmp_path / "tmp", mode=0o700)
+    os.makedirs(tmp_path / "shm", mode=0o700)
+    template = job_files.template("race")
+    job_folders = (os.path.dirname(template), os.path.dirname(job_files._shared_memory(template, "a")))
+    real_open, real_mkdir = os.open, os.mkdir
+    removed = []
+
+    def other_host_cleans_up(parent):
+        if parent in job_folders and not os.listdir(parent) and not removed:
+            removed.append(parent)
+            job_files.remove_host(template, "b", earlier=True)  # what the other host does as it starts
+            assert not os.path.exists(parent)
+
+    def racing_open(path, *args, **kwargs):
+        other_host_cleans_up(os.path.dirname(str(path)))
+        return real_open(path, *args, **kwargs)
+
+    def racing_mkdir(path, *args, **kwargs):
+        other_host_cleans_up(os.path.dirname(str(path)))
+        return real_mkdir(path, *args, **kwargs)
+
+    for make in (lambda: write_private(job_files.layout(template, "a"), b"{}"),
+                 lambda: job_files.daemon_session(template, "a"),
+                 lambda: job_files.rank_scratch(template, "a", 0),
+                 lambda: job_files.shared_memory_folder(template, "a")):
+        removed.clear()
+        with monkeypatch.context() as racing:
+            racing.setattr(os, "open", racing_open)
+            racing.setattr(os, "mkdir", racing_mkdir)
+            make()
+        assert len(removed) == 1  # removed once, empty, and made again
+        (entry,) = [os.path.join(parent, name) for parent in job_folders if os.path.isdir(parent)
+                    for name in os.listdir(parent)]
+        assert entry.startswith(removed[0]) and mode(removed[0]) == 0o700 and mode(entry) in (0o600, 0o700)
+        job_files.remove_host(template, "a")
+        assert not any(os.path.exists(parent) for parent in job_folders)
