@@ -31,7 +31,7 @@ import time
 import uuid
 
 from mtrain.launcher import job_files
-from mtrain.launcher.config import ElasticSettings, LaunchConfig
+from mtrain.launcher.config import LaunchConfig
 from mtrain.launcher.hosts import HostSlots, is_local, local_names
 from mtrain.launcher.supervise import first_failure, print_failure_report
 from mtrain.launcher.records import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_EXIT_STATUS, new_job_secret, AgentEventKind,

@@ -57,6 +57,26 @@ def run_mtrain(cluster: Cluster, *args: str, timeout: float = 90, home: Path | N
                           text=True, timeout=timeout, cwd=cwd)
 
 
+def run_leaving(cluster: Cluster, tmp_path: Path, token: str, script: str, *args: str
+                ) -> "tuple[subprocess.CompletedProcess, float]":
+    """Run `script` (in this folder, rank 3 leaving as leaving.py says) at -np 4 on both hosts:
+    the result, and the seconds from rank 3's leaving (the time it printed) to the job's end."""
+    done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(Path(__file__).parent / script),
+                      *args, token, cwd=tmp_path, timeout=90)
+    ended = time.time()
+    left = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines() if "leaving at " in line]
+    assert len(left) == 1, done.stdout
+    return done, ended - left[0]
+
+
+def kill_mpi_daemons(cluster: Cluster, host: str) -> None:
+    """SIGKILL Open MPI's daemon(s) on `host` (there must be one): the host's part of the job dies."""
+    daemons = [pid for pid in cluster.namespace_pids(host) if Path(f"/proc/{pid}/comm").read_text().strip() == "prted"]
+    assert daemons, f"no MPI daemon on {host}"
+    for pid in daemons:
+        os.kill(pid, signal.SIGKILL)
+
+
 class RunningJob:
     """An mtrain started in the background, its output read by threads (never blocks the job)."""
 

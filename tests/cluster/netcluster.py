@@ -229,7 +229,7 @@ def _build(count: int, workdir: Path, sshd_procs: list[subprocess.Popen]) -> Clu
         config = _sshd_config(host_dir, address, host_key, authorized)
         proc = subprocess.Popen(
             inside + ["unshare", "--uts", "sh", "-c",
-                      f'hostname "$0" && exec /usr/sbin/sshd -D -e -f "$1"', name, str(config)],
+                      'hostname "$0" && exec /usr/sbin/sshd -D -e -f "$1"', name, str(config)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=open(host_dir / "sshd.log", "w"), start_new_session=True)
         sshd_procs.append(proc)

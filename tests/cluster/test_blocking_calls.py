@@ -7,45 +7,26 @@ MPI cannot tell, the supervisor's); never a hang.
 """
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import pytest
 
-from tests.cluster.conftest import PYTHON, assert_no_leftovers, run_mtrain
+from tests.cluster.conftest import assert_no_leftovers, run_leaving
+from tests.cluster.leaving import FAILURES, UNSEEN
 from tests.launcher.report_check import assert_only_mtrain_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
-HERE = Path(__file__).resolve().parent
 CALLS = ["init", "shutdown", "add_process_set", "remove_process_set", "barrier", "broadcast_object",
          "allgather_object", "join", "state_sync"]
-# How rank 3 leaves -> mtrain's exit status and what the report says of rank 3.
-ERRORS = {
-    "systemexit": (3, "first failure: rank 3 on mtr-b: exit code 3 (rank 3 leaving: systemexit)"),
-    "thread_exit": (3, "first failure: rank 3 on mtr-b: exit code 3 (rank 3 leaving: thread_exit)"),
-    "thread_error": (4, "first failure: rank 3 on mtr-b: exit code 4 (rank 3 leaving: thread_error)"),
-}
 
 
 def run_cell(cluster, tmp_path, token, call: str, how: str):
-    done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "blocking_rank.py"),
-                      call, how, token, cwd=tmp_path, timeout=90)
-    return done, after_leaving(done.stdout)
+    return run_leaving(cluster, tmp_path, token, "blocking_rank.py", call, how)
 
 
-def after_leaving(stdout: str) -> float:
-    """Seconds from rank 3's leaving (the time it printed) to the end of the job."""
-    ended = time.time()
-    left = [float(line.rsplit(" ", 1)[1]) for line in stdout.splitlines() if "leaving at " in line]
-    assert len(left) == 1, stdout
-    return ended - left[0]
-
-
-@pytest.mark.parametrize("how", list(ERRORS))
+@pytest.mark.parametrize("how", UNSEEN)
 @pytest.mark.parametrize("call", CALLS)
 def test_a_peer_leaving_with_an_error_status_ends_every_blocking_call(cluster, tmp_path, token, call, how):
     done, elapsed = run_cell(cluster, tmp_path, token, call, how)
-    status, line = ERRORS[how]
+    status, line = FAILURES[how]
     assert done.returncode == status, done.stderr
     assert line in done.stderr, done.stderr
     assert elapsed < 10, elapsed

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import PYTHON, assert_no_leftovers, run_mtrain, start_mtrain
+from tests.cluster.conftest import PYTHON, assert_no_leftovers, kill_mpi_daemons, run_mtrain, start_mtrain
 from tests.launcher.report_check import assert_only_mtrain_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
@@ -212,11 +212,7 @@ def test_a_hosts_mpi_daemon_killed_is_no_success(cluster, tmp_path, token):
                         "loop", token, cwd=tmp_path)
     try:
         job.wait_for_lines("ready", 4, timeout=60)
-        daemons = [pid for pid in cluster.namespace_pids("mtr-b") if Path(f"/proc/{pid}/comm").read_text().strip()
-                   == "prted"]
-        assert daemons
-        for pid in daemons:
-            os.kill(pid, signal.SIGKILL)
+        kill_mpi_daemons(cluster, "mtr-b")
         job.proc.wait(timeout=30)
     finally:
         err = job.stop()

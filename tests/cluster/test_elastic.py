@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import PYTHON, assert_no_leftovers, start_mtrain
+from tests.cluster.conftest import PYTHON, assert_no_leftovers, kill_mpi_daemons, start_mtrain
+from tests.shared_places import shared_entries
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -67,25 +68,11 @@ def assert_trained_exactly_once(final: dict[int, dict], size: int) -> None:
 def shared_entries_since(started: float) -> "dict[str, int]":
     """What mtrain and Open MPI made in /tmp and /dev/shm (the namespace hosts share them) since
     `started`, the test cluster's own folders aside, with everything inside: path -> mode."""
-    found = {}
-    for base in ("/tmp", "/dev/shm"):
-        for name in os.listdir(base):
-            top = os.path.join(base, name)
-            if not name.startswith(("mtrain-", "ompi.", "prte", "sm_segment.")) or name.startswith(
-                    ("mtrain-cluster-", "mtrain-netcluster")):
-                continue
-            try:
-                if os.lstat(top).st_ctime < started:
-                    continue
-            except FileNotFoundError:
-                continue
-            for folder, folders, files in os.walk(top):
-                for path in [folder, *(os.path.join(folder, n) for n in folders + files)]:
-                    try:
-                        found[path] = os.lstat(path).st_mode
-                    except FileNotFoundError:
-                        pass
-    return found
+    def wanted(top: str, info: os.stat_result) -> bool:
+        name = os.path.basename(top)
+        return (name.startswith(("mtrain-", "ompi.", "prte", "sm_segment."))
+                and not name.startswith(("mtrain-cluster-", "mtrain-netcluster")) and info.st_ctime >= started)
+    return shared_entries(wanted)
 
 
 def reachable(path: str, modes: "dict[str, int]") -> bool:
@@ -143,11 +130,7 @@ def test_losing_a_hosts_mpi_daemon_mid_training_finishes_at_the_smaller_size(clu
     job = start(cluster, tmp_path, token, "-np", "4", "--min-np", "2", "--host-discovery-script", str(script))
     try:
         progress(job, 4 * 5)
-        daemons = [pid for pid in cluster.namespace_pids("mtr-b")
-                   if Path(f"/proc/{pid}/comm").read_text().strip() == "prted"]
-        assert daemons
-        for pid in daemons:
-            os.kill(pid, signal.SIGKILL)
+        kill_mpi_daemons(cluster, "mtr-b")
         job.proc.wait(timeout=200)
     finally:
         err = job.stop()

@@ -6,42 +6,19 @@ MPI, in a barrier, or blocked on a handle: the cells of the exit matrix.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import PYTHON, assert_no_leftovers, run_mtrain
+from tests.cluster.conftest import PYTHON, assert_no_leftovers, run_leaving, run_mtrain
+from tests.cluster.leaving import FAILURES, POLITE
 from tests.launcher.report_check import assert_only_mtrain_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
-HERE = Path(__file__).resolve().parent
 OTHERS = ["collective", "sleep", "barrier", "synchronize", "finish", "remove_process_set"]
-# How rank 3 ends -> (mtrain's exit status, what the report says of rank 3).
-FAILURES = {
-    "exit7": (7, "first failure: rank 3 on mtr-b: exit code 7 (rank 3 ending on purpose: exit7)"),
-    "raise": (1, "first failure: rank 3 on mtr-b: exit code 1 (RuntimeError: rank 3 raised on purpose)"),
-    "osexit": (7, "first failure: rank 3 on mtr-b: exit code 7 (rank 3 ending on purpose: osexit)"),
-    "sigkill": (137, "first failure: rank 3 on mtr-b: killed by SIGKILL"),
-    "sigsegv": (139, "first failure: rank 3 on mtr-b: killed by SIGSEGV"),
-    # Ways of leaving that no wrapped function sees: the runner that starts the program knows.
-    "systemexit": (3, "first failure: rank 3 on mtr-b: exit code 3 (rank 3 ending on purpose: systemexit)"),
-    "thread_exit": (3, "first failure: rank 3 on mtr-b: exit code 3 (rank 3 ending on purpose: thread_exit)"),
-    "thread_error": (4, "first failure: rank 3 on mtr-b: exit code 4 (rank 3 ending on purpose: thread_error)"),
-}
 
 
 def run_cell(cluster, tmp_path, token, how: str, others: str):
-    done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "exit_rank.py"),
-                      how, others, token, cwd=tmp_path, timeout=90)
-    return done, after_leaving(done.stdout)
-
-
-def after_leaving(stdout: str) -> float:
-    """Seconds from rank 3's leaving (the time it printed) to the end of the job."""
-    ended = time.time()
-    left = [float(line.rsplit(" ", 1)[1]) for line in stdout.splitlines() if "leaving at " in line]
-    assert len(left) == 1, stdout
-    return ended - left[0]
+    return run_leaving(cluster, tmp_path, token, "exit_rank.py", how, others)
 
 
 @pytest.mark.parametrize("others", OTHERS)
@@ -57,7 +34,7 @@ def test_failing_rank_ends_the_job_with_its_own_status(cluster, tmp_path, token,
 
 
 @pytest.mark.parametrize("others", [o for o in OTHERS if o != "finish"])  # finish: no one needs rank 3
-@pytest.mark.parametrize("how", ["exit0", "return"])
+@pytest.mark.parametrize("how", POLITE)
 def test_rank_finishing_early_is_named_not_a_hang(cluster, tmp_path, token, how, others):
     # Status 0 on one rank while the others still need it: a user error, named, never a hang.
     done, elapsed = run_cell(cluster, tmp_path, token, how, others)

@@ -8,7 +8,6 @@ every failure is reported the same either way.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal

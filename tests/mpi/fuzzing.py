@@ -788,36 +788,22 @@ class Runner:
                                        process_set=ps)
         if kind == "allgather_object":
             return rr.allgather_object(make_object(case.number, self.rank, s.obj), name=name, process_set=ps)
-        if s.asynchronous:
-            submit: "dict[str, Callable[[], Any]]" = {
-                "allreduce": lambda: rr.allreduce_async(one, **reduce_args),
-                "allreduce_": lambda: rr.allreduce_async_(one, **reduce_args),
-                "grouped_allreduce": lambda: rr.grouped_allreduce_async(inputs, **reduce_args),
-                "grouped_allreduce_": lambda: rr.grouped_allreduce_async_(inputs, **reduce_args),
-                "allgather": lambda: rr.allgather_async(one, name=name, process_set=ps),
-                "grouped_allgather": lambda: rr.grouped_allgather_async(inputs, name=name, process_set=ps),
-                "broadcast": lambda: rr.broadcast_async(one, s.root, name=name, process_set=ps),
-                "broadcast_": lambda: rr.broadcast_async_(one, s.root, name=name, process_set=ps),
-                "reducescatter": lambda: rr.reducescatter_async(one, **reduce_args),
-                "grouped_reducescatter": lambda: rr.grouped_reducescatter_async(inputs, **reduce_args),
-                "alltoall": lambda: rr.alltoall_async(one, splits=s.splits, name=name, process_set=ps),
-            }
-            handle = submit[kind]()
-            return rr.synchronize(handle)
-        call: "dict[str, Callable[[], Any]]" = {
-            "allreduce": lambda: rr.allreduce(one, **reduce_args),
-            "allreduce_": lambda: rr.allreduce_(one, **reduce_args),
-            "grouped_allreduce": lambda: rr.grouped_allreduce(inputs, **reduce_args),
-            "grouped_allreduce_": lambda: rr.grouped_allreduce_(inputs, **reduce_args),
-            "allgather": lambda: rr.allgather(one, name=name, process_set=ps),
-            "grouped_allgather": lambda: rr.grouped_allgather(inputs, name=name, process_set=ps),
-            "broadcast": lambda: rr.broadcast(one, s.root, name=name, process_set=ps),
-            "broadcast_": lambda: rr.broadcast_(one, s.root, name=name, process_set=ps),
-            "reducescatter": lambda: rr.reducescatter(one, **reduce_args),
-            "grouped_reducescatter": lambda: rr.grouped_reducescatter(inputs, **reduce_args),
-            "alltoall": lambda: rr.alltoall(one, splits=s.splits, name=name, process_set=ps),
-        }
-        return call[kind]()
+        grouped = kind.startswith("grouped_")
+        data = inputs if grouped else one
+        if kind.rstrip("_").endswith(("allreduce", "reducescatter")):
+            args, kwargs = (data,), reduce_args
+        elif kind.endswith("broadcast") or kind.endswith("broadcast_"):
+            args, kwargs = (data, s.root), dict(name=name, process_set=ps)
+        elif kind == "alltoall":
+            args, kwargs = (data,), dict(splits=s.splits, name=name, process_set=ps)
+        else:  # allgather, grouped_allgather
+            args, kwargs = (data,), dict(name=name, process_set=ps)
+        if not s.asynchronous:
+            return getattr(rr, kind)(*args, **kwargs)
+        # allreduce -> allreduce_async, allreduce_ (in place) -> allreduce_async_
+        in_place = kind.endswith("_")
+        handle = getattr(rr, kind.rstrip("_") + "_async" + ("_" if in_place else ""))(*args, **kwargs)
+        return rr.synchronize(handle)
 
     # -- checking a success against the reference --------------------------------------------
     def _check(self, case: Case, s: Submission, inputs: "list[Any]", before: "list[np.ndarray]",

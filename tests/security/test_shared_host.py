@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from mtrain.elastic import snapshot
+from tests.shared_places import shared_entries
 
 PYTHON = sys.executable
 JOB_USER, OTHER_USER = "mtrain-job", "mtrain-other"
 HERE = Path(__file__).resolve().parent
-SHARED = ("/tmp", "/dev/shm")
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -71,24 +71,7 @@ def user_argv(user: str, argv: "list[str]") -> "list[str]":
 def owned_entries(uid: int, besides: Path) -> "dict[str, int]":
     """Every path under /tmp and /dev/shm that belongs to `uid` (and what is inside it), but the
     test's own folder `besides`: its mode."""
-    found = {}
-    for base in SHARED:
-        for name in os.listdir(base):
-            top = os.path.join(base, name)
-            if top == str(besides):
-                continue
-            try:
-                if os.lstat(top).st_uid != uid:
-                    continue
-            except FileNotFoundError:
-                continue
-            for folder, folders, files in os.walk(top):
-                for path in [folder, *(os.path.join(folder, n) for n in folders + files)]:
-                    try:
-                        found[path] = os.lstat(path).st_mode
-                    except FileNotFoundError:
-                        pass
-    return found
+    return shared_entries(lambda top, info: info.st_uid == uid and top != str(besides))
 
 
 class Job:
