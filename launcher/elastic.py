@@ -281,10 +281,10 @@ class ElasticDriver:
         failure = first_failure(records)
         lost = sorted({e.host for e in generation.host_problems if e.kind in (
             AgentEventKind.HOST_LOST, AgentEventKind.DAEMON_DIED, AgentEventKind.CONNECT_FAILED)})
-        # Ranks that never reported an end died with their wrappers: the whole host died, or its
-        # MPI daemon did (then Open MPI's launcher kills every rank and exits 0, and the event
-        # above names the host). Lost as surely as a dead link. (No record and no event: nothing
-        # started, and the preflight said why.)
+        # A host none of whose ranks reported an end lost them with their wrappers: the whole host
+        # died, or its MPI daemon did (then Open MPI's launcher kills every rank and exits 0, and
+        # the event above names the host). Lost as surely as a dead link. (No record and no event:
+        # nothing started, and the preflight said why.)
         silent = silent_hosts(plan, records) if records else []
         if silent and not lost:
             lost = silent
@@ -326,13 +326,17 @@ class ElasticDriver:
 
 
 def silent_hosts(plan: "list[HostSlots]", records: "list[ExitRecord]") -> "list[str]":
-    """The hosts of the plan's ranks (in plan order) that wrote no exit record."""
+    """The hosts of the plan (in plan order) none of whose ranks wrote an exit record: lost
+    whole, unless a rank elsewhere failed on its own (then that is the cause, and what those
+    hosts' ranks said as the job was stopped was lost on its way: a record is a line of output)."""
     reported = {r.rank for r in records}
     hosts, first = [], 0
     for host in plan:
-        if any(rank not in reported for rank in range(first, first + host.slots)):
+        if not any(rank in reported for rank in range(first, first + host.slots)):
             hosts.append(host.name)
         first += host.slots
+    if any(r.failed and not r.stopped and r.host not in hosts for r in records):
+        return []
     return hosts
 
 

@@ -43,7 +43,8 @@ from typing import Any, Callable, Sequence
 HEARTBEAT_SECONDS = 1.0
 MAX_FRAME = 1 << 20            # a request is a few KiB; anything bigger is garbage
 REQUEST_TIMEOUT = 10.0         # an agent that connects says what it wants within this
-DRAIN_SECONDS = 0.5            # what a session still says after its agent went, before it is closed
+DRAIN_SECONDS = 2.0            # what a session still says after its agent went, before it is closed
+# (the guard's news of its daemon's death, on a loaded host: 0.5 s was too short on 2 busy cores)
 SOCKET_NAME = "ssh-master.sock"
 _HEADER = struct.Struct("!cI")  # kind (one byte), payload length
 _AF_UNIX_PATH_MAX = 107

@@ -48,7 +48,7 @@ def test_plan_skips_blacklisted_hosts_and_trims_to_the_limit():
     assert plan_hosts(hosts, Blacklist(None), 1.0, 2) == [HostSlots("a", 2)]
 
 
-def test_the_hosts_of_ranks_that_never_reported_an_end():
+def test_the_hosts_whose_ranks_never_reported_an_end():
     # Ranks are placed in plan order: a:0-1, b:2-4, c:5. Open MPI's launcher exits 0 when b's
     # daemon dies with its ranks; their wrappers die too and write no record.
     from mtrain.launcher.elastic import silent_hosts
@@ -56,6 +56,15 @@ def test_the_hosts_of_ranks_that_never_reported_an_end():
     plan = [HostSlots("a", 2), HostSlots("b", 3), HostSlots("c", 1)]
     records = [ExitRecord(rank, "x", 0, False, 1.0, ()) for rank in (0, 1, 5)]
     assert silent_hosts(plan, records) == ["b"]
-    assert silent_hosts(plan, records + [ExitRecord(3, "b", 0, False, 1.0, ())]) == ["b"]
     assert silent_hosts(plan, [ExitRecord(r, "x", 0, False, 1.0, ()) for r in range(6)]) == []
     assert silent_hosts(plan, records[:2]) == ["b", "c"]
+    # One of b's ranks said how it ended: b's part of the job did not vanish whole.
+    assert silent_hosts(plan, records + [ExitRecord(3, "b", -15, True, 1.0, ())]) == []
+    # The other ranks stopped by the job's end (SIGTERM): b is still the host that went.
+    stopped = [ExitRecord(rank, host, -15, True, 2.0, ()) for rank, host in ((0, "a"), (1, "a"), (5, "c"))]
+    assert silent_hosts(plan, stopped) == ["b"]
+    # A rank killed on its own (on c) is the cause; a's ranks' last words were lost as the job
+    # was stopped (a record is a line of output, relayed by a daemon that is ending).
+    killed = [ExitRecord(5, "c", -9, False, 1.0, ())]
+    assert silent_hosts(plan, killed) == []
+    assert silent_hosts(plan, killed + [ExitRecord(2, "b", -15, True, 2.0, ())]) == []
