@@ -1,4 +1,12 @@
 """ringreduce: the collective runtime inside every mtrain rank."""
+import os as _os
+
+# A program started without a launcher (python train.py) is an MPI singleton: one rank, which
+# needs no shared-memory transport, and Open MPI 5's singleton leaves that transport's 16 MiB
+# segment in /dev/shm when it ends, whatever way.  Under mpirun (mtrain run's or one's own) the
+# launcher's environment is there and nothing changes; a user's own OMPI_MCA_btl wins.
+if not any(key in _os.environ for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE")):
+    _os.environ.setdefault("OMPI_MCA_btl", "self")
 from .engine import EngineStats
 from .requests import AllreduceOp, Handle, Signature
 from .errors import EngineError, HorovodInternalError, InvalidArgumentError, JoinedError, MismatchError, ShutdownError, StallError

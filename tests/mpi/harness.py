@@ -16,10 +16,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
 import pytest
+
+from mtrain.launcher.job_files import SHARED_MEMORY_PARENT
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,15 +50,19 @@ def launch(nprocs: int, argv: "list[str]", timeout: float = 120,
     full_env["OMPI_MCA_mpi_yield_when_idle"] = "1"
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full_env, cwd=REPO, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{nprocs}-rank job did not finish within {timeout}s (hang?)\n"
-                    f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
+    # Open MPI leaves a 16 MiB segment in /dev/shm for each rank that aborts (the error tests'):
+    # a folder of the test's own, removed with what is in it.
+    with tempfile.TemporaryDirectory(prefix="mtrain-test-sm-", dir=SHARED_MEMORY_PARENT) as segments:
+        full_env.setdefault("OMPI_MCA_btl_sm_backing_directory", segments)
+        proc = subprocess.Popen(cmd + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=full_env, cwd=REPO, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{nprocs}-rank job did not finish within {timeout}s (hang?)\n"
+                        f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd + argv, proc.returncode, out, err)
 
 

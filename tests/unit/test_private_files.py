@@ -248,3 +248,22 @@ def test_a_job_folder_another_hosts_cleanup_removes_as_it_is_made_is_made_again(
         assert entry.startswith(removed[0]) and mode(removed[0]) == 0o700 and mode(entry) in (0o600, 0o700)
         job_files.remove_host(template, "a")
         assert not any(os.path.exists(parent) for parent in job_folders)
+
+
+def test_a_program_run_without_a_launcher_leaves_nothing_in_dev_shm(tmp_path):
+    # `python train.py` is an MPI singleton; Open MPI 5's leaves its shared-memory segment (16 MiB,
+    # sm_segment.<host>.<uid>.<job>.0) in /dev/shm however it ends, unless mtrain keeps it off.
+    import subprocess
+    import sys
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    code = ("import numpy as np, mtrain.ringreduce as rr\n"
+            "rr.init()\n"
+            "print(rr.size(), rr.allreduce(np.arange(3.0), op=rr.Sum).tolist())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    before = set(os.listdir("/dev/shm"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "1 [0.0, 1.0, 2.0]"
+    assert not [name for name in set(os.listdir("/dev/shm")) - before if name.startswith("sm_segment.")]
