@@ -516,7 +516,7 @@ def print_report(soak: Soak, generations: list[Generation], info: RunResult, che
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resets", type=int, default=12, help="resets in all: kills plus returns (12)")
-    parser.add_argument("--steps", type=int, default=3000, help="committed steps the job trains (3000)")
+    parser.add_argument("--steps", type=int, default=4000, help="committed steps the job trains (4000: time for 12 resets)")
     parser.add_argument("--commit-every", type=int, default=5)
     parser.add_argument("--pause", type=float, default=0.05, help="seconds each rank sleeps after a step")
     parser.add_argument("--sample-after", type=int, default=50,
