@@ -1,12 +1,25 @@
 """ringreduce: the collective runtime inside every mtrain rank."""
 import os as _os
 
-# A program started without a launcher (python train.py) is an MPI singleton: one rank, which
-# needs no shared-memory transport, and Open MPI 5's singleton leaves that transport's 16 MiB
-# segment in /dev/shm when it ends, whatever way.  Under mpirun (mtrain run's or one's own) the
-# launcher's environment is there and nothing changes; a user's own OMPI_MCA_btl wins.
-if not any(key in _os.environ for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE")):
-    _os.environ.setdefault("OMPI_MCA_btl", "self")
+
+def _init_mpi() -> None:
+    """Import mpi4py's MPI, which initializes MPI.  A program started without a launcher
+    (python train.py) is an MPI singleton: one rank, which needs no shared-memory transport,
+    and Open MPI 5's singleton leaves that transport's 16 MiB segment in /dev/shm when it ends,
+    whatever way.  So a singleton's MPI_Init sees btl "self" (a user's own OMPI_MCA_btl wins),
+    and the setting is gone again before the program starts anything (a job of its own)."""
+    launched = any(key in _os.environ for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"))
+    if launched or "OMPI_MCA_btl" in _os.environ:
+        from mpi4py import MPI  # noqa: F401
+        return
+    _os.environ["OMPI_MCA_btl"] = "self"
+    try:
+        from mpi4py import MPI  # noqa: F401,F811  (MPI_Init reads it here)
+    finally:
+        del _os.environ["OMPI_MCA_btl"]
+
+
+_init_mpi()
 from .engine import EngineStats
 from .requests import AllreduceOp, Handle, Signature
 from .errors import EngineError, HorovodInternalError, InvalidArgumentError, JoinedError, MismatchError, ShutdownError, StallError
