@@ -42,6 +42,7 @@ STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
 LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead daemon: shorter wait
 FAILURE_GRACE = 2.0        # mpirun normally stops the job itself after a rank fails
 SESSION_DRAIN = 3.0        # time for agents to finish after mpirun has exited
+LATE_EVENT_GRACE = 3.0     # a host's news after mpirun's exit (ssh_master.DRAIN_SECONDS, and a moment)
 CAUSE_WINDOW = 1.0         # failures closer than this are ordered by evidence, not by clock
 STUCK_GRACE = 3.0          # a job that can never go on (records.stuck_in_init) is stopped after this
 LAUNCHER_TAIL = 40         # MPI launcher lines kept to explain a failure no rank reported
@@ -281,6 +282,13 @@ class Job:
         remove_session_directory(process.pid)
         self.log("all processes of the job have ended")
         host_problems += reader.poll() if reader else []
+        # Ranks that never reported an end, and no word of a host: their host's relay may still
+        # be passing on what its guard said (the connection master outlives mpirun's agents).
+        deadline = time.monotonic() + LATE_EVENT_GRACE
+        while (reader and not any(e.kind in _LOST for e in host_problems) and time.monotonic() < deadline
+               and len({r.rank for r in self.records}) < self.ranks and self.interrupted is None):
+            time.sleep(0.1)
+            host_problems += reader.poll()
         self.host_problems = host_problems
         return self._outcome(process.returncode, host_problems)
 

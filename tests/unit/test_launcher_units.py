@@ -328,3 +328,21 @@ def test_event_lines_are_taken_out_of_a_guards_stderr_and_appended(tmp_path):
     assert AgentEventReader(events).poll() == [died]
     assert take_events(b"plain\n", events) == b"plain\n"
     assert take_events(b"@@mtrain-agent-event@@ not json\n", events) == b"@@mtrain-agent-event@@ not json\n"
+
+
+def test_a_hosts_news_that_comes_after_mpiruns_exit_still_counts(tmp_path, capsys):
+    # Open MPI's launcher exits 0 as soon as it loses a remote daemon and has stopped its agents;
+    # the connection master, which outlives them, may pass on the guard's word of its daemon's
+    # death a moment later. Ranks that never reported: the supervisor waits for that word.
+    import sys
+    import threading
+    events = str(tmp_path / "events")
+    died = AgentEvent(AgentEventKind.DAEMON_DIED, "h2", "host h2: the MPI daemon there died (killed by SIGKILL)", 5.0)
+    job = Job([sys.executable, "-c", "pass"], dict(os.environ), 2, None, False, events)
+    late = threading.Timer(1.0, died.emit, args=(events,))
+    late.start()
+    try:
+        assert job.run() == 255
+    finally:
+        late.cancel()
+    assert "mtrain: host h2: the MPI daemon there died (killed by SIGKILL); the job was stopped" in capsys.readouterr().err
