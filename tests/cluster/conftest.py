@@ -69,6 +69,20 @@ def run_leaving(cluster: Cluster, tmp_path: Path, token: str, script: str, *args
     return done, ended - left[0]
 
 
+def assert_followed_rank_3(cluster: Cluster, token: str, done: subprocess.CompletedProcess, elapsed: float,
+                           named_as_leaving: bool = False) -> None:
+    """The job of run_leaving ended within 10 s of rank 3's leaving, said only mtrain's lines, and
+    left no process; with `named_as_leaving`, its report names rank 3 as the rank that left."""
+    from tests.launcher.report_check import assert_only_mtrain_output
+    if named_as_leaving:
+        assert done.returncode != 0, done.stderr
+        report = done.stderr[done.stderr.index("mtrain: job failed; first failure:"):]
+        assert "rank 3 left the job" in report or "rank(s) [3] left the job" in report, done.stderr
+    assert elapsed < 10, elapsed  # the job follows rank 3 within seconds, whatever the others do
+    assert_only_mtrain_output(done.stderr)
+    assert_no_leftovers(cluster, token, within=10)
+
+
 def kill_mpi_daemons(cluster: Cluster, host: str) -> None:
     """SIGKILL Open MPI's daemon(s) on `host` (there must be one): the host's part of the job dies."""
     daemons = [pid for pid in cluster.namespace_pids(host) if Path(f"/proc/{pid}/comm").read_text().strip() == "prted"]

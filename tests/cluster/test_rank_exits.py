@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-from tests.cluster.conftest import PYTHON, assert_no_leftovers, run_leaving, run_mtrain
+from tests.cluster.conftest import PYTHON, assert_followed_rank_3, assert_no_leftovers, run_leaving, run_mtrain
 from tests.cluster.leaving import FAILURES, POLITE
-from tests.launcher.report_check import assert_only_mtrain_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 OTHERS = ["collective", "sleep", "barrier", "synchronize", "finish", "remove_process_set"]
@@ -28,9 +27,7 @@ def test_failing_rank_ends_the_job_with_its_own_status(cluster, tmp_path, token,
     status, line = FAILURES[how]
     assert done.returncode == status, done.stderr
     assert line in done.stderr, done.stderr
-    assert elapsed < 10, elapsed  # the job follows rank 3 within seconds, whatever the others do
-    assert_only_mtrain_output(done.stderr)
-    assert_no_leftovers(cluster, token, within=10)
+    assert_followed_rank_3(cluster, token, done, elapsed)
 
 
 @pytest.mark.parametrize("others", [o for o in OTHERS if o != "finish"])  # finish: no one needs rank 3
@@ -38,12 +35,7 @@ def test_failing_rank_ends_the_job_with_its_own_status(cluster, tmp_path, token,
 def test_rank_finishing_early_is_named_not_a_hang(cluster, tmp_path, token, how, others):
     # Status 0 on one rank while the others still need it: a user error, named, never a hang.
     done, elapsed = run_cell(cluster, tmp_path, token, how, others)
-    assert done.returncode != 0, done.stderr
-    report = done.stderr[done.stderr.index("mtrain: job failed; first failure:"):]
-    assert "rank 3 left the job" in report or "rank(s) [3] left the job" in report, done.stderr
-    assert elapsed < 10, elapsed
-    assert_only_mtrain_output(done.stderr)
-    assert_no_leftovers(cluster, token, within=10)
+    assert_followed_rank_3(cluster, token, done, elapsed, named_as_leaving=True)
 
 
 def test_every_rank_ending_normally_exits_zero_quickly(cluster, tmp_path, token):
