@@ -180,6 +180,9 @@ class ConnectionMaster:
         self._layout = ""
         self._gate_changed = threading.Condition(self._lock)
         self._closed = False
+        # Held while an event is written to the supervisor's file, which lives in the launch's
+        # scratch folder: once close() has returned, nothing writes there (the folder goes next).
+        self._emitting = threading.Lock()
         self._own_directory: str | None = None
         self._listener: socket.socket | None = None
         self._agents: set[socket.socket] = set()
@@ -221,6 +224,8 @@ class ConnectionMaster:
             listener, self._listener = self._listener, None
             agents, channels = list(self._agents), list(self._channels)
             hosts = list(self.hosts.values())
+        with self._emitting:
+            pass  # an event being written is finished; no later one is (they see _closed)
         if listener is not None:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)
@@ -381,9 +386,10 @@ class ConnectionMaster:
 
     def _lost(self, host: str, detail: str) -> None:
         """Tell the supervisor that `host` was lost (its agent-events file, records.AgentEvent)."""
-        if self.events:
-            from mtrain.launcher.records import AgentEvent, AgentEventKind
-            AgentEvent(AgentEventKind.HOST_LOST, host, detail, time.time()).emit(self.events)
+        from mtrain.launcher.records import AgentEvent, AgentEventKind
+        with self._emitting:
+            if self.events and not self._closed:
+                AgentEvent(AgentEventKind.HOST_LOST, host, detail, time.time()).emit(self.events)
 
     def _relay(self, host: str, channel: Any, agent: socket.socket, transport: Any) -> None:
         lock = threading.Lock()
@@ -400,7 +406,8 @@ class ConnectionMaster:
                 if not data:
                     return
                 if kind is FrameKind.STDERR:
-                    data = take_events(data, self.events)  # the guard's news of its daemon's death
+                    with self._emitting:  # the guard's news of its daemon's death
+                        data = take_events(data, None if self._closed else self.events)
                     if not data:
                         continue
                 try:
@@ -450,7 +457,7 @@ class ConnectionMaster:
             if done.is_set():  # the agent went: the session's own end may follow in a moment
                 channel.status_event.wait(DRAIN_SECONDS)
             lost = None
-            if not transport.is_active():
+            if not transport.is_active() and not self._closed:  # (close() ends the connections too)
                 lost = f"host {host}: lost the SSH connection mid-job (host down or network cut)"
             elif (channel.status_event.is_set() and channel.exit_status < 0 and not closed_here.is_set()
                   and not self._closed):  # (close() ends every session: the launch's own end)

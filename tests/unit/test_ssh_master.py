@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from mtrain.launcher import remote_guard, ssh_agent
+from mtrain.launcher import remote_guard, ssh_agent, ssh_master
 from mtrain.launcher.config import SshOptions
 from mtrain.launcher.ssh_master import (ConnectionMaster, FrameKind, MasterSession, Outcome, ProtocolError,
                                         decode_request, encode_request, receive_frame, send_frame)
@@ -565,3 +565,25 @@ def test_launch_goes_on_without_sharing_where_no_socket_can_be_served(tmp_path, 
     os.chmod(not_private, 0o755)
     assert launchlib._start_master(config, str(not_private), "/tmp/job-{host}.json", None) is None
     assert os.listdir(not_private) == []
+
+
+def test_nothing_is_written_to_the_events_file_once_the_master_is_closed(scratch, tmp_path):
+    # The launch removes its scratch folder, the events file's, right after closing the master:
+    # the relays that end with it (their connections closed by close()) write nothing there.
+    class ClosingClient(FakeClient):
+        def close(self) -> None:
+            super().close()
+            self.transport.active = False  # as paramiko's client does
+
+    events = tmp_path / "events"
+    master = make_master(scratch, events=str(events))
+    master.adopt("hosta", ClosingClient(FakeTransport()), FakeChannel(run_forever))
+    master.open_gate("")
+    proc = agent(master, tmp_path, "hosta", "prted")
+    channel = master.hosts["hosta"].waiting_probe
+    assert channel is None or channel.started.wait(10)
+    time.sleep(0.2)
+    master.close()
+    proc.communicate(timeout=20)
+    time.sleep(ssh_master.DRAIN_SECONDS + 1)  # what a relay does after its session ends
+    assert not events.exists(), events.read_text()
