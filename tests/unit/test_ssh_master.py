@@ -393,16 +393,22 @@ def test_a_guard_killed_mid_job_is_a_host_lost_even_when_its_agent_is_gone(scrat
         assert proc.returncode == 255 and err.decode().strip() == f"mtrain-agent: {detail}"
 
 
+def running_daemon(master: ConnectionMaster, tmp_path, host: str) -> subprocess.Popen:
+    """Open the gate and start an agent whose daemon runs on `host` through the master."""
+    master.open_gate("")
+    proc = agent(master, tmp_path, host, "prted")
+    channel = master.hosts[host].waiting_probe
+    assert channel is None or channel.started.wait(10)
+    time.sleep(0.2)  # the relay's threads start after the daemon's session does
+    return proc
+
+
 def test_a_session_the_master_closes_itself_is_no_host_lost(scratch, tmp_path):
     # The agent goes (the job ends or is stopped): the master closes the session, which sets the
     # channel's status event with -1 too. That is the job's own end, not news.
     master = make_master(scratch, events=str(tmp_path / "events"))
     master.adopt("hosta", FakeClient(FakeTransport()), FakeChannel(lambda channel, first: None))
-    master.open_gate("")
-    proc = agent(master, tmp_path, "hosta", "prted")
-    channel = master.hosts["hosta"].waiting_probe
-    assert channel is None or channel.started.wait(10)
-    time.sleep(0.2)
+    proc = running_daemon(master, tmp_path, "hosta")
     proc.terminate()
     proc.communicate(timeout=20)
     master.close()
@@ -578,11 +584,7 @@ def test_nothing_is_written_to_the_events_file_once_the_master_is_closed(scratch
     events = tmp_path / "events"
     master = make_master(scratch, events=str(events))
     master.adopt("hosta", ClosingClient(FakeTransport()), FakeChannel(run_forever))
-    master.open_gate("")
-    proc = agent(master, tmp_path, "hosta", "prted")
-    channel = master.hosts["hosta"].waiting_probe
-    assert channel is None or channel.started.wait(10)
-    time.sleep(0.2)
+    proc = running_daemon(master, tmp_path, "hosta")
     master.close()
     proc.communicate(timeout=20)
     time.sleep(ssh_master.DRAIN_SECONDS + 1)  # what a relay does after its session ends
