@@ -279,6 +279,13 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def running(self) -> bool:
+        """Takes ops: its thread runs and nothing has stopped it. An engine that a peer's leaving
+        stopped fails its ops before its thread ends, so ``alive()`` alone may still say True."""
+        with self._lock:
+            stopped = self._closing or self._closed_error is not None
+        return not stopped and self._thread.is_alive()
+
     # -- engine thread: the cycle ----------------------------------------------
     def _run(self) -> None:
         try:

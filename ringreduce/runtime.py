@@ -48,7 +48,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     global _runtime
     wanted = _check_process_sets_argument(process_sets)
     if _runtime is not None:
-        if _runtime.engine.alive():
+        if _runtime.engine.running():
             if wanted:
                 _runtime.register(wanted)
             return

@@ -191,6 +191,40 @@ def test_shutdown_with_ops_in_flight_never_hangs(nprocs):
     assert leavers and set(leavers) <= set(range(1, nprocs)), leavers
 
 
+LATE_ENGINE_EXIT_SCRIPT = """
+import time, numpy as np, mtrain.ringreduce as rr
+from mtrain.ringreduce.engine import Engine
+original = Engine._fail_all
+
+
+def fail_all_then_linger(self, error):
+    original(self, error)
+    time.sleep(1.0)  # the engine thread has failed its ops but has not ended yet
+
+
+Engine._fail_all = fail_all_then_linger
+rr.init()
+if rr.rank() == 0:
+    try:
+        rr.synchronize(rr.allreduce_async(np.ones(4), name="left.behind"))
+    except rr.ShutdownError:
+        pass
+else:
+    rr.shutdown()
+rr.init()  # on rank 0 the stopped engine's thread is still alive here
+print("sum", rr.rank(), rr.allreduce(np.arange(3.0) + rr.rank(), op=rr.Sum, name="again").tolist())
+"""
+
+
+def test_init_after_a_peer_left_starts_afresh_while_the_stopped_engine_winds_down():
+    # An engine that a peer's leaving stopped fails its ops, then its thread ends: init() called
+    # in between (the CI run of test_shutdown_with_ops_in_flight_never_hangs) must not keep it.
+    result = launch(2, [sys.executable, "-c", LATE_ENGINE_EXIT_SCRIPT], timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("sum ")) == [
+        "sum 0 [1.0, 3.0, 5.0]", "sum 1 [1.0, 3.0, 5.0]"], result.stdout
+
+
 @mpi_test(nps=(2,), timeout=240)
 def test_memory_and_file_descriptors_stable_over_thousands_of_steps():
     grads = [np.ones(n, np.float32) for n in (10, 1000, 30_000, 300_000)]
