@@ -334,8 +334,6 @@ def test_a_hosts_news_that_comes_after_mpiruns_exit_still_counts(tmp_path, capsy
     # Open MPI's launcher exits 0 as soon as it loses a remote daemon and has stopped its agents;
     # the connection master, which outlives them, may pass on the guard's word of its daemon's
     # death a moment later. Ranks that never reported: the supervisor waits for that word.
-    import sys
-    import threading
     events = str(tmp_path / "events")
     died = AgentEvent(AgentEventKind.DAEMON_DIED, "h2", "host h2: the MPI daemon there died (killed by SIGKILL)", 5.0)
     job = Job([sys.executable, "-c", "pass"], dict(os.environ), 2, None, False, events)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import pickle
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -253,8 +255,6 @@ def test_a_job_folder_another_hosts_cleanup_removes_as_it_is_made_is_made_again(
 def test_a_program_run_without_a_launcher_leaves_nothing_in_dev_shm(tmp_path):
     # `python train.py` is an MPI singleton; Open MPI 5's leaves its shared-memory segment (16 MiB,
     # sm_segment.<host>.<uid>.<job>.0) in /dev/shm however it ends, unless mtrain keeps it off.
-    import subprocess
-    import sys
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
     code = ("import numpy as np, mtrain.ringreduce as rr\n"

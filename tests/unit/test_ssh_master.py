@@ -582,10 +582,15 @@ def test_nothing_is_written_to_the_events_file_once_the_master_is_closed(scratch
             self.transport.active = False  # as paramiko's client does
 
     events = tmp_path / "events"
+    earlier = set(threading.enumerate())
     master = make_master(scratch, events=str(events))
     master.adopt("hosta", ClosingClient(FakeTransport()), FakeChannel(run_forever))
     proc = running_daemon(master, tmp_path, "hosta")
+    relays = [t for t in threading.enumerate() if t.name == "mtrain-ssh-relay" and t not in earlier]
+    assert relays
     master.close()
     proc.communicate(timeout=20)
-    time.sleep(ssh_master.DRAIN_SECONDS + 1)  # what a relay does after its session ends
+    for relay in relays:  # what a relay does after its session ends, up to its drain
+        relay.join(timeout=ssh_master.DRAIN_SECONDS + 10)
+        assert not relay.is_alive()
     assert not events.exists(), events.read_text()
