@@ -25,7 +25,7 @@ from mtrain.launcher.netif import free_ports
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_SECRET,
-                                     ENV_USER_UMASK, AgentEvent,
+                                     ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR, ENV_USER_UMASK, AgentEvent,
                                      ElasticResume, ExitRecord, Gate, HostUpdates, JobLayout, host_path,
                                      new_job_secret, updates_file)
 
@@ -70,6 +70,15 @@ def _user_umask() -> int:
 def job_environment(job_env: "dict[str, str] | None") -> dict[str, str]:
     """mpirun's environment: ours, with the job's own variables (``build_job_argv``)."""
     return {**os.environ, **(job_env or {})}
+
+
+def _private_mpirun_folder(environment: "dict[str, str]", scratch: str) -> None:
+    """Open MPI's launcher makes its folder in our private `scratch`, removed with it however
+    mpirun ends: no folder of a killed launcher, nor one another user planted, is in its way
+    (records.ENV_MPIRUN_TMPDIR)."""
+    if "TMPDIR" in environment:
+        environment[ENV_USER_TMPDIR] = environment["TMPDIR"]
+    environment["TMPDIR"] = environment[ENV_MPIRUN_TMPDIR] = scratch
 
 
 def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str, job_file: str,
@@ -197,7 +206,10 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                 except PrivatePathError as error:  # another user's folder at the job's path
                     print(error, file=sys.stderr)
                     return 1
-            job = supervise.Job(argv, job_environment(job_env), config.num_proc, config.output_dir, config.verbose,
+            environment = job_environment(job_env)
+            if config.mpi.kind is MpiKind.OPENMPI:
+                _private_mpirun_folder(environment, scratch)
+            job = supervise.Job(argv, environment, config.num_proc, config.output_dir, config.verbose,
                                 events_path if agent else None, preflight=preflight,
                                 gate=Gate(gate) if agent else None,
                                 on_resume=generation.on_resume if generation else None,

@@ -549,6 +549,16 @@ ENV_JOB_SECRET = "MTRAIN_JOB_SECRET"
 # Open MPI's daemons run with umask 077, so that what they leave in /tmp is private whatever
 # the user's umask; the rank wrapper gives the user's program the user's own umask back.
 ENV_USER_UMASK = "MTRAIN_USER_UMASK"   # octal, e.g. "022"
+# Open MPI's launcher names its folder in the temporary folder after its pid alone and will not
+# start where that folder is already (one a killed launcher left, or another user planted):
+# mpirun runs with TMPDIR set to the launch's private scratch folder, and the rank wrapper gives
+# the program on that host the user's TMPDIR back.  (TMPDIR is not passed on to Open MPI's daemons
+# on other hosts, which use the job's folders there: remote_guard.py.)
+ENV_MPIRUN_TMPDIR = "MTRAIN_MPIRUN_TMPDIR"   # the TMPDIR mpirun was given
+ENV_USER_TMPDIR = "MTRAIN_USER_TMPDIR"       # the user's own; absent when the user had none
+# Where Open MPI's launcher and daemons make their folders (TMPDIR's value, or /tmp, without it).
+# PRRTE passes it on to the daemons it starts when mpirun has it, so only a daemon's own is set.
+ENV_OPENMPI_SESSION_BASE = "PRTE_MCA_prte_tmpdir_base"
 DAEMON_UMASK = 0o077
 
 

@@ -40,8 +40,8 @@ import time
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (DAEMON_UMASK, AgentEvent, AgentEventKind, HostUpdates, JobLayout, event_line,
-                                     host_path, signal_name, updates_file)
+from mtrain.launcher.records import (DAEMON_UMASK, ENV_OPENMPI_SESSION_BASE, AgentEvent, AgentEventKind, HostUpdates,
+                                     JobLayout, event_line, host_path, signal_name, updates_file)
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -198,7 +198,7 @@ def _guard(command: str, template: str | None, updates_path: str | None, pending
     session = (job_files.daemon_session(template, os.uname().nodename) if template
                else tempfile.mkdtemp(prefix="mtrain-prted-"))
     env = _daemon_environment()
-    env["PRTE_MCA_prte_tmpdir_base"] = session
+    env[ENV_OPENMPI_SESSION_BASE] = session
     try:
         return _run_daemon(command, env, updates_path, pending)
     finally:

@@ -22,11 +22,9 @@ from __future__ import annotations
 import os
 import re
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -279,7 +277,6 @@ class Job:
             wait_session_empty(process.pid, 1.0)
         for thread in readers:
             thread.join(timeout=2.0)
-        remove_session_directory(process.pid)
         self.log("all processes of the job have ended")
         host_problems += reader.poll() if reader else []
         # Ranks that never reported an end, and no word of a host: their host's relay may still
@@ -415,17 +412,6 @@ class _EndWatch:
 def _mpirun_dies_with_us() -> None:
     # Runs in the child before exec: even `kill -9 mtrain` makes mpirun stop the job.
     die_with_parent(signal.SIGTERM)
-
-
-def remove_session_directory(pid: int) -> None:
-    """Remove what a killed Open MPI launcher left in the temporary folder (`ompi.<its pid>`).
-
-    It holds PMIx's rendezvous sockets; once the process ids wrap around, a later mpirun
-    with the same pid finds them and fails ("The PMIx server's listener thread failed to
-    start").  A launcher that exits normally removes it itself.
-    """
-    for base in {tempfile.gettempdir(), "/tmp"}:
-        shutil.rmtree(os.path.join(base, f"ompi.{pid}"), ignore_errors=True)
 
 
 def session_members(session: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Real multi-host runs of `mtrain run` through the namespace cluster (see conftest.py)."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -121,9 +122,13 @@ def test_all_failing_hosts_reported_together(cluster, tmp_path):
 def test_wrong_identity_file_flag(cluster, tmp_path):
     wrong_key = tmp_path / "k"
     os.system(f"ssh-keygen -q -t ed25519 -N '' -f {wrong_key}")
+    before = set(glob.glob("/tmp/ompi.*"))
     done = run_mtrain(cluster, "-i", str(wrong_key), "-H", "mtr-a:1", "true")
     assert done.returncode == 1 and f"tried {wrong_key}" in done.stderr
     assert_only_mtrain_output(done.stderr)
+    # mpirun, killed once the preflight failed, cannot remove its folder (named after its pid
+    # alone: a later mpirun with that pid would not start), so it makes it in the launch's own.
+    assert not set(glob.glob("/tmp/ompi.*")) - before
 
 
 def test_rank_exit_stops_every_rank_and_reports_it_first(cluster, tmp_path, token):

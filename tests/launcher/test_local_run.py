@@ -6,11 +6,13 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
 import pytest
 
+from tests import stale_mpi_folders
 from tests.launcher.report_check import assert_only_mtrain_output
 
 pytestmark = pytest.mark.timeout(120)
@@ -322,3 +324,40 @@ def test_the_program_keeps_the_users_umask_while_open_mpi_runs_with_a_private_on
     assert done.returncode == 0, done.stderr
     lines = sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines())
     assert lines == [f"umask {oct(mask)} 0077"] * 2, done.stdout
+
+
+def test_folders_killed_launchers_left_do_not_stop_the_next_job():
+    # Open MPI's launcher will not start where a killed one left the folder named after its pid
+    # ("The PMIx server's listener thread failed to start", status 213), which happens once pids
+    # wrap.  Such a folder waits for each of the next pids; the job must run all the same (and
+    # leave them be: they are not the launch's).
+    base = tempfile.gettempdir()
+    planted = stale_mpi_folders.plant(base, 3000)
+    try:
+        done = mtrain("-np", "2", PYTHON, "-c", "import os; print('pid', os.getpid())")
+        assert done.returncode == 0, done.stderr
+        ranks = [int(line.split()[-1]) for line in done.stdout.splitlines()]
+        # The ranks started after mpirun: their pids among those planted mean mpirun's was too.
+        assert len(ranks) == 2 and set(ranks) <= set(planted), (ranks, planted[0], planted[-1])
+        assert all(os.path.isdir(os.path.join(base, f"ompi.{pid}")) for pid in planted)
+    finally:
+        stale_mpi_folders.remove(base, planted)
+
+
+@pytest.mark.parametrize("users", ["unset", "set"])
+def test_the_program_keeps_the_users_tmpdir_while_mpirun_makes_its_folder_in_a_private_one(tmp_path, users):
+    code = ("import os, stat\n"
+            "folder = os.path.dirname(os.environ['PMIX_SERVER_TMPDIR'])\n"   # where mpirun made its own
+            "mode = stat.S_IMODE(os.stat(folder).st_mode)\n"
+            "print('tmpdir', os.environ.get('TMPDIR'), os.path.basename(folder)[:13], oct(mode),\n"
+            "      sorted(k for k in os.environ if k.endswith('_TMPDIR') and k.startswith('MTRAIN')))")
+    environment = env()
+    environment.pop("TMPDIR", None)
+    if users == "set":
+        environment["TMPDIR"] = str(tmp_path)
+    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-c", code],
+                          capture_output=True, text=True, timeout=60, env=environment)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines())
+    expected = str(tmp_path) if users == "set" else None
+    assert lines == [f"tmpdir {expected} mtrain-agent- 0o700 []"] * 2, done.stdout

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from mtrain.elastic import snapshot
+from tests import stale_mpi_folders
 from tests.shared_places import shared_entries
 
 PYTHON = sys.executable
@@ -264,3 +265,24 @@ def test_the_job_folders_planted_by_another_user_are_refused_with_one_line():
                 assert os.listdir(f"{base}/{name}") == []  # nothing of the job went into a planted folder
     finally:
         subprocess.run(["rm", "-rf", *planted], check=False)
+
+
+def test_open_mpi_folders_another_user_planted_do_not_stop_a_job(work):
+    # Open MPI names its launcher's folder in /tmp after the launcher's pid alone and will not
+    # start where that folder is another user's: planting one for each of the next pids would
+    # stop every job of the host's other users.  The launch gives mpirun a folder of its own.
+    planting = as_user(OTHER_USER, [PYTHON, str(HERE.parent / "stale_mpi_folders.py"), "3000"],
+                       capture_output=True, text=True, cwd="/")
+    planted = [int(word) for word in planting.stdout.split()]
+    try:
+        assert planting.returncode == 0 and planted, planting.stderr
+        argv = [PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", "-H", "localhost:2",
+                PYTHON, "-c", "import os; print('pid', os.getpid())"]
+        done = as_user(JOB_USER, argv, capture_output=True, text=True, cwd=work, timeout=90)
+        assert done.returncode == 0, done.stderr
+        ranks = [int(line.split()[-1]) for line in done.stdout.splitlines()]
+        # The ranks started after mpirun: their pids among those planted mean mpirun's was too.
+        assert len(ranks) == 2 and set(ranks) <= set(planted), (ranks, planted[0], planted[-1])
+        assert "Traceback" not in done.stderr, done.stderr
+    finally:
+        stale_mpi_folders.remove("/tmp", planted)

@@ -46,16 +46,3 @@ def test_only_the_main_threads_exit_and_not_a_caught_one_is_noted():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == ["after thread None", "caught 2", "going on None"]
-
-
-def test_a_killed_launchers_session_directory_is_removed(tmp_path, monkeypatch):
-    import tempfile
-    from mtrain.launcher.supervise import remove_session_directory
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    stale = tmp_path / "ompi.4242"
-    (stale / "0").mkdir(parents=True)
-    (stale / "pmix.vm.tool.4242").write_text("x")
-    other = tmp_path / "ompi.4243"
-    other.mkdir()
-    remove_session_directory(4242)
-    assert not stale.exists() and other.exists()
