@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import pytest
 
 from mtrain.launcher.job_files import SHARED_MEMORY_PARENT
+from mtrain.launcher.records import ENV_OPENMPI_SESSION_BASE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,8 +53,12 @@ def launch(nprocs: int, argv: "list[str]", timeout: float = 120,
     full_env.update(env or {})
     # Open MPI leaves a 16 MiB segment in /dev/shm for each rank that aborts (the error tests'):
     # a folder of the test's own, removed with what is in it.
-    with tempfile.TemporaryDirectory(prefix="mtrain-test-sm-", dir=SHARED_MEMORY_PARENT) as segments:
+    # mpirun's own folder is named after its pid alone, and a killed mpirun's folder breaks the
+    # one that gets its pid once pids wrap (as they do in a whole-suite run): a folder per job.
+    with tempfile.TemporaryDirectory(prefix="mtrain-test-sm-", dir=SHARED_MEMORY_PARENT) as segments, \
+            tempfile.TemporaryDirectory(prefix="mtrain-test-mpirun-") as session_base:
         full_env.setdefault("OMPI_MCA_btl_sm_backing_directory", segments)
+        full_env.setdefault(ENV_OPENMPI_SESSION_BASE, session_base)
         proc = subprocess.Popen(cmd + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=full_env, cwd=REPO, start_new_session=True)
         try:
