@@ -52,9 +52,13 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
     Whether ranks must yield the CPU (more ranks than cores on a host) is decided
     on each host by the rank wrapper, which knows that host's cores.
     """
-    names, values = rank_environment(job_environment(job_env), config.env_pass)
+    environment = job_environment(job_env)
+    names, values = rank_environment(environment, config.env_pass)
     if config.mpi.kind is MpiKind.MPICH:
         subnets = ()  # hydra's -iface wants an interface name, not a subnet
+    elif "TMPDIR" in names:  # (-x TMPDIR) mpirun's own is the launch's (_private_mpirun_folder)
+        names.remove("TMPDIR")
+        values["TMPDIR"] = environment["TMPDIR"]
     return mpilib.build_argv(
         config.mpi, config.plan, config.command, rank_python=sys.executable, agent=agent,
         env_names=names, env_values=values, network_interfaces=config.network_interfaces or subnets,

@@ -344,7 +344,7 @@ def test_folders_killed_launchers_left_do_not_stop_the_next_job():
         stale_mpi_folders.remove(base, planted)
 
 
-@pytest.mark.parametrize("users", ["unset", "set"])
+@pytest.mark.parametrize("users", ["unset", "set", "passed on"])
 def test_the_program_keeps_the_users_tmpdir_while_mpirun_makes_its_folder_in_a_private_one(tmp_path, users):
     code = ("import os, stat\n"
             "folder = os.path.dirname(os.environ['PMIX_SERVER_TMPDIR'])\n"   # where mpirun made its own
@@ -353,11 +353,12 @@ def test_the_program_keeps_the_users_tmpdir_while_mpirun_makes_its_folder_in_a_p
             "      sorted(k for k in os.environ if k.endswith('_TMPDIR') and k.startswith('MTRAIN')))")
     environment = env()
     environment.pop("TMPDIR", None)
-    if users == "set":
+    if users != "unset":
         environment["TMPDIR"] = str(tmp_path)
-    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-c", code],
+    flags = ["-x", "TMPDIR"] if users == "passed on" else []
+    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", *flags, PYTHON, "-c", code],
                           capture_output=True, text=True, timeout=60, env=environment)
     assert done.returncode == 0, done.stderr
     lines = sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines())
-    expected = str(tmp_path) if users == "set" else None
+    expected = None if users == "unset" else str(tmp_path)
     assert lines == [f"tmpdir {expected} mtrain-agent- 0o700 []"] * 2, done.stdout

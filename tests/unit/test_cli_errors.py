@@ -79,6 +79,15 @@ def test_dry_run_remote_hosts_use_the_agent():
     assert "'FOO=bar baz'" in done.stdout
 
 
+def test_a_tmpdir_passed_on_by_name_reaches_the_ranks_by_value(tmp_path):
+    # mpirun runs with a TMPDIR of the launch's own: `-x TMPDIR` by name would hand the ranks on
+    # other hosts that folder (one of the launch host's) instead of the user's.
+    done = mtrain("run", "--dry-run", "-H", "node1:2,node2:2", "-x", "TMPDIR", "python", "t.py",
+                  env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert done.returncode == 0, done.stderr
+    assert f" -x TMPDIR={tmp_path} " in done.stdout and " -x TMPDIR " not in done.stdout, done.stdout
+
+
 def test_version_and_help():
     assert mtrain("--version").stdout.startswith("mtrain, version")
     done = mtrain("run", "--help")
