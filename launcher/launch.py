@@ -56,7 +56,8 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
     names, values = rank_environment(environment, config.env_pass)
     if config.mpi.kind is MpiKind.MPICH:
         subnets = ()  # hydra's -iface wants an interface name, not a subnet
-    elif "TMPDIR" in names:  # (-x TMPDIR) mpirun's own is the launch's (_private_mpirun_folder)
+    if config.mpi.kind is MpiKind.OPENMPI and "TMPDIR" in names:
+        # -x TMPDIR: by value, as mpirun's own is the launch's folder (_private_mpirun_folder).
         names.remove("TMPDIR")
         values["TMPDIR"] = environment["TMPDIR"]
     return mpilib.build_argv(
