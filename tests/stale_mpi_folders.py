@@ -10,10 +10,12 @@ pid is, its folder is taken.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import sys
+from typing import Iterator
 
 RESERVED_PIDS = 300   # where the kernel starts again once it reaches pid_max
 
@@ -47,6 +49,29 @@ def plant(base: str, count: int) -> "list[int]":
 def remove(base: str, pids: "list[int]") -> None:
     for pid in pids:
         shutil.rmtree(os.path.join(base, f"ompi.{pid}"), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def planted(base: str, count: int = 3000) -> "Iterator[list[int]]":
+    """``plant``, and what was planted removed afterwards."""
+    pids = plant(base, count)
+    try:
+        yield pids
+    finally:
+        remove(base, pids)
+
+
+# A rank program for these tests: it prints its pid.
+PRINT_PID = "import os; print('pid', os.getpid())"
+
+
+def assert_mpirun_met_them(stdout: str, nprocs: int, base: str, pids: "list[int]") -> None:
+    """`stdout` of a job of `nprocs` PRINT_PID ranks that started where `pids` were planted:
+    the ranks started after mpirun, so their pids among those planted mean mpirun's was too;
+    and the job left the planted folders alone (they are not its own)."""
+    ranks = [int(line.split()[-1]) for line in stdout.splitlines() if "pid " in line]
+    assert len(ranks) == nprocs and set(ranks) <= set(pids), (ranks, pids[0], pids[-1])
+    assert all(os.path.isdir(os.path.join(base, f"ompi.{pid}")) for pid in pids)
 
 
 if __name__ == "__main__":

@@ -332,16 +332,10 @@ def test_folders_killed_launchers_left_do_not_stop_the_next_job():
     # wrap.  Such a folder waits for each of the next pids; the job must run all the same (and
     # leave them be: they are not the launch's).
     base = tempfile.gettempdir()
-    planted = stale_mpi_folders.plant(base, 3000)
-    try:
-        done = mtrain("-np", "2", PYTHON, "-c", "import os; print('pid', os.getpid())")
+    with stale_mpi_folders.planted(base) as planted:
+        done = mtrain("-np", "2", PYTHON, "-c", stale_mpi_folders.PRINT_PID)
         assert done.returncode == 0, done.stderr
-        ranks = [int(line.split()[-1]) for line in done.stdout.splitlines()]
-        # The ranks started after mpirun: their pids among those planted mean mpirun's was too.
-        assert len(ranks) == 2 and set(ranks) <= set(planted), (ranks, planted[0], planted[-1])
-        assert all(os.path.isdir(os.path.join(base, f"ompi.{pid}")) for pid in planted)
-    finally:
-        stale_mpi_folders.remove(base, planted)
+        stale_mpi_folders.assert_mpirun_met_them(done.stdout, 2, base, planted)
 
 
 @pytest.mark.parametrize("users", ["unset", "set", "passed on"])

@@ -277,12 +277,10 @@ def test_open_mpi_folders_another_user_planted_do_not_stop_a_job(work):
     try:
         assert planting.returncode == 0 and planted, planting.stderr
         argv = [PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", "-H", "localhost:2",
-                PYTHON, "-c", "import os; print('pid', os.getpid())"]
+                PYTHON, "-c", stale_mpi_folders.PRINT_PID]
         done = as_user(JOB_USER, argv, capture_output=True, text=True, cwd=work, timeout=90)
         assert done.returncode == 0, done.stderr
-        ranks = [int(line.split()[-1]) for line in done.stdout.splitlines()]
-        # The ranks started after mpirun: their pids among those planted mean mpirun's was too.
-        assert len(ranks) == 2 and set(ranks) <= set(planted), (ranks, planted[0], planted[-1])
+        stale_mpi_folders.assert_mpirun_met_them(done.stdout, 2, "/tmp", planted)
         assert "Traceback" not in done.stderr, done.stderr
     finally:
         stale_mpi_folders.remove("/tmp", planted)
