@@ -520,7 +520,7 @@ class Engine:
     def _with_joined(self, ready: "list[str]", ready_meta: "dict[str, Any]", joined: "list[int]") -> "list[Request]":
         """The ready ops as this rank runs them while ``joined`` ranks have joined."""
         runnable, refused = join.runnable(ready, self._pending, ready_meta, self._cache.entries,
-                                          [self._members[r] for r in joined], self._members, self.done_cv)
+                                          [self._members[r] for r in joined], self.done_cv)
         for request, error in refused:
             self._finish(request, error=error)
         return runnable

@@ -1,10 +1,13 @@
 """``hvd.join()``: a rank with no more data stands in for the others' ops until every rank joined.
 
-While some ranks have joined, the others' ops still run: each joined rank brings
-a stand-in (``stand_in``) with no data of its own, zeros for a reduction (the
-op's identity for Min, Max and Product). An op that cannot run without a joined
-rank's data fails on every rank (``problem``). The last rank to join is the
-result of every rank's ``join()``.
+While some ranks have joined, the others' all-reduces and barriers still run:
+each joined rank brings a stand-in (``stand_in``) with no data of its own, zeros
+for a reduction (the op's identity for Min, Max and Product). Every other
+collective fails on every rank that submitted it (``problem``), with the
+RuntimeError Horovod's controller gives (horovod/common/controller.cc,
+``ConstructResponse``: allgather, alltoall, reducescatter and broadcast "are not
+supported with Join"); the job goes on, and those ranks may join afterwards.
+The last rank to join is the result of every rank's ``join()``.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ class JoinState:
 
 
 def runnable(ready: "list[str]", pending: "dict[str, Request]", ready_meta: "dict[str, Signature]",
-             cached: "dict[str, tuple[int, Signature]]", joined: "list[int]", members: "list[int]",
+             cached: "dict[str, tuple[int, Signature]]", joined: "list[int]",
              done_cv: Any) -> "tuple[list[Request], list[tuple[Request, JoinedError]]]":
     """The ready ops (by name, in the agreed order) as this rank runs them while ``joined`` (job
     ranks) have joined: its own pending ones (taken out of ``pending``), a stand-in where it has
@@ -57,39 +60,42 @@ def runnable(ready: "list[str]", pending: "dict[str, Request]", ready_meta: "dic
         request = pending.pop(name, None)
         signature = request.signature if request is not None else (
             ready_meta[name] if name in ready_meta else cached[name][1])
-        why = problem(signature, joined, members)
+        why = problem(signature, joined)
         if why:
             if request is not None:
                 refused.append((request, JoinedError(f"op {name!r} cannot run: {why}")))
             continue
-        runnable.append(request if request is not None else stand_in(name, signature, len(members), done_cv))
+        runnable.append(request if request is not None else stand_in(name, signature, done_cv))
     return runnable, refused
 
 
-def problem(signature: Signature, joined: "list[int]", members: "list[int]") -> str:
+# What Horovod's controller calls each collective it refuses while a rank has joined;
+# the object forms are built on them in Horovod (broadcast_object on broadcast, allgather_object
+# on allgather), so they are refused alike.
+_REFUSED_WHILE_JOINED = {Kind.ALLGATHER: "Allgather", Kind.ALLGATHER_OBJECT: "Allgather",
+                         Kind.ALLTOALL: "Alltoall", Kind.REDUCESCATTER: "Reducescatter",
+                         Kind.BROADCAST: "Broadcast", Kind.BROADCAST_OBJECT: "Broadcast"}
+
+
+def problem(signature: Signature, joined: "list[int]") -> str:
     """Why the op with this signature cannot run while ``joined`` (job ranks) have joined; "" if it can."""
-    kind, root = Kind(signature.kind), signature.root
-    if kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT) and members[root] in joined:
-        return (f"its root rank {members[root]} has joined (hvd.join()); a rank that has joined has "
-                "no data to broadcast")
-    if kind is Kind.ALLGATHER_OBJECT:
-        return f"rank(s) {joined} have joined (hvd.join()) and have no object to gather"
-    return ""
+    what = _REFUSED_WHILE_JOINED.get(Kind(signature.kind))
+    if what is None or not joined:
+        return ""
+    hint = ("; gradients of sparse tensors are all-gathered, so pass sparse_as_dense=True to "
+            "DistributedOptimizer" if what == "Allgather" else "")
+    return (f"{what} is not supported with Join at this time: rank(s) {sorted(joined)} have called join() "
+            f"and have no data for it; run it before any rank joins, or after join() returns on every "
+            f"rank{hint}")
 
 
-def stand_in(name: str, signature: Signature, size: int, done_cv: Any) -> Request:
-    """What a joined rank brings to an op the others submitted: zeros for an all-reduce or a
-    reduce-scatter (the identity for Min, Max and Product), no rows for an allgather or an
-    alltoall, a receive buffer for a broadcast. Its result is dropped."""
+def stand_in(name: str, signature: Signature, done_cv: Any) -> Request:
+    """What a joined rank brings to an all-reduce or a barrier the others submitted: zeros for an
+    all-reduce (the identity for Min, Max and Product). Its result is dropped."""
     kind = Kind(signature.kind)
     dtype = dtype_from_code(signature.dtype)
     op = None if signature.op < 0 else ReduceOp(signature.op)
-    fields: "dict[str, Any]" = {}
-    if kind in (Kind.ALLGATHER, Kind.ALLTOALL):
-        array = np.zeros((0,) + tuple(signature.shape), dtype=dtype)
-        if kind is Kind.ALLTOALL:
-            fields["splits"] = [0] * size
-    elif kind in (Kind.BARRIER, Kind.BROADCAST_OBJECT):
+    if kind is Kind.BARRIER:
         array = PLACEHOLDER
     else:
         array = np.full(signature.shape, identity(op, dtype), dtype=dtype)
@@ -98,7 +104,7 @@ def stand_in(name: str, signature: Signature, size: int, done_cv: Any) -> Reques
         array = cupy.asarray(array)
     request = Request(kind, name, array, Handle(1, False, done_cv), 0, backend_for(array), op=op,
                       root=signature.root, in_place=True, prescale=signature.prescale,
-                      postscale=signature.postscale, **fields)
+                      postscale=signature.postscale)
     request.signature = signature
     return request
 

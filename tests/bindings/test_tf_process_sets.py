@@ -300,8 +300,12 @@ def test_join_with_ranks_finishing_at_different_steps():
             assert np.allclose(allreduce_in_graph(tf.constant(x)), want), f"graph step {step}"
             got = hvd.allreduce(x, op=hvd.Average, name="join.average")
             assert np.allclose(got, want / n), f"step {step}: Average divides by the job's size"
-            got = hvd.allgather(_rows(me, me + 1, salt=step), name="join.gather")
-            assert np.array_equal(got, np.concatenate([_rows(r, r + 1, salt=step) for r in active(step)]))
+            if len(active(step)) < n:  # Horovod's controller refuses it while a rank has joined
+                with pytest.raises(RuntimeError, match="Allgather is not supported with Join"):
+                    hvd.allgather(_rows(me, me + 1, salt=step), name="join.gather")
+            else:
+                got = hvd.allgather(_rows(me, me + 1, salt=step), name="join.gather")
+                assert np.array_equal(got, np.concatenate([_rows(r, r + 1, salt=step) for r in range(n)]))
             # The tape under join: the joined ranks' gradients are zeros in the average.
             w = tf.Variable(_rows(me, 1, salt=step))
             with tf.GradientTape() as tape:
@@ -309,7 +313,7 @@ def test_join_with_ranks_finishing_at_different_steps():
             grad = hvd.DistributedGradientTape(tape).gradient(loss, [w])[0]
             assert np.allclose(grad, sum(2 * _rows(r, 1, salt=step) for r in active(step)) / n), "tape"
         if me == n - 1:  # the last rank: everyone else has joined (or will), so a broadcast from 0 fails
-            with pytest.raises(RuntimeError, match="join"):
+            with pytest.raises(RuntimeError, match="Broadcast is not supported with Join"):
                 hvd.broadcast(_rows(me, 2), root_rank=0, name="join.broadcast")
         last = hvd.join() if round_ == 0 else tf.function(hvd.join)()
         assert isinstance(last, tf.Tensor) and last.dtype == tf.int32, type(last)
