@@ -38,29 +38,32 @@ def _reduce(xp: Any, dst: Any, src: Any, op: ReduceOp) -> None:
 
 
 def _scale(xp: Any, buf: Any, factor: float) -> None:
-    # Integers as in Horovod: scaled in float64, then cast back truncating toward zero
-    # (-37 * 0.5 -> -18, not the floor -19).
-    if buf.dtype.kind in "iu":
-        buf[...] = xp.trunc(buf * np.float64(factor)).astype(buf.dtype)
+    """``buf *= factor`` in place by Horovod's CPU rule (horovod/common/ops/collective_operations.h,
+    ``ScaleBufferCPUImpl``): the product is taken in float64 for integers, float32 and float64,
+    and in float32, with the factor rounded to float32, for 16-bit floats; then it is rounded back
+    to the buffer's dtype (integers truncated toward zero: -37 * 0.5 -> -18, not the floor -19).
+
+    Each wider type is asked for explicitly (``astype``): CuPy 13 promotes NumPy scalars by value
+    (NumPy 1 rules), so ``int8_array * np.float64(f)`` would be computed in float16 there.
+    """
+    dtype = buf.dtype
+    if dtype.kind in "iu":
+        buf[...] = xp.trunc(buf.astype(np.float64) * np.float64(factor)).astype(dtype)
+    elif dtype.kind == "f" and dtype.itemsize == 2 or dtype.name == "bfloat16":
+        buf[...] = (buf.astype(np.float32) * np.float32(factor)).astype(dtype)
+    elif dtype == np.float32 and float(np.float32(factor)) != factor:
+        # A factor that float32 holds exactly gives the same bits in float32 (a product of two
+        # 24-bit significands is exact in float64), so only the others need the wider pass.
+        buf[...] = (buf.astype(np.float64) * np.float64(factor)).astype(dtype)
     else:
-        xp.multiply(buf, buf.dtype.type(factor), out=buf)
+        xp.multiply(buf, dtype.type(factor), out=buf)
 
 
-def _scale_device(xp: Any, buf: Any, factor: float) -> None:
-    """``_scale`` for CuPy: integers are widened to float64 explicitly. CuPy 13 promotes
-    NumPy scalars by value (NumPy 1 rules), so ``int8_array * np.float64(f)`` is computed
-    in float16 there, and the device result would differ from the host's (float64)."""
-    if buf.dtype.kind in "iu":
-        buf[...] = xp.trunc(buf.astype(np.float64) * np.float64(factor)).astype(buf.dtype)
-    else:
-        xp.multiply(buf, buf.dtype.type(factor), out=buf)
-
-
-def _divide(xp: Any, buf: Any, divisor: int) -> None:
-    if buf.dtype.kind in "iu":
-        xp.floor_divide(buf, divisor, out=buf)
-    else:
-        xp.true_divide(buf, buf.dtype.type(divisor), out=buf)
+def finishing_factor(op: ReduceOp, postscale: float, divisor: int) -> float:
+    """The one scaling that ends a reduction over ``divisor`` ranks: Average is a sum scaled by
+    ``postscale / divisor``, as Horovod's ``EnqueueTensorAllreduces`` turns it into Sum with the
+    postscale factor divided by the set's size; every other op is scaled by ``postscale``."""
+    return postscale / divisor if op == ReduceOp.Average else postscale
 
 
 def _per_thread(local: threading.local, name: str) -> dict:
@@ -119,16 +122,10 @@ class NumpyBackend:
         _NUMPY_REDUCERS(op, dst.dtype)(dst, src, out=dst)
 
     def scale(self, buf: np.ndarray, factor: float) -> None:
-        """buf *= factor in place; integers are scaled in float64 and truncated toward zero."""
+        """buf *= factor in place, by Horovod's rule (``_scale``)."""
         if factor == 1.0 or buf.size == 0:
             return
         _scale(np, buf, factor)
-
-    def divide(self, buf: np.ndarray, divisor: int) -> None:
-        """buf /= divisor in place (floor division for integers): the Average step."""
-        if divisor == 1 or buf.size == 0:
-            return
-        _divide(np, buf, divisor)
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
@@ -231,11 +228,7 @@ class DeviceBackend:
 
     def scale(self, buf: Any, factor: float) -> None:
         if factor != 1.0 and buf.size:
-            self.device.launch(_scale_device, self.xp, buf, factor)
-
-    def divide(self, buf: Any, divisor: int) -> None:
-        if divisor != 1 and buf.size:
-            self.device.launch(_divide, self.xp, buf, divisor)
+            self.device.launch(_scale, self.xp, buf, factor)
 
     def copy(self, dst: Any, src: Any) -> None:
         self.device.launch(self.xp.copyto, dst, src)

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import ring, shm
-from .backend import NumpyBackend, backend_for
+from .backend import NumpyBackend, backend_for, finishing_factor
 from .ops import ReduceOp
 
 
@@ -216,12 +216,7 @@ class Executor:
                             [(lo * row, hi * row) for lo, hi in row_bounds])
         lo, hi = row_bounds[self.rank]
         result = work[lo * row:hi * row].reshape((hi - lo,) + array.shape[1:]).copy()
-        if op == ReduceOp.Average and array.dtype.kind in "iu":  # one scaling, as in ring.allreduce
-            backend.scale(result.reshape(-1), postscale_factor / self.size)
-        else:
-            if op == ReduceOp.Average:
-                backend.divide(result.reshape(-1), self.size)
-            backend.scale(result.reshape(-1), postscale_factor)
+        backend.scale(result.reshape(-1), finishing_factor(op, postscale_factor, self.size))
         return result
 
     # -- all-gather ---------------------------------------------------------

@@ -57,7 +57,7 @@ class Reducers:
 
     Built from the module's functions by attribute, not by name, so NumPy and CuPy (whose
     ufuncs share NumPy's names and signatures) take the same table. Average sums here:
-    the all-reduce divides once after the sum (``ring.allreduce``, ``shm``).
+    the all-reduce scales once after the sum (``backend.finishing_factor``).
     """
 
     __slots__ = ("_any", "_bool")

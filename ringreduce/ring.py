@@ -54,8 +54,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from mpi4py import MPI
 
-from .backend import Backend
-from .ops import Average, ReduceOp
+from .backend import Backend, finishing_factor
+from .ops import ReduceOp
 
 Buffer = Any  # a 1-D contiguous NumPy or CuPy array, owned by the backend passed with it
 
@@ -122,7 +122,7 @@ def allreduce(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Bac
               small_bytes: int = DEFAULT_SMALL_BYTES, postscale: float = 1.0,
               average_over: "int | None" = None) -> None:
     """Reduce ``buf`` (1-D and contiguous, or a Layout of such) in place across ``comm``;
-    Average divides by N, then ``postscale`` multiplies (integers: one scaling by postscale / N).
+    the result is scaled once by ``postscale`` (by ``postscale / N`` for Average: ``finishing_factor``).
     ``average_over`` replaces N as Average's divisor (the hierarchical all-reduce runs this
     ring over one rank per host on sums that already cover every rank of each host).
 
@@ -135,18 +135,10 @@ def allreduce(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend: Bac
     if layout.size == 0:
         return
 
-    integer = layout.dtype.kind in "iu"
-    divisor = size if average_over is None else average_over
+    factor = finishing_factor(op, postscale, size if average_over is None else average_over)
 
     def finish(piece: Buffer) -> None:
-        if op == Average and integer:
-            # As Horovod: an integer average is one float64 scaling by postscale / N,
-            # truncated toward zero (not a floor division followed by a second scaling).
-            backend.scale(piece, postscale / divisor)
-            return
-        if op == Average:
-            backend.divide(piece, divisor)
-        backend.scale(piece, postscale)
+        backend.scale(piece, factor)
 
     if size == 1:
         for whole in layout.bufs:
@@ -182,7 +174,7 @@ def reduce_scatter(comm: MPI.Comm, buf: "Buffer | Layout", op: ReduceOp, backend
     """After this, logical range bounds[rank] of ``buf`` holds the reduction over all ranks.
 
     ``bounds`` (default: ``even_bounds``) gives each rank's chunk; other chunks
-    end with partial results. No division for Average: the caller divides, or
+    end with partial results. No scaling for Average: the caller scales, or
     passes ``finish``, which is applied to each segment of the rank's own chunk
     just after its last reduction.
     """

@@ -101,8 +101,8 @@ from mpi4py import MPI
 from mtrain.launcher.private import check_private, remove_private
 
 from . import ring
-from .backend import NumpyBackend
-from .ops import Average, ReduceOp, reducer
+from .backend import NumpyBackend, finishing_factor
+from .ops import ReduceOp, reducer
 
 DEFAULT_STRIPE_BYTES = 2 << 20
 # Elements reduced per step: the sources and the target of one block stay in L2 while
@@ -356,15 +356,10 @@ class SharedMemoryAllreduce:
 
     def _finisher(self, op: ReduceOp, dtype: np.dtype, backend: NumpyBackend,
                   postscale: float) -> Callable[[Any], None]:
-        integer = dtype.kind in "iu"
+        factor = finishing_factor(op, postscale, self.world_size)
 
         def finish(piece: Any) -> None:
-            if op == Average and integer:
-                backend.scale(piece, postscale / self.world_size)  # one scaling, as ring.allreduce
-                return
-            if op == Average:
-                backend.divide(piece, self.world_size)
-            backend.scale(piece, postscale)
+            backend.scale(piece, factor)
         return finish
 
     def _allreduce_cma(self, layout: ring.Layout, op: ReduceOp, backend: NumpyBackend,

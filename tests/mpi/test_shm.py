@@ -20,7 +20,7 @@ from tests.mpi.data import DTYPES, OPS, assert_matches, reference, values
 from tests.mpi.harness import mpi_test
 
 _UFUNCS = {rr.Sum: np.add, rr.Average: np.add, rr.Min: np.minimum, rr.Max: np.maximum, rr.Product: np.multiply}
-_HOST = NumpyBackend()  # its scale/divide are the documented scaling rules (float64, truncation)
+_HOST = NumpyBackend()  # its scale is the documented scaling rule (Horovod's)
 
 
 def _combine(inputs, op):
@@ -35,12 +35,7 @@ def _combine(inputs, op):
 
 
 def _finish(acc, op, ranks, postscale):
-    if op == rr.Average and acc.dtype.kind in "iu":
-        _HOST.scale(acc, postscale / ranks)  # one float64 scaling, truncated toward zero
-    else:
-        if op == rr.Average:
-            _HOST.divide(acc, ranks)
-        _HOST.scale(acc, postscale)
+    _HOST.scale(acc, postscale / ranks if op == rr.Average else postscale)  # one scaling, as Horovod
     return acc
 
 

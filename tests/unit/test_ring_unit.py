@@ -59,14 +59,43 @@ def test_reducer_takes_each_array_modules_own_functions():
     assert dst.tolist() == [True, False, False]
 
 
-def test_backend_scale_and_divide_keep_the_dtype():
+def _horovod_scaled(x, factor: float):
+    """Horovod's ScaleBufferCPUImpl (horovod/common/ops/collective_operations.h), element by element
+    in Python floats (which are float64): integers, float32 and float64 are multiplied by the
+    float64 factor; float16 is widened to float32 and multiplied by the factor rounded to float32."""
+    if x.dtype.kind in "iu":
+        return [int(float(v) * factor) for v in x.tolist()]  # int(): truncation toward zero
+    if x.dtype == np.float16:
+        f32 = np.float32(factor)
+        return [np.float16(np.float32(v) * f32) for v in x.tolist()]
+    return [x.dtype.type(float(v) * factor) for v in x.tolist()]
+
+
+def test_backend_scale_is_horovods_rule_bit_for_bit():
     backend = NumpyBackend()
+    rng = np.random.default_rng(7)
+    for dtype in (np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8):
+        x = (rng.standard_normal(513) * 60 + (100 if dtype == np.uint8 else 0)).astype(dtype)
+        for factor in (0.37, 1 / 3, 0.5, -0.7, 3.0, 1e-3):
+            if dtype == np.uint8 and not 0 < factor <= 1:  # out of range: C's cast is undefined there
+                continue
+            got = x.copy()
+            backend.scale(got, factor)
+            want = np.array(_horovod_scaled(x, factor), dtype=dtype)
+            assert got.dtype == dtype, (dtype, factor)
+            assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), \
+                (dtype, factor, got[got != want][:4], want[got != want][:4])
+    # Integers truncate toward zero; float16 as Horovod, not in float16 (which gives 24.906).
     ints = np.array([7, -7, 9], dtype=np.int32)
-    backend.divide(ints, 2)
-    assert ints.tolist() == [3, -4, 4] and ints.dtype == np.int32
-    halves = np.array([1.0, 3.0], dtype=np.float16)
-    backend.scale(halves, 0.5)
-    assert halves.tolist() == [0.5, 1.5] and halves.dtype == np.float16
+    backend.scale(ints, 0.5)
+    assert ints.tolist() == [3, -3, 4]
+
+
+def test_average_is_one_scaling_by_postscale_over_size():
+    from mtrain.ringreduce.backend import finishing_factor
+    assert finishing_factor(ops.Average, 3.0, 4) == 0.75
+    assert finishing_factor(ops.Sum, 3.0, 4) == 3.0
+    assert finishing_factor(ops.Max, 1.0, 4) == 1.0
 
 
 def test_scratch_buffers_are_reused():
