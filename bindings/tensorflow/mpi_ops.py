@@ -3,6 +3,7 @@ process-set queries and the ``*_op`` tensors, eagerly or inside ``tf.function`` 
 as ``tf.numpy_function`` calls into the runtime; see ``_call``)."""
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
@@ -151,19 +152,31 @@ def _call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], out_
     return list(outputs)
 
 
+def _graph_name(name: Optional[str], kind: str, process_set: ProcessSet) -> Optional[str]:
+    """The name an op goes to the runtime with.
+
+    Eagerly, ops run in program order, and the runtime names unnamed ones by a counter that
+    every rank of the set advances alike. In a graph, TensorFlow's inter-op threads run
+    independent ops in any order, different on each rank, so that counter would pair different
+    tensors; as Horovod names an unnamed op from its graph node, it is named here when the graph
+    is built: the graph (its function's name, without TensorFlow's numeric suffixes) and a name
+    unique in it, counted per kind and process set (a rank outside a set builds none of its
+    ops, and must not shift the names of the sets it is in).
+    """
+    if name is not None or tf.executing_eagerly():
+        return name
+    graph = tf.compat.v1.get_default_graph()
+    scope = _NUMERIC_SUFFIX.sub("", getattr(graph, "name", "") or "") or "graph"
+    base = f"mtrain_{kind}_set{process_set.process_set_id}"
+    return f"{scope}/{graph.unique_name(base, mark_as_used=True)}"
+
+
+_NUMERIC_SUFFIX = re.compile(r"(_\d+)+$")
+
+
 def _c(array: Any) -> np.ndarray:
     """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray would make them 1-d)."""
     return np.asarray(array, order="C")
-
-
-def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
-    """``array * factor`` in the array's dtype; integers are scaled in float64 and truncated toward
-    zero, as Horovod does."""
-    if factor == 1.0:
-        return array
-    if array.dtype.kind in "iu":
-        return np.trunc(array.astype(np.float64) * factor).astype(array.dtype)
-    return array * np.asarray(factor, dtype=array.dtype)
 
 
 def _first_dim_unknown(tensor: tf.Tensor) -> tf.TensorShape:
@@ -185,28 +198,14 @@ def _zeros_for_missing(grads: Sequence[Any], outputs: Sequence[tf.Tensor]) -> Li
 
 def _raw_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str], prescale: float,
                            postscale: float, process_set: ProcessSet) -> List[tf.Tensor]:
+    name = _graph_name(name, "allreduce", process_set)
+
     def reduce(*arrays: np.ndarray) -> List[np.ndarray]:
         arrays = [_c(a) for a in arrays]
-        integers = [i for i, a in enumerate(arrays) if a.dtype.kind in "iu"] if op == Average else []
-        if not integers:
-            results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale, postscale,
-                                                                process_set=process_set))
-            return [r.reshape(a.shape) for r, a in zip(results, arrays)]
-        # Integers averaged as in Horovod: a sum scaled once by postscale / size (in float64,
-        # truncated toward zero), not divided and then scaled (which would round twice).
-        others = [i for i in range(len(arrays)) if i not in integers]
-        handles = []
-        if others:
-            handles.append((others, rr.grouped_allreduce_async([arrays[i] for i in others], op, name,
-                                                               prescale, postscale, process_set=process_set)))
-        handles.append((integers, rr.grouped_allreduce_async(
-            [arrays[i] for i in integers], Sum, name if not others or name is None else f"{name}.integers",
-            prescale, postscale / set_size(process_set), process_set=process_set)))
-        results: List[Any] = [None] * len(arrays)
-        for indices, handle in handles:
-            for i, r in zip(indices, rr.synchronize(handle)):
-                results[i] = r.reshape(arrays[i].shape)
-        return results
+        # The runtime scales as Horovod does (Average is one scaling by postscale / size).
+        results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale, postscale,
+                                                            process_set=process_set))
+        return [r.reshape(a.shape) for r, a in zip(results, arrays)]
     return _call(reduce, inputs, [t.dtype for t in inputs], [t.shape for t in inputs])
 
 
@@ -227,6 +226,8 @@ def _differentiable_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name
 
 def _raw_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str],
                            process_set: ProcessSet) -> List[tf.Tensor]:
+    name = _graph_name(name, "allgather", process_set)
+
     def gather(*arrays: np.ndarray) -> List[np.ndarray]:
         names = [None if name is None else f"{name}.{i}" for i in range(len(arrays))]
         handles = [rr.allgather_async(_c(a), n, process_set=process_set) for a, n in zip(arrays, names)]
@@ -262,6 +263,8 @@ def _differentiable_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optiona
 
 
 def _raw_broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str], process_set: ProcessSet) -> tf.Tensor:
+    name = _graph_name(name, "broadcast", process_set)
+
     def fn(a: np.ndarray) -> List[np.ndarray]:
         handle = rr.broadcast_async(_c(a), root_rank, name, process_set=process_set)
         return [rr.synchronize(handle).reshape(a.shape)]
@@ -270,17 +273,15 @@ def _raw_broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str], proce
 
 def _raw_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optional[str], prescale: float,
                                postscale: float, process_set: ProcessSet) -> List[tf.Tensor]:
+    name = _graph_name(name, "reducescatter", process_set)
+
     def scatter(*arrays: np.ndarray) -> List[np.ndarray]:
         names = [name if name is None or len(arrays) == 1 else f"{name}.{i}" for i in range(len(arrays))]
-        handles, posts = [], []
-        for a, n in zip(arrays, names):
-            # Integers averaged as in Horovod: summed, then one float64 scaling by postscale / size
-            # (dividing first and scaling after would round twice).
-            integer_average = op == Average and a.dtype.kind in "iu"
-            handles.append(rr.reducescatter_async(_scaled(_c(a), prescale), Sum if integer_average else op, n,
-                                                  process_set=process_set))
-            posts.append(postscale / set_size(process_set) if integer_average else postscale)
-        return [_scaled(rr.synchronize(h), post) for h, post in zip(handles, posts)]
+        # The runtime scales as Horovod does (pre- and postscale, Average as one scaling by
+        # postscale / size), so the factors go to it as they are.
+        handles = [rr.reducescatter_async(_c(a), op, n, prescale, postscale, process_set=process_set)
+                   for a, n in zip(arrays, names)]
+        return [rr.synchronize(h) for h in handles]
     return _call(scatter, inputs, [t.dtype for t in inputs], [_first_dim_unknown(t) for t in inputs])
 
 
@@ -303,6 +304,8 @@ def _differentiable_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, 
 
 def _raw_alltoall(tensor: tf.Tensor, splits: tf.Tensor, given: bool, name: Optional[str],
                   process_set: ProcessSet) -> List[tf.Tensor]:
+    name = _graph_name(name, "alltoall", process_set)
+
     def fn(a: np.ndarray, s: np.ndarray) -> List[np.ndarray]:
         received, received_splits = rr.synchronize(rr.alltoall_async(_c(a), s.tolist() if given else None, name,
                                                                      process_set=process_set))
