@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .errors import InvalidArgumentError  # a RuntimeError, as Horovod's refusals; and the ValueError of before
+
 
 class ReduceOp(enum.IntEnum):
     Average = 0
@@ -48,7 +50,7 @@ def check_op(op: object) -> ReduceOp:
         raise ValueError(f"unsupported reduction op {op!r}; use one of {names}") from None
     if value not in SUPPORTED_OPS:
         names = ", ".join(o.name for o in SUPPORTED_OPS)
-        raise ValueError(f"reduction op {value.name} is not supported by mtrain; use one of {names}")
+        raise InvalidArgumentError(f"reduction op {value.name} is not supported by mtrain; use one of {names}")
     return value
 
 

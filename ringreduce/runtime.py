@@ -22,8 +22,9 @@ from .process_sets import ProcessSet, global_process_set
 from .settings import EngineConfig, env_number
 
 
-class NotInitializedError(ValueError):
-    """A collective was called before ``init()`` (a ValueError, as in Horovod)."""
+class NotInitializedError(ValueError, RuntimeError):
+    """A collective was called before ``init()``: a ValueError, as Horovod's ``rank()`` raises, and a
+    RuntimeError, as its collectives raise (horovod/torch/mpi_ops.py wraps them in HorovodInternalError)."""
 
 
 _runtime: "_ps.Registry | None" = None
@@ -512,7 +513,7 @@ def alltoall_async(array: np.ndarray, splits: "Sequence[int] | None" = None,
     def checked() -> "tuple[list[Any], dict[str, Any]]":
         checked_array = _array(array)
         if checked_array.ndim == 0:
-            raise ValueError("alltoall needs an array with at least one dimension to split")
+            raise InvalidArgumentError("alltoall needs an array with at least one dimension to split")
         return [checked_array], dict(splits=_check_splits(splits, checked_array.shape[0], process_set))
     return _submit(Kind.ALLTOALL, name, process_set, checked)
 

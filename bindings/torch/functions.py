@@ -72,10 +72,15 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     Works whether or not any rank has stepped: when ``root_rank`` has no state yet,
     every rank ends with none (exactly root's state), instead of Horovod's
     zero-gradient step, which advances Adam's step count and applies weight decay.
+    On a rank whose optimizer had no state, each parameter that requires a gradient
+    and has none is left with a zero one, as Horovod leaves it (sparse for
+    ``SparseAdam``, and for the sparse embeddings of ``model`` when given).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     state = optimizer.state_dict()
+    if not state["state"]:
+        _zero_missing_gradients(optimizer, model)
     root_tensors: List[torch.Tensor] = []
     skeleton = broadcast_object(_skeleton(state, root_tensors) if rank() == root_rank else None,
                                 root_rank, name="broadcast_optimizer_state.skeleton", process_set=process_set)
@@ -89,3 +94,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         handle.wait()
     if rank() != root_rank:
         optimizer.load_state_dict(received)
+
+
+def _zero_missing_gradients(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Horovod's broadcast_optimizer_state (horovod/torch/functions.py) gives a stateless optimizer's
+    parameters zero gradients before its initializing step; programs written for it may read
+    ``p.grad`` afterwards. We take no step, but leave the gradients as it does (and keep any that exist)."""
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    all_sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                zero = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                p.grad = zero.to_sparse() if all_sparse or id(p) in sparse else zero

@@ -226,19 +226,17 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
-def _slice_of_summed_gradient(grad: torch.Tensor, rows: int, shape: torch.Size,
-                              process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Backward of an all-gather: this rank's rows of the gradient summed over ranks (as Horovod)."""
-    return _gathered_slices([grad], [rows], [shape], process_set)[0]
-
-
 def _gathered_slices(grads: Sequence[torch.Tensor], rows: Sequence[int],
                      shapes: Sequence[torch.Size], process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
-    summed = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=Sum, process_set=process_set))
+    """Backward of an all-gather, as Horovod's (``HorovodAllgather.backward``): this rank's rows of
+    the gradient *averaged* over the set, i.e. the true gradient of the summed losses divided by
+    the set's size (Horovod's choice, kept so that a ported model trains with the same step size)."""
+    averaged = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=Average,
+                                                   process_set=process_set))
     every_rows = synchronize(allgather_async(torch.tensor([list(rows)], dtype=torch.int64),
                                              process_set=process_set))  # set size x k
     offsets = every_rows[:process_set.rank()].sum(dim=0).tolist()
-    return [s.narrow(0, int(o), r).reshape(shape) for s, o, r, shape in zip(summed, offsets, rows, shapes)]
+    return [a.narrow(0, int(o), r).reshape(shape) for a, o, r, shape in zip(averaged, offsets, rows, shapes)]
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -250,7 +248,7 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _slice_of_summed_gradient(grad, ctx.rows, ctx.shape, ctx.process_set), None, None
+        return _gathered_slices([grad], [ctx.rows], [ctx.shape], ctx.process_set)[0], None, None
 
 
 class _GroupedAllgatherFunction(torch.autograd.Function):
@@ -287,7 +285,8 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 
 class _BroadcastFunction(torch.autograd.Function):
-    """Backward as Horovod: the gradient summed over ranks lands on the root; other ranks get zeros."""
+    """Backward as Horovod's ``HorovodBroadcast.backward``: the gradient averaged over the set
+    lands on the root; every other rank gets zeros."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):  # type: ignore[override]
@@ -296,10 +295,10 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum, process_set=ctx.process_set))
-        if rank() != ctx.root_rank:
-            summed = torch.zeros_like(summed)
-        return summed, None, None, None
+        averaged = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set))
+        if rank() != ctx.root_rank:  # root_rank is a global rank, as rank() is
+            averaged = torch.zeros_like(averaged)
+        return averaged, None, None, None
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -358,9 +357,11 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
 
 def _reducescatter_backward(grads: Sequence[torch.Tensor], op: Any, pre: float, post: float,
                             process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
-    """All-gather of the gradients (as Horovod), divided by size for Average, times the scaling."""
+    """Backward of a reduce-scatter, as Horovod's ``HorovodReducescatter.backward``: the gradients
+    all-gathered, times the set's size for Sum (nothing for Average), times both scale factors.
+    That is the set's size times the true gradient for either op; Horovod's rule, kept as is."""
+    factor = pre * post * (process_set.size() if op == Sum else 1)
     gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads], process_set=process_set))
-    factor = pre * post / (process_set.size() if op == Average else 1)
     return [g * factor if factor != 1.0 else g for g in gathered]
 
 
@@ -466,7 +467,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op:
         raise TypeError("sparse_allreduce_async takes a sparse COO tensor; use allreduce_async for dense ones")
     op = resolve_op(None, op)
     if op not in (Average, Sum):
-        raise ValueError(f"sparse all-reduce supports op=Average or op=Sum, got {op!r}")
+        # A RuntimeError (what Horovod programs catch from a refused op), and a ValueError as before.
+        raise rr.InvalidArgumentError(f"sparse all-reduce supports op=Average or op=Sum, got {op!r}")
     # Indices are (ndim, nnz): gathered along nnz, so sent transposed and turned back after.
     indices = allgather_async(tensor._indices().t().contiguous(), None if name is None else f"{name}.indices",
                               process_set)

@@ -37,13 +37,20 @@ class _DistributedOptimizer:
         # Formatted once here, not once per gradient per step.
         self._gradient_names = {p: f"DistributedOptimizer.{name}" for p, name in self._parameter_names.items()}
         self._gradient_views = ViewCache()  # each parameter's gradient as NumPy, while it stays the same
-        self._requires_update = [p for p in dict.fromkeys(params) if p.requires_grad]
+        # A rank outside the set trains locally, reducing nothing (Horovod registers no hooks there:
+        # horovod/torch/optimizer.py, _DistributedOptimizer.__init__ and synchronize). None is a set
+        # not registered yet: its ops will say so.
+        outside = process_set.included() is False
+        self._requires_update = [] if outside else [p for p in dict.fromkeys(params) if p.requires_grad]
+        # Parameters whose sparse gradient was densified for the reduction (sparse_as_dense): their
+        # reduced gradient goes back to sparse before the update, as Horovod's synchronize does.
+        self._densified: "set[torch.Tensor]" = set()
         self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
         self._handles: Dict[torch.Tensor, Any] = {}
         self._synchronized = False
         self._should_synchronize = True
         self._hook_handles = []
-        for p in self._requires_update:
+        for p in self._requires_update:  # none outside the set
             self._hook_handles.append(p.register_hook(self._make_check_hook(p)))
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
@@ -75,10 +82,13 @@ class _DistributedOptimizer:
         if grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
             if not self.sparse_as_dense:  # as Horovod: gather indices and values, no compression
                 return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), None
-            grad = p.grad = grad.to_dense()
+            # Reduced as a dense copy; p.grad stays sparse until synchronize() lands the result, so
+            # an optimizer that takes only sparse gradients (torch.optim.SparseAdam) still works.
+            grad = grad.to_dense()
+            self._densified.add(p)
         compressed, ctx = self._compression.compress(grad)
         pre, post = 1.0, 1.0
-        if self.op == Average:  # the runtime divides by size after the postscale
+        if self.op == Average:  # the runtime scales by postscale / size (one scaling)
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         handle = self._gradient_views.submit(p, compressed, self.op, name, pre, post, self.process_set)
         if handle is not None:  # this gradient's view from the last step
@@ -95,6 +105,8 @@ class _DistributedOptimizer:
                     self._handles[p] = self._allreduce_grad_async(p)
             for p, (handle, ctx) in self._handles.items():
                 reduced = self._compression.decompress(handle.wait(), ctx)
+                if p in self._densified:
+                    reduced = reduced.to_sparse()
                 if reduced.is_sparse:
                     p.grad = reduced
                 elif reduced is not p.grad:
@@ -102,6 +114,7 @@ class _DistributedOptimizer:
                         p.grad.copy_(reduced)
         finally:
             self._handles.clear()
+            self._densified.clear()
             for p in self._allreduce_delay:
                 self._allreduce_delay[p] = self.backward_passes_per_step
         self._synchronized = True
@@ -121,13 +134,15 @@ class _DistributedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         # After an explicit synchronize() the gradients are already averaged: no second round
-        # (Horovod would reduce them again); warn as Horovod does, with the remedy.
+        # (Horovod would reduce them again). The warning opens with Horovod's words
+        # (horovod/torch/optimizer.py, step), so filters written for Horovod's match it too.
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() was called after optimizer.synchronize() outside an "
-                              "optimizer.skip_synchronize() context; this can slow training down. When you "
-                              "call optimizer.synchronize() yourself, call step() inside "
-                              "`with optimizer.skip_synchronize():`", UserWarning, stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after an explicit "
+                              "optimizer.synchronize(). The gradients are already averaged, so this step "
+                              "applies them as they are; to say that this is intended (and silence this "
+                              "warning), call step() inside `with optimizer.skip_synchronize():` whenever "
+                              "you call optimizer.synchronize() yourself.", UserWarning, stacklevel=2)
             else:
                 self.synchronize()
         self._synchronized = False
@@ -145,6 +160,7 @@ class _DistributedOptimizer:
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._handles.clear()
+        self._densified.clear()
         self._synchronized = False
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
@@ -204,8 +220,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     sharing its hyperparameters and state. ``num_groups``/``groups`` are
     accepted for Horovod compatibility; the runtime fuses small gradients itself.
     Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as Horovod does:
-    by ``sparse_allreduce_async`` (all-gather of indices and values), or densified
-    first and all-reduced when ``sparse_as_dense=True``.
+    by ``sparse_allreduce_async`` (all-gather of indices and values), or, when
+    ``sparse_as_dense=True``, all-reduced densified and made sparse again before the
+    update (so ``torch.optim.SparseAdam`` works). On a rank outside ``process_set``
+    the optimizer steps on its local gradients, reducing nothing (as Horovod's).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
