@@ -18,6 +18,7 @@ import click
 
 import mtrain
 from mtrain.launcher import hosts as hostlib
+from mtrain.launcher import tuning
 from mtrain.launcher.config import ElasticSettings, LaunchConfig, SshOptions, check_env_item
 
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
@@ -50,7 +51,7 @@ class EnvItemType(click.ParamType):
 
 
 class InterfaceListType(click.ParamType):
-    """`--network-interface eth0[,ib0]` (names or CIDR subnets)."""
+    """`--network-interface(s) eth0[,ib0]` (names or CIDR subnets); repeatable, as in Horovod."""
 
     name = "IF[,IF…]"
 
@@ -71,7 +72,22 @@ def main_group() -> None:
     """mtrain: data-parallel training across hosts (Horovod-style launcher)."""
 
 
+def _check_build(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """`-cb`: Horovod's table of what this install has, then exit (needs no -np or command)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from mtrain.launcher.capabilities import check_build
+    click.echo(check_build())
+    ctx.exit(0)
+
+
+_NONNEGATIVE = click.IntRange(min=0)
+
+
 @main_group.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.version_option(mtrain.__version__, "-v", "--version", prog_name="mtrain")
+@click.option("-cb", "--check-build", is_flag=True, is_eager=True, expose_value=False, callback=_check_build,
+              help="Show which frameworks, controllers and tensor operations this install has, and exit.")
 @click.option("-np", "--num-proc", "num_proc", type=int, default=None,
               help="Number of ranks (default: all slots of the hosts).")
 @click.option("-H", "--hosts", "host_list", type=HostListType(), default=None,
@@ -86,8 +102,8 @@ def main_group() -> None:
               help="Record unknown host keys in ~/.ssh/known_hosts instead of refusing them.")
 @click.option("--start-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, help="Seconds allowed for checking and reaching all hosts.")
-@click.option("--network-interface", "interfaces", type=InterfaceListType(), default=None,
-              help="Interfaces (or subnets) MPI may use between hosts, e.g. eth0 or eth0,ib0.")
+@click.option("--network-interfaces", "--network-interface", "interfaces", type=InterfaceListType(), multiple=True,
+              help="Interfaces (or subnets) MPI may use between hosts, e.g. eth0 or eth0,ib0; repeatable.")
 @click.option("--output-filename", "--output-dir", "output_dir", type=click.Path(file_okay=False),
               default=None, help="Also write DIR/rank.N/stdout and DIR/rank.N/stderr.")
 @click.option("-x", "env_items", type=EnvItemType(), multiple=True,
@@ -115,14 +131,56 @@ def main_group() -> None:
 @click.option("--blacklist-cooldown-range", "cooldown", type=click.IntRange(min=0), nargs=2, default=None,
               help="Elastic: a failed host returns after MIN·n seconds for its n-th failure, at most MAX "
                    "(default: never).")
-@click.option("--dry-run", is_flag=True, help="Print the host plan and the mpirun command; run nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the host plan, the settings the ranks get and the mpirun command; run nothing.")
 @click.option("--verbose", is_flag=True, help="Log each step.")
-@click.option("--disable-cache", is_flag=True, hidden=True, help="Accepted for horovodrun compatibility.")
+@click.option("--disable-cache", is_flag=True, default=None,
+              help="Horovod's: run the host checks every time. mtrain keeps no cache of them, so it always does.")
+@click.option("--config-file", type=click.Path(dir_okay=False), default=None,
+              help="Horovod's YAML file of settings (params:, library_options:, logging:, controller:); "
+                   "flags given on the command line win over it.")
+# Horovod's tuning flags: each reaches every rank as mtrain's variable (ringreduce/settings.py).
+@click.option("--fusion-threshold-mb", type=_NONNEGATIVE, default=None,
+              help="Most MB of tensors fused into one all-reduce; 0 turns fusion off (default: 8).")
+@click.option("--cycle-time-ms", type=click.FloatRange(min=0), default=None,
+              help="Milliseconds the engine waits for more ops before negotiating (default: 1).")
+@click.option("--cache-capacity", type=_NONNEGATIVE, default=None,
+              help="Op names kept in the response cache; 0 turns it off (default: 4096).")
+@click.option("--hierarchical-allreduce/--no-hierarchical-allreduce", default=None,
+              help="All-reduce within each host through shared memory, then across hosts (default: chosen "
+                   "per buffer).")
+@click.option("--hierarchical-allgather/--no-hierarchical-allgather", default=None,
+              help="Horovod's hierarchical allgather; mtrain's allgather runs on the ring.")
+@click.option("--mpi-threads-disable", is_flag=True, default=None,
+              help="Horovod's; mtrain's background engine needs MPI threads, so they stay on.")
+@click.option("--num-nccl-streams", type=_NONNEGATIVE, default=None,
+              help="Horovod's; mtrain's collectives do not use NCCL.")
+@click.option("--thread-affinity", type=_NONNEGATIVE, default=None,
+              help="Horovod's; mtrain does not pin its background thread.")
+@click.option("--gloo-timeout-seconds", type=_NONNEGATIVE, default=None,
+              help="Horovod's; mtrain runs on MPI, not Gloo.")
+@click.option("--tcp", is_flag=True, default=None,
+              help="Keep NCCL (a torch.distributed program's) off InfiniBand: NCCL_IB_DISABLE=1 for every rank.")
+@click.option("--binding-args", default=None,
+              help="mpirun's process binding arguments, as one quoted string, instead of the default "
+                   "`--map-by slot --bind-to none` (MPICH: `-bind-to none`).")
+@click.option("--log-level", type=click.Choice(tuning.LOG_LEVELS, case_sensitive=False), default=None,
+              help="Least severe runtime message shown (default: WARNING).")
+@click.option("--log-without-timestamp", "log_with_timestamp", flag_value=False, default=None,
+              help="Horovod's; mtrain's runtime messages carry no timestamp anyway.")
+@click.option("-prefix-timestamp", "--prefix-output-with-timestamp", "prefix_timestamp", is_flag=True,
+              help="Start every line of the ranks' output with the time mtrain received it.")
+@click.option("--gloo", "use_gloo", is_flag=True, default=None, help="Horovod's; mtrain runs on MPI.")
+@click.option("--mpi", "use_mpi", is_flag=True, default=None, help="Run on MPI (what mtrain always does).")
+@click.option("--jsrun", "use_jsrun", is_flag=True, default=None,
+              help="Horovod's; mtrain starts the ranks with mpirun.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(**options: Any) -> None:
     """Run COMMAND as NUM_PROC ranks across the hosts."""
     from mtrain.launcher.launch import launch  # deferred: keeps `mtrain --help` fast
     config, dry_run = build_config(options)
+    for line in config.notices:
+        click.echo(line, err=True)
     if config.elastic is not None and not dry_run:
         from mtrain.launcher.elastic import run_elastic
         sys.exit(run_elastic(config))
@@ -139,6 +197,22 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
         raise click.UsageError(f"unknown option {command[0]}; mtrain's options go before the command")
     if options["host_list"] is not None and options["hostfile"] is not None:
         raise click.UsageError("give either -H or --hostfile, not both")
+    options, origins, file_notes = with_config_file(options)
+    controllers = [flag for name, flag in _CONTROLLER_FLAGS.items() if options[name]]
+    if len(controllers) > 1:
+        raise click.UsageError(f"give one of --gloo, --mpi and --jsrun, not {' and '.join(controllers)}")
+    rank_settings, notes = tuning.rank_settings(options, origins)
+    for setting in rank_settings:
+        for item in options["env_items"]:
+            if item.split("=", 1)[0] == setting.name:
+                raise click.UsageError(f"{setting.origin} sets {setting.name} for the ranks, and so does "
+                                       f"-x {item}; give one of them")
+    binding_args: tuple[str, ...] | None = None
+    if options["binding_args"] is not None:
+        try:
+            binding_args = tuple(shlex.split(options["binding_args"]))
+        except ValueError as error:
+            raise click.UsageError(f"--binding-args: {error}") from None
     elastic = elastic_settings(options)
     try:
         if elastic is not None:
@@ -179,13 +253,61 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
                      connect_timeout=options["start_timeout"])
     config = LaunchConfig(
         plan=tuple(plan), command=command, remote_hosts=remote, ssh=ssh, mpi=mpi,
-        start_timeout=options["start_timeout"], network_interfaces=options["interfaces"] or (),
+        start_timeout=options["start_timeout"], network_interfaces=_interfaces(options["interfaces"]),
         output_dir=Path(options["output_dir"]).resolve() if options["output_dir"] else None,
         env_pass=tuple(options["env_items"]), mpi_args=mpi_args, verbose=options["verbose"],
-        master_port=options["master_port"], one_gpu_per_rank=options["one_gpu_per_rank"], elastic=elastic)
+        master_port=options["master_port"], one_gpu_per_rank=options["one_gpu_per_rank"], elastic=elastic,
+        rank_settings=rank_settings, binding_args=binding_args,
+        prefix_timestamp=bool(options["prefix_timestamp"]), notices=file_notes + notes)
     if elastic is not None and options["dry_run"]:
         config = _first_generation(config)
     return config, bool(options["dry_run"])
+
+
+_CONTROLLER_FLAGS = {"use_gloo": "--gloo", "use_mpi": "--mpi", "use_jsrun": "--jsrun"}  # Horovod: one at most
+
+
+def _interfaces(given: "tuple[tuple[str, ...], ...] | None") -> tuple[str, ...]:
+    """The interfaces of every --network-interface(s), once each, in order (Horovod takes their union)."""
+    names: list[str] = []
+    for group in given or ():
+        names += [name for name in group if name not in names]
+    return tuple(names)
+
+
+def with_config_file(options: dict[str, Any]) -> "tuple[dict[str, Any], dict[str, str], tuple[str, ...]]":
+    """`options` with the values of --config-file filled in where the command line gave
+    none (Horovod: flags win over the file); also where each came from, and the lines to
+    print for the file's settings that this `mtrain run` cannot apply."""
+    path = options.get("config_file")
+    if not path:
+        return options, {}, ()
+    try:
+        values = tuning.read_config_file(path)
+    except tuning.ConfigFileError as error:
+        raise click.UsageError(f"--config-file {path}: {error}") from None
+    params = {param.name: param for param in run.params if isinstance(param, click.Option)}
+    merged, origins, notes = dict(options), {}, []
+    controllers_given = any(options.get(name) for name in _CONTROLLER_FLAGS)
+    for entry in values:
+        param = params.get(entry.option)
+        if param is None:  # a Horovod flag this mtrain run does not have (yet)
+            notes.append(f"mtrain: --config-file {entry.key}: not applied; this mtrain run has no "
+                         f"--{entry.option.replace('_', '-')}")
+            continue
+        if options.get(entry.option) is not None:
+            continue  # given on the command line
+        if entry.key == "controller" and controllers_given:
+            continue
+        try:
+            # Flags take YAML's true/false (or 1/0); the rest go through the flag's own type and range.
+            kind = click.BOOL if param.is_flag or param.secondary_opts else param.type
+            value = kind.convert(entry.value, None, None)  # the message names the key, not a flag
+        except click.BadParameter as error:
+            raise click.UsageError(f"--config-file {path}: {entry.key}: {error.message}") from None
+        merged[entry.option] = value
+        origins[entry.option] = f"--config-file {entry.key}"
+    return merged, origins, tuple(notes)
 
 
 _ELASTIC_ONLY = {"slots_per_host": "--slots-per-host", "reset_limit": "--reset-limit",

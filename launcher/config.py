@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from mtrain.launcher.hosts import HostSlots
+from mtrain.launcher.tuning import RankSetting
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -73,6 +74,15 @@ class LaunchConfig:
     master_port: int | None = None       # torch.distributed's MASTER_PORT (None: a free one, found)
     one_gpu_per_rank: bool = False       # each rank sees only its own GPU (CUDA_VISIBLE_DEVICES)
     elastic: ElasticSettings | None = None  # an elastic job: the plan is made per generation
+    rank_settings: tuple[RankSetting, ...] = ()  # from Horovod's tuning flags / --config-file (tuning.py)
+    binding_args: tuple[str, ...] | None = None  # --binding-args: instead of mpirun's default binding
+    prefix_timestamp: bool = False       # --prefix-output-with-timestamp
+    notices: tuple[str, ...] = ()        # one line per flag that changes nothing in mtrain
+
+    @property
+    def rank_items(self) -> tuple[str, ...]:
+        """What every rank gets, as `-x` items: the user's, then the flags' (which never name the same variable)."""
+        return self.env_pass + tuple(f"{s.name}={s.value}" for s in self.rank_settings)
 
     @property
     def num_proc(self) -> int:

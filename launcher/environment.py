@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 FORWARDED_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED")
-FORWARDED_PREFIXES = ("NCCL_", "CUDA_", "OMP_", "MTRAIN_")
+# HOROVOD_*: the runtime reads Horovod's variables too (ours win), so they reach every host, as in horovodrun.
+FORWARDED_PREFIXES = ("NCCL_", "CUDA_", "OMP_", "MTRAIN_", "HOROVOD_")
 
 
 def forwarded_names(env: Mapping[str, str]) -> list[str]:

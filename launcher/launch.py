@@ -53,7 +53,7 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
     on each host by the rank wrapper, which knows that host's cores.
     """
     environment = job_environment(job_env)
-    names, values = rank_environment(environment, config.env_pass)
+    names, values = rank_environment(environment, config.rank_items)
     if config.mpi.kind is MpiKind.MPICH:
         subnets = ()  # hydra's -iface wants an interface name, not a subnet
     if config.mpi.kind is MpiKind.OPENMPI and "TMPDIR" in names:
@@ -63,7 +63,7 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
     return mpilib.build_argv(
         config.mpi, config.plan, config.command, rank_python=sys.executable, agent=agent,
         env_names=names, env_values=values, network_interfaces=config.network_interfaces or subnets,
-        as_root=os.geteuid() == 0, extra_args=config.mpi_args)
+        as_root=os.geteuid() == 0, extra_args=config.mpi_args, binding_args=config.binding_args)
 
 
 def _user_umask() -> int:
@@ -105,13 +105,37 @@ def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str, jo
 
 
 def print_plan(config: LaunchConfig, argv: list[str]) -> None:
+    """--dry-run: the hosts, the settings every rank gets, and the launcher's command."""
     rank = 0
     for host in config.plan:
         where = "ssh" if host.name in config.remote_hosts else "local"
         ranks = f"rank {rank}" if host.slots == 1 else f"ranks {rank}-{rank + host.slots - 1}"
         print(f"host {host.name}: {ranks} ({where})")
         rank += host.slots
+    for name, value, origin in rank_settings_shown(config, os.environ):
+        print(f"rank setting {name}={value} ({origin})")
     print(shlex.join(argv))
+
+
+def rank_settings_shown(config: LaunchConfig, environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """(name, value, origin) of the runtime's settings every rank gets: from the flags, from -x,
+    and the MTRAIN_* / HOROVOD_* variables of this environment they inherit (the job's own
+    variables, its secret among them, are not in `environ` and never shown)."""
+    shown = {s.name: (s.value, s.origin) for s in config.rank_settings}
+    for item in config.env_pass:
+        name, eq, value = item.partition("=")
+        if name.startswith(_SETTING_PREFIXES) and name not in shown and (eq or name in environ):
+            shown[name] = (value if eq else environ[name], f"-x {name}")
+    for name in sorted(environ):
+        if name.startswith(_SETTING_PREFIXES) and name not in shown and name not in _JOB_VARIABLES:
+            shown[name] = (environ[name], "this environment")
+    return [(name, value, origin) for name, (value, origin) in sorted(shown.items())]
+
+
+_SETTING_PREFIXES = ("MTRAIN_", "HOROVOD_")
+# Each job sets its own (an inherited one, of a job this `mtrain run` runs in, is replaced).
+_JOB_VARIABLES = frozenset({ENV_JOB_FILE, ENV_JOB_SECRET, ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_USER_UMASK,
+                            ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR})
 
 
 @dataclasses.dataclass
@@ -216,6 +240,7 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                 _private_mpirun_folder(environment, scratch)
             job = supervise.Job(argv, environment, config.num_proc, config.output_dir, config.verbose,
                                 events_path if agent else None, preflight=preflight,
+                                prefix_timestamp=config.prefix_timestamp,
                                 gate=Gate(gate) if agent else None,
                                 on_resume=generation.on_resume if generation else None,
                                 report_failures=generation is None)

@@ -25,6 +25,9 @@ from mtrain.launcher.config import MpiKind, MpiLauncher
 from mtrain.launcher.hosts import HostSlots
 
 ENV_MPIRUN = "MTRAIN_MPIRUN"
+# Where ranks run and what they are bound to, unless --binding-args says otherwise: slot by slot,
+# unbound (ranks share the cores with the engine thread and the frameworks' own threads).
+DEFAULT_BINDING = {MpiKind.OPENMPI: ("--map-by", "slot", "--bind-to", "none"), MpiKind.MPICH: ("-bind-to", "none")}
 # Interfaces that never connect hosts to each other.
 EXCLUDED_INTERFACES = ("lo", "docker0", "docker_gwbridge", "virbr0")
 
@@ -96,12 +99,15 @@ def build_argv(
     network_interfaces: Sequence[str] = (),
     as_root: bool = False,
     extra_args: Sequence[str] = (),
+    binding_args: Sequence[str] | None = None,
 ) -> list[str]:
     """The full launcher argv for one job.
 
     `agent` is the remote-shell program (its words) or None for a job that
     stays on this machine.  `command` is passed through untouched: MPI hands
     each rank its argv directly (never through a shell), so quoting survives.
+    `binding_args` (--binding-args) replace the default mapping and binding
+    (``DEFAULT_BINDING``), as Horovod's do.
     """
     if not command:
         raise ValueError("empty command")
@@ -110,16 +116,17 @@ def build_argv(
     env_values = dict(env_values or {})
     num_proc = sum(host.slots for host in plan)
     rank_command = [rank_python, "-m", "mtrain.launcher.rank", "--", *command]
+    binding = list(DEFAULT_BINDING[mpi.kind] if binding_args is None else binding_args)
     if mpi.kind is MpiKind.OPENMPI:
-        argv = _openmpi(mpi.path, plan, num_proc, agent, env_names, env_values, network_interfaces, as_root)
+        argv = _openmpi(mpi.path, plan, num_proc, agent, env_names, env_values, network_interfaces, as_root,
+                        binding)
     else:
-        argv = _hydra(mpi.path, plan, num_proc, agent, env_names, env_values, network_interfaces)
+        argv = _hydra(mpi.path, plan, num_proc, agent, env_names, env_values, network_interfaces, binding)
     return argv + list(extra_args) + rank_command
 
 
-def _openmpi(path, plan, num_proc, agent, env_names, env_values, interfaces, as_root) -> list[str]:
-    argv = [path, "-np", str(num_proc), "--host", host_list(plan),
-            "--map-by", "slot", "--bind-to", "none"]
+def _openmpi(path, plan, num_proc, agent, env_names, env_values, interfaces, as_root, binding) -> list[str]:
+    argv = [path, "-np", str(num_proc), "--host", host_list(plan), *binding]
     if as_root:
         argv.append("--allow-run-as-root")
     if agent is not None:
@@ -144,8 +151,8 @@ def _openmpi(path, plan, num_proc, agent, env_names, env_values, interfaces, as_
     return argv
 
 
-def _hydra(path, plan, num_proc, agent, env_names, env_values, interfaces) -> list[str]:
-    argv = [path, "-np", str(num_proc), "-hosts", host_list(plan), "-bind-to", "none"]
+def _hydra(path, plan, num_proc, agent, env_names, env_values, interfaces, binding) -> list[str]:
+    argv = [path, "-np", str(num_proc), "-hosts", host_list(plan), *binding]
     if agent is not None:
         if len(agent) != 1:
             raise ValueError("hydra's -launcher-exec takes one executable path, not "

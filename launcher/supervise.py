@@ -69,8 +69,9 @@ class _OutputSink:
     """Writes rank lines to our streams and, optionally, to DIR/rank.N/{stdout,stderr};
     the MPI launcher's own lines go to DIR/mpirun.log (and to our stderr with `verbose`)."""
 
-    def __init__(self, output_dir: Path | None, ranks: int, verbose: bool) -> None:
+    def __init__(self, output_dir: Path | None, ranks: int, verbose: bool, timestamp: bool = False) -> None:
         self.output_dir, self.verbose = output_dir, verbose
+        self.timestamp = timestamp  # --prefix-output-with-timestamp: Horovod's `{asctime}[rank]<stream>:`
         self.files: dict[tuple[int, str], IO[bytes]] = {}
         self.launcher_log: IO[bytes] | None = None
         self.lock = threading.Lock()
@@ -95,7 +96,7 @@ class _OutputSink:
             if match is None:
                 self._launcher_line(line)
                 return
-            stream.write(line)
+            stream.write(time.asctime().encode() + line if self.timestamp else line)
             stream.flush()
             if self.output_dir is not None:
                 handle = self._file(int(match.group(1)), match.group(2).decode())
@@ -122,7 +123,7 @@ class Job:
     def __init__(self, argv: Sequence[str], env: dict[str, str], ranks: int, output_dir: Path | None,
                  verbose: bool, events_path: str | None, preflight: Callable[[], str | None] | None = None,
                  gate: Gate | None = None, on_resume: Callable[[ElasticResume], None] | None = None,
-                 report_failures: bool = True) -> None:
+                 report_failures: bool = True, prefix_timestamp: bool = False) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
         self.events_path, self.preflight, self.gate = events_path, preflight, gate
         # An elastic driver hears when a generation has resumed, and reports failures itself.
@@ -130,7 +131,7 @@ class Job:
         self.host_problems: list[AgentEvent] = []
         self.quiet = False
         self.ranks = ranks
-        self.sink = _OutputSink(output_dir, ranks, verbose)
+        self.sink = _OutputSink(output_dir, ranks, verbose, prefix_timestamp)
         self.records: list[ExitRecord] = []
         self.launcher_tail: list[str] = []
         self.lock = threading.Lock()

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import ring, shm
+from . import ring, settings, shm
 from .backend import NumpyBackend, backend_for, finishing_factor
 from .ops import ReduceOp
 
@@ -75,8 +75,8 @@ def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> Algor
     environ = os.environ if environ is None else environ
     text = environ.get(ALGORITHM_VARIABLE, "").strip().lower()
     if not text:
-        horovod = environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip() == "1"
-        return Algorithm.HIERARCHICAL if horovod else Algorithm.AUTO
+        # Horovod's flag (parsed as Horovod does): on is hierarchical; off is Horovod's default, so ours.
+        return Algorithm.HIERARCHICAL if settings.HIERARCHICAL_ALLREDUCE.read(environ) else Algorithm.AUTO
     try:
         return Algorithm(text)
     except ValueError:

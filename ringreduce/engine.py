@@ -116,7 +116,7 @@ class Engine:
         self._unnamed = itertools.count()
         # Engine-thread state.
         self._pending: "dict[str, Request]" = {}
-        self._cache = ResponseCache()
+        self._cache = ResponseCache(config.cache_capacity)
         self._negotiator = Negotiator(control, self._rank, self._size)
         self._coordinator = (Coordinator(self._size, config.stall_warning_s, config.stall_shutdown_s,
                                          self._members) if self._rank == 0 else None)
@@ -130,7 +130,7 @@ class Engine:
         self._join = join.JoinState()
         self._shutdown_error = ShutdownError("mtrain shut down while this op was in flight")
         self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
-        self._mark_cycles = False
+        self._mark_cycles = config.timeline_mark_cycles  # start_timeline() sets its own
         # The GPU init() bound in this thread; a new thread starts on GPU 0, so the engine
         # thread adopts it before its first device op (None: no CuPy in use).
         self._gpu = cuda.current_device()

@@ -40,14 +40,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import operator
-import sys
 import time
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from . import log
 from .errors import Refusal, Verdict
-
+from .settings import DEFAULT_CACHE_CAPACITY
 
 
 class Control(enum.IntFlag):
@@ -62,8 +62,9 @@ class Control(enum.IntFlag):
 # How long the exchange spins on its all-reduce before it starts to sleep.
 SPIN_SECONDS = 300e-6
 
-# Auto-named ops are never cached: their names never repeat.
-CACHE_CAPACITY = 4096
+# Names the response cache holds unless told otherwise (settings.CACHE_CAPACITY: the
+# engine passes the configured capacity). Auto-named ops are never cached: their names never repeat.
+CACHE_CAPACITY = DEFAULT_CACHE_CAPACITY
 # Ops submitted without a name are named by a per-rank counter under this prefix
 # (``Engine.auto_name``); such names never repeat, so the response cache never keeps them.
 UNNAMED_PREFIX = "noname."
@@ -100,7 +101,9 @@ class Response:
 class ResponseCache:
     """Name ⇄ bit, kept identical on every rank by applying the same responses."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: "int | None" = None) -> None:
+        # Bits the coordinator may hand out (only rank 0's cache decides); 0: nothing is cached.
+        self.capacity = CACHE_CAPACITY if capacity is None else capacity
         self.entries: "dict[str, tuple[int, Any]]" = {}
         self.names: "list[str | None]" = []
         # Counts the changes that move a cached name's bit or the vector's length (an invalidation,
@@ -278,7 +281,7 @@ class Coordinator:
             elif all(m == metas[0] for m in metas):
                 if name in cache.entries and name not in invalidated:
                     bit = cache.entries[name][0]  # same name, new metadata everywhere: update
-                elif cache.cacheable(name) and next_bit < CACHE_CAPACITY:
+                elif cache.cacheable(name) and next_bit < cache.capacity:
                     bit, next_bit = next_bit, next_bit + 1
                 else:
                     bit = -1
@@ -325,10 +328,8 @@ class Coordinator:
                 stalled.append(text)
                 self.warned.add(name)
         if stalled:
-            sys.stderr.write("mtrain: stall warning: " + "; ".join(stalled) +
-                             ". One rank may be stuck, or ranks submit different ops; "
-                             "MTRAIN_STALL_SHUTDOWN_SECONDS=<s> makes this an error\n")
-            sys.stderr.flush()
+            log.warning("stall warning: " + "; ".join(stalled) + ". One rank may be stuck, or ranks submit "
+                        "different ops; MTRAIN_STALL_SHUTDOWN_SECONDS=<s> makes this an error")
         return responses
 
 

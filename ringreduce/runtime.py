@@ -11,7 +11,7 @@ from mpi4py import MPI
 from mtrain.launcher.records import Phase, PhaseNote
 
 from . import comm as comm_module
-from . import cuda, exits, process_sets as _ps, ring
+from . import cuda, exits, log, process_sets as _ps, ring
 from .backend import is_device_array
 from .collectives import Executor, Kind
 from .engine import Engine, EngineStats
@@ -66,6 +66,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     small = int(env_number("MTRAIN_SMALL_ALLREDUCE_BYTES", ring.DEFAULT_SMALL_BYTES))
     config = EngineConfig.from_environment()
     comms = comm_module.create(comm)
+    log.start(config, comms.world.Get_rank())  # the level, and rank 0's notes on the settings
     # One GPU per rank: local_rank % count; nothing at all without CuPy and a GPU.
     cuda.bind_device(comms.local.Get_rank())
     # Asked once here, before the engine thread owns MPI: ranks per host, on every host.

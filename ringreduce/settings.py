@@ -1,4 +1,9 @@
-"""The engine's settings: defaults, and the environment variables that change them.
+"""The runtime's settings: defaults, and the environment variables that change them.
+
+``SETTINGS`` is the one table of the variables the runtime reads: each setting's
+``MTRAIN_*`` name, its Horovod twin, and how its text is parsed.  Every reader goes
+through ``Setting.read``: our variable wins when both are set, a bad value is a
+ValueError at ``init()`` naming the variable and what it accepts.
 
 One frozen ``EngineConfig`` per engine, read once at ``init()``; the engine
 never reads the environment itself.
@@ -6,7 +11,10 @@ never reads the environment itself.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 import os
+from typing import Any, Callable, Mapping, NamedTuple
 
 # Chosen by measurement on the 2-core development VM (benchmarks/fusion.py; docs/benchmarks.md):
 DEFAULT_CYCLE_TIME_MS = 1.0
@@ -15,40 +23,166 @@ DEFAULT_FUSION_THRESHOLD_BYTES = 8 << 20
 # costs more than the per-ring overhead that fusing saves.
 DEFAULT_INPLACE_MIN_BYTES = 1 << 20
 DEFAULT_STALL_WARNING_SECONDS = 60.0
+# Names the response cache keeps (Horovod's default is 1024; ours was sized for
+# models with a few thousand gradient tensors, whose every step stays on the fast path).
+DEFAULT_CACHE_CAPACITY = 4096
+
+
+class LogLevel(enum.IntEnum):
+    """Horovod's log levels, lowest first (HOROVOD_LOG_LEVEL's values, in any case)."""
+
+    TRACE = 0
+    DEBUG = 1
+    INFO = 2
+    WARNING = 3
+    ERROR = 4
+    FATAL = 5
+
+
+def _number(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise ValueError
+    return value
+
+
+def _count(text: str) -> int:
+    value = float(text)  # "1e6" and "1048576.0" too, as before
+    if not (value >= 0 and value == int(value)):
+        raise ValueError
+    return int(value)
+
+
+def _flag(text: str) -> bool:
+    # Horovod reads a flag with strtol(value) > 0: "1" is on, "0" off, and "true" silently
+    # off. A word is refused here instead of being read as the opposite of what it says.
+    return int(text) > 0
+
+
+def _level(text: str) -> LogLevel:
+    return LogLevel[text.strip().upper()]
+
+
+def _text(text: str) -> str:
+    return text
+
+
+class Setting(NamedTuple):
+    """One variable the runtime reads: ours, Horovod's twin (either may be None), the
+    parser of its text, what the parser accepts (for the error), and the default."""
+
+    ours: "str | None"
+    horovod: "str | None"
+    parse: Callable[[str], Any]
+    accepts: str
+    default: Any
+
+    def read(self, environ: "Mapping[str, str] | None" = None) -> Any:
+        """The value from ``environ`` (default os.environ): ours if set, else Horovod's, else the default.
+        An empty variable counts as unset."""
+        environ = os.environ if environ is None else environ
+        for name in (self.ours, self.horovod):
+            raw = environ.get(name, "") if name else ""
+            if raw.strip() == "":
+                continue
+            try:
+                return self.parse(raw.strip())
+            except (ValueError, KeyError):
+                raise ValueError(f"{name}={raw!r} is not {self.accepts}; set it to one or unset it") from None
+        return self.default
+
+    def source(self, environ: "Mapping[str, str] | None" = None) -> "str | None":
+        """The name of the variable ``read`` takes its value from, or None for the default."""
+        environ = os.environ if environ is None else environ
+        for name in (self.ours, self.horovod):
+            if name and environ.get(name, "").strip():
+                return name
+        return None
+
+
+_SECONDS = "a number of seconds >= 0"
+_FLAG = "an integer: 1 (on) or 0 (off), as Horovod reads it"
+
+CYCLE_TIME_MS = Setting("MTRAIN_CYCLE_TIME_MS", "HOROVOD_CYCLE_TIME", _number,
+                        "a number of milliseconds >= 0", DEFAULT_CYCLE_TIME_MS)
+FUSION_THRESHOLD_BYTES = Setting("MTRAIN_FUSION_THRESHOLD_BYTES", "HOROVOD_FUSION_THRESHOLD", _count,
+                                 "a whole number of bytes >= 0 (0 turns fusion off)", DEFAULT_FUSION_THRESHOLD_BYTES)
+INPLACE_MIN_BYTES = Setting("MTRAIN_FUSION_INPLACE_MIN_BYTES", None, _count, "a whole number of bytes >= 0",
+                            DEFAULT_INPLACE_MIN_BYTES)
+CACHE_CAPACITY = Setting("MTRAIN_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY", _count,
+                         "a whole number of op names >= 0 (0 turns the response cache off)", DEFAULT_CACHE_CAPACITY)
+STALL_CHECK_DISABLE = Setting("MTRAIN_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE", _flag, _FLAG, False)
+STALL_WARNING_SECONDS = Setting("MTRAIN_STALL_WARNING_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS", _number,
+                                _SECONDS, DEFAULT_STALL_WARNING_SECONDS)
+STALL_SHUTDOWN_SECONDS = Setting("MTRAIN_STALL_SHUTDOWN_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", _number,
+                                 _SECONDS + " (0: never)", 0.0)
+TIMELINE = Setting("MTRAIN_TIMELINE", "HOROVOD_TIMELINE", _text, "a file path", None)
+TIMELINE_MARK_CYCLES = Setting("MTRAIN_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES", _flag, _FLAG, False)
+LOG_LEVEL = Setting("MTRAIN_LOG_LEVEL", "HOROVOD_LOG_LEVEL", _level,
+                    "one of " + ", ".join(level.name.lower() for level in LogLevel), LogLevel.WARNING)
+# Horovod's alone: mtrain's variable for the all-reduce path is MTRAIN_ALLREDUCE_ALGORITHM (a
+# choice, not a flag; collectives.algorithm_from_environment, where ours wins too).
+HIERARCHICAL_ALLREDUCE = Setting(None, "HOROVOD_HIERARCHICAL_ALLREDUCE", _flag, _FLAG, False)
+# Read so that a bad value is still an error; mtrain has no hierarchical allgather (init says so
+# once), its runtime messages carry no timestamp, and its process sets may always be added.
+HIERARCHICAL_ALLGATHER = Setting(None, "HOROVOD_HIERARCHICAL_ALLGATHER", _flag, _FLAG, False)
+LOG_HIDE_TIME = Setting(None, "HOROVOD_LOG_HIDE_TIME", _flag, _FLAG, False)
+DYNAMIC_PROCESS_SETS = Setting(None, "HOROVOD_DYNAMIC_PROCESS_SETS", _flag, _FLAG, False)
+
+SETTINGS: "tuple[Setting, ...]" = (
+    CYCLE_TIME_MS, FUSION_THRESHOLD_BYTES, INPLACE_MIN_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
+    STALL_WARNING_SECONDS, STALL_SHUTDOWN_SECONDS, TIMELINE, TIMELINE_MARK_CYCLES, LOG_LEVEL,
+    HIERARCHICAL_ALLREDUCE, HIERARCHICAL_ALLGATHER, LOG_HIDE_TIME, DYNAMIC_PROCESS_SETS,
+)
 
 
 def env_number(name: str, default: float) -> float:
-    """A non-negative number from the environment, or ``default`` when unset or empty."""
-    raw = os.environ.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number; unset it or give a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must not be negative")
-    return value
+    """A non-negative number from the environment, or ``default`` when unset or empty
+    (for the runtime's own variables that have no Horovod twin and no row in SETTINGS)."""
+    return Setting(name, None, _number, "a number >= 0", default).read()
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """How one engine cycles, fuses and watches for stalls."""
+    """How one engine cycles, fuses, caches, watches for stalls and logs."""
 
     cycle_time_s: float = DEFAULT_CYCLE_TIME_MS / 1000
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
     inplace_min_bytes: int = DEFAULT_INPLACE_MIN_BYTES
-    stall_warning_s: float = DEFAULT_STALL_WARNING_SECONDS
+    stall_warning_s: float = DEFAULT_STALL_WARNING_SECONDS  # inf: the stall check is off
     stall_shutdown_s: float = 0.0
     timeline_path: "str | None" = None
+    timeline_mark_cycles: bool = False
+    cache_capacity: int = DEFAULT_CACHE_CAPACITY
+    log_level: LogLevel = LogLevel.WARNING
+    hierarchical_allgather: bool = False  # asked for (Horovod's variable); mtrain has none
 
     @staticmethod
-    def from_environment() -> "EngineConfig":
+    def from_environment(environ: "Mapping[str, str] | None" = None) -> "EngineConfig":
+        environ = os.environ if environ is None else environ
+        stall_check = not STALL_CHECK_DISABLE.read(environ)
+        timeline = TIMELINE.read(environ)
+        DYNAMIC_PROCESS_SETS.read(environ)
+        LOG_HIDE_TIME.read(environ)
         return EngineConfig(
-            cycle_time_s=env_number("MTRAIN_CYCLE_TIME_MS", DEFAULT_CYCLE_TIME_MS) / 1000,
-            fusion_threshold_bytes=int(env_number("MTRAIN_FUSION_THRESHOLD_BYTES", DEFAULT_FUSION_THRESHOLD_BYTES)),
-            inplace_min_bytes=int(env_number("MTRAIN_FUSION_INPLACE_MIN_BYTES", DEFAULT_INPLACE_MIN_BYTES)),
-            stall_warning_s=env_number("MTRAIN_STALL_WARNING_SECONDS", DEFAULT_STALL_WARNING_SECONDS),
-            stall_shutdown_s=env_number("MTRAIN_STALL_SHUTDOWN_SECONDS", 0.0),
-            timeline_path=os.environ.get("MTRAIN_TIMELINE") or None,
+            cycle_time_s=CYCLE_TIME_MS.read(environ) / 1000,
+            fusion_threshold_bytes=FUSION_THRESHOLD_BYTES.read(environ),
+            inplace_min_bytes=INPLACE_MIN_BYTES.read(environ),
+            # Horovod's "stall check disabled" means no warning and no shutdown either.
+            stall_warning_s=STALL_WARNING_SECONDS.read(environ) if stall_check else math.inf,
+            stall_shutdown_s=STALL_SHUTDOWN_SECONDS.read(environ) if stall_check else 0.0,
+            # Horovod's "DYNAMIC" names no file: the program starts the timeline itself (start_timeline).
+            timeline_path=None if timeline == "DYNAMIC" else timeline,
+            timeline_mark_cycles=TIMELINE_MARK_CYCLES.read(environ),
+            cache_capacity=CACHE_CAPACITY.read(environ),
+            log_level=LOG_LEVEL.read(environ),
+            hierarchical_allgather=HIERARCHICAL_ALLGATHER.read(environ),
         )
+
+    def describe(self) -> str:
+        """The settings in one line, in the variables' units (for the debug log)."""
+        return (f"cycle_time_ms={self.cycle_time_s * 1000:g} fusion_threshold_bytes={self.fusion_threshold_bytes} "
+                f"inplace_min_bytes={self.inplace_min_bytes} cache_capacity={self.cache_capacity} "
+                f"stall_warning_seconds={self.stall_warning_s:g} stall_shutdown_seconds={self.stall_shutdown_s:g} "
+                f"timeline={self.timeline_path or '-'} timeline_mark_cycles={int(self.timeline_mark_cycles)} "
+                f"log_level={self.log_level.name.lower()}")

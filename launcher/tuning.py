@@ -1,0 +1,191 @@
+"""Horovod's tuning, library, logging and controller flags of `horovodrun`, and its
+`--config-file`: what each one becomes in an mtrain job (pure; no click, no runtime).
+
+Flags that tune the runtime reach every rank as mtrain's own variables (the runtime
+reads Horovod's too, ours winning: ringreduce/settings.py's table), so a flag beats a
+variable set in the environment of `mtrain run`, as `horovodrun`'s flags do.  A flag for
+machinery mtrain does not have (Gloo, jsrun, NCCL streams, …) is accepted and gets one
+line saying what mtrain does instead; the job runs.
+
+`FLAGS` is the one table: option name (click's), the flag as the user writes it, its key
+in Horovod's YAML config file, and its effect.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple
+
+# The runtime's variables (ringreduce/settings.py; the launcher may not import the runtime).
+FUSION_THRESHOLD = "MTRAIN_FUSION_THRESHOLD_BYTES"
+CYCLE_TIME = "MTRAIN_CYCLE_TIME_MS"
+CACHE_CAPACITY = "MTRAIN_CACHE_CAPACITY"
+ALLREDUCE_ALGORITHM = "MTRAIN_ALLREDUCE_ALGORITHM"
+LOG_LEVEL = "MTRAIN_LOG_LEVEL"
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # Horovod's --log-level choices
+# NCCL's own variable: `--tcp` keeps NCCL (a torch.distributed program's) off InfiniBand, as in Horovod.
+NCCL_IB_DISABLE = "NCCL_IB_DISABLE"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSetting:
+    """One variable every rank gets, and the flag (or config-file key) it comes from."""
+
+    name: str
+    value: str
+    origin: str
+
+
+class Effect(NamedTuple):
+    """What one flag's value does: variables for the ranks, or one line for the user."""
+
+    variables: "tuple[tuple[str, str], ...]" = ()
+    note: "str | None" = None
+
+
+def _variable(name: str, convert: Callable[[Any], str] = str) -> Callable[[Any], Effect]:
+    return lambda value: Effect(((name, convert(value)),))
+
+
+def _note_if_set(text: str) -> Callable[[Any], Effect]:
+    # A flag left off (False) asks for what mtrain does anyway: nothing to say.
+    return lambda value: Effect(note=text) if value not in (False, None) else Effect()
+
+
+def _number_text(value: float) -> str:
+    return f"{value:g}"
+
+
+class Flag(NamedTuple):
+    option: str                      # click's name of the option (its dest)
+    flag: str                        # as written on the command line
+    config_key: "tuple[str, str] | None"  # (section, key) in Horovod's YAML config file
+    effect: Callable[[Any], Effect]
+    off_flag: "str | None" = None    # the flag that gives False, where there is one
+
+
+FLAGS: "tuple[Flag, ...]" = (
+    Flag("fusion_threshold_mb", "--fusion-threshold-mb", ("params", "fusion_threshold_mb"),
+         _variable(FUSION_THRESHOLD, lambda mb: str(mb * 1024 * 1024))),
+    Flag("cycle_time_ms", "--cycle-time-ms", ("params", "cycle_time_ms"), _variable(CYCLE_TIME, _number_text)),
+    Flag("cache_capacity", "--cache-capacity", ("params", "cache_capacity"), _variable(CACHE_CAPACITY)),
+    # Off is Horovod's default, which in mtrain is `auto` (shared memory within a host where it pays).
+    Flag("hierarchical_allreduce", "--hierarchical-allreduce", ("params", "hierarchical_allreduce"),
+         _variable(ALLREDUCE_ALGORITHM, lambda on: "hierarchical" if on else "auto"), "--no-hierarchical-allreduce"),
+    Flag("hierarchical_allgather", "--hierarchical-allgather", ("params", "hierarchical_allgather"),
+         _note_if_set("mtrain has no hierarchical allgather; allgather runs on the ring"),
+         "--no-hierarchical-allgather"),
+    Flag("mpi_threads_disable", "--mpi-threads-disable", ("library_options", "mpi_threads_disable"),
+         _note_if_set("mtrain's background engine needs MPI's thread support; it stays on")),
+    Flag("num_nccl_streams", "--num-nccl-streams", ("library_options", "num_nccl_streams"),
+         _note_if_set("mtrain's collectives do not use NCCL; the setting has no effect")),
+    Flag("thread_affinity", "--thread-affinity", None,
+         _note_if_set("mtrain does not pin its background thread; the setting has no effect")),
+    Flag("gloo_timeout_seconds", "--gloo-timeout-seconds", ("library_options", "gloo_timeout_seconds"),
+         _note_if_set("mtrain runs on MPI, not Gloo; the setting has no effect")),
+    Flag("tcp", "--tcp", None, lambda on: Effect(((NCCL_IB_DISABLE, "1"),)) if on else Effect()),
+    Flag("log_level", "--log-level", ("logging", "level"), _variable(LOG_LEVEL, lambda level: level.lower())),
+    # mtrain's runtime messages carry no timestamp (Horovod's do unless hidden): hiding them is what
+    # mtrain does anyway; asking for them (config file) gets a line.
+    Flag("log_with_timestamp", "--log-with-timestamp", ("logging", "with_timestamp"),
+         lambda on: Effect(note="mtrain's runtime messages carry no timestamp; --prefix-output-with-timestamp "
+                                "stamps every line of the job's output") if on else Effect(),
+         "--log-without-timestamp"),
+    Flag("use_gloo", "--gloo", None, _note_if_set("mtrain runs on MPI; --gloo is not needed")),
+    Flag("use_jsrun", "--jsrun", None,
+         _note_if_set("mtrain starts the ranks with mpirun (inside an LSF allocation too)")),
+    Flag("disable_cache", "--disable-cache", None,
+         _note_if_set("mtrain keeps no cache of its host checks; every run checks every host")),
+)
+
+# Horovod's config file keys whose flags are other parts of `mtrain run` (or not there yet):
+# (section, key) -> the option name they set.  `stall_check.enabled` is the inverse of --no-stall-check.
+OTHER_CONFIG_KEYS: "dict[tuple[str, str], str]" = {
+    ("autotune", "enabled"): "autotune",
+    ("autotune", "log_file"): "autotune_log_file",
+    ("autotune", "warmup_samples"): "autotune_warmup_samples",
+    ("autotune", "steps_per_sample"): "autotune_steps_per_sample",
+    ("autotune", "bayes_opt_max_samples"): "autotune_bayes_opt_max_samples",
+    ("autotune", "gaussian_process_noise"): "autotune_gaussian_process_noise",
+    ("timeline", "filename"): "timeline_filename",
+    ("timeline", "mark_cycles"): "timeline_mark_cycles",
+    ("stall_check", "enabled"): "no_stall_check",
+    ("stall_check", "warning_time_seconds"): "stall_check_warning_time_seconds",
+    ("stall_check", "shutdown_time_seconds"): "stall_check_shutdown_time_seconds",
+    ("library_options", "ccl_bgt_affinity"): "ccl_bgt_affinity",  # a file-only setting in Horovod too
+}
+CONFIG_KEYS: "dict[tuple[str, str], str]" = {
+    **{flag.config_key: flag.option for flag in FLAGS if flag.config_key is not None},
+    **OTHER_CONFIG_KEYS,
+}
+CONTROLLERS = {"gloo": "use_gloo", "mpi": "use_mpi"}  # the file's `controller:` (Horovod takes these two)
+
+
+class ConfigFileError(ValueError):
+    """The config file cannot be read, or is not Horovod's schema."""
+
+
+class ConfigValue(NamedTuple):
+    option: str
+    value: Any
+    key: str  # where it was in the file, e.g. "params.cycle_time_ms"
+
+
+def read_config_file(path: str) -> "list[ConfigValue]":
+    """The settings of Horovod's YAML config file at `path`, by option name (values as
+    written; the CLI converts and checks them).  Unknown sections or keys are errors:
+    Horovod ignores them, so a misspelt key would silently do nothing."""
+    import yaml  # deferred: only a run with --config-file pays for it
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = yaml.safe_load(handle)
+    except OSError as error:
+        raise ConfigFileError(f"cannot read it ({error.strerror})") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigFileError(f"not valid YAML{where}") from None
+    if document is None:
+        return []
+    if not isinstance(document, dict):
+        raise ConfigFileError("expected a mapping of sections (params:, library_options:, logging:, …)")
+    sections = sorted({section for section, _ in CONFIG_KEYS} | {"controller"})
+    found: "list[ConfigValue]" = []
+    for section, body in document.items():
+        if section == "controller":
+            if not isinstance(body, str) or body.lower() not in CONTROLLERS:
+                raise ConfigFileError(f"controller: {body!r}: expected one of {', '.join(CONTROLLERS)}")
+            found.append(ConfigValue(CONTROLLERS[body.lower()], True, "controller"))
+            continue
+        if section not in sections:
+            raise ConfigFileError(f"unknown section {section!r}; Horovod's are {', '.join(sections)}")
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigFileError(f"{section}: expected a mapping of settings")
+        for key, value in body.items():
+            option = CONFIG_KEYS.get((section, key))
+            if option is None:
+                known = sorted(k for s, k in CONFIG_KEYS if s == section)
+                raise ConfigFileError(f"unknown key {section}.{key}; {section} takes {', '.join(known)}")
+            if (section, key) == ("stall_check", "enabled") and isinstance(value, bool):
+                value = not value
+            found.append(ConfigValue(option, value, f"{section}.{key}"))
+    return found
+
+
+def rank_settings(options: Mapping[str, Any], origins: Mapping[str, str]) -> "tuple[tuple[RankSetting, ...], tuple[str, ...]]":
+    """The variables every rank gets from the flags in `options`, and the lines to print
+    for flags that change nothing in mtrain.  `origins`: option -> where its value came
+    from, for options set by the config file (default: the flag)."""
+    settings: "list[RankSetting]" = []
+    notes: "list[str]" = []
+    for flag in FLAGS:
+        value = options.get(flag.option)
+        if value is None:
+            continue
+        origin = origins.get(flag.option) or (flag.off_flag if value is False and flag.off_flag else flag.flag)
+        effect = flag.effect(value)
+        settings += [RankSetting(name, text, origin) for name, text in effect.variables]
+        if effect.note:
+            notes.append(f"mtrain: {origin}: {effect.note}")
+    return tuple(settings), tuple(notes)
