@@ -6,10 +6,12 @@ gradients, SyncBatchNorm, grouped ops and gradients through a collective.
 
 The task: scikit-learn's handwritten digits (no download). Each 8x8 image becomes 64
 tokens (pixel position x intensity) whose embeddings an ``nn.EmbeddingBag(sparse=True)``
-sums; the sparse gradients are reduced as Horovod does (all-gather of indices and
-values). Ranks hold shards of different sizes, so they run out of batches at different
+sums. Ranks hold shards of different sizes, so they run out of batches at different
 steps: each calls ``hvd.join()`` when it is done, and the others keep training, the
-ranks that joined standing in with zeros. A penalty on the embeddings' mean over every
+ranks that joined standing in with zeros. Sparse gradients are all-gathered (indices
+and values), which Horovod refuses while a rank has joined, so the optimizer takes
+``sparse_as_dense=True``: the embedding's gradient is all-reduced dense and made sparse
+again for the update, as Horovod does. A penalty on the embeddings' mean over every
 rank goes through ``hvd.allreduce``, which autograd differentiates.
 The even ranks form a process set that evaluates the test set among themselves with
 one grouped all-reduce of their counts.
@@ -79,7 +81,7 @@ def main() -> None:
     model = DigitNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), sparse_as_dense=True)
 
     batches = 0
     for epoch in range(args.epochs):

@@ -34,10 +34,9 @@ def expected(count, dtype, op, postscale):
         total = stack.max(axis=0)
     else:
         total = stack.prod(axis=0)
-    if op == rr.Average:
-        if np.dtype(dtype).kind == "f":
-            return (total.astype(dtype) / dtype(size) * dtype(postscale)).astype(dtype)
-        return np.trunc(total.astype(np.float64) * (postscale / size)).astype(dtype)
+    if op == rr.Average:  # Horovod's rule: the exact sum scaled once by postscale / size in float64
+        scaled = total.astype(np.float64) * (postscale / size)
+        return (scaled if np.dtype(dtype).kind == "f" else np.trunc(scaled)).astype(dtype)
     return total.astype(dtype)
 
 

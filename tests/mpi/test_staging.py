@@ -314,10 +314,10 @@ def test_gpu_choice_respects_the_users_choice():
 
 
 def test_device_scaling_matches_host_bit_for_bit():
-    # The device backend widens integers to float64 itself (CuPy 13 would compute
-    # int8 * np.float64 in float16); on NumPy both must give the host's exact bits.
-    from mtrain.ringreduce.backend import _scale_device
-    host = NumpyBackend()
+    # The device backend runs the same rule through its device (every wider type asked for
+    # explicitly: CuPy 13 would compute int8 * np.float64 in float16); on the NumPy stand-in
+    # it must give the host's exact bits.
+    host, (device, _, _) = NumpyBackend(), _staged(MPI.COMM_SELF)
     for dtype in (np.int8, np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64):
         for factor in (0.9, 0.3, 1.0 / 3.0, 2.5):
             mine = values(1, (4099,), dtype).reshape(-1)
@@ -325,7 +325,7 @@ def test_device_scaling_matches_host_bit_for_bit():
                 mine = mine // 4  # products stay inside the dtype's range
             want, got = mine.copy(), mine.copy()
             host.scale(want, factor)
-            _scale_device(np, got, factor)
+            device.scale(got, factor)
             _same_bits(got, want, f"scale {np.dtype(dtype).name} by {factor}")
 
 
