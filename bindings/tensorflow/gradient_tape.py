@@ -13,25 +13,60 @@ from .compression import Compression
 from .mpi_ops import check_process_set, dense_tensor, grouped_allreduce, set_size
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "local_refs", "reduce_gradients",
-           "variable_key"]
+           "divided", "scaled", "variable_key"]
 
 
 def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], op: Any, gradient_predivide_factor: float,
                       compression: type, name: str, postscale: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
+                      process_set: ProcessSet = global_process_set, sparse_as_dense: bool = False) -> List[Any]:
     """Average (or sum) gradients over the ranks of ``process_set``; a missing gradient takes part as zeros.
 
-    On a rank outside ``process_set`` the gradients stay this rank's own (only ``postscale`` applies),
-    as Horovod's optimizers and tapes do.
+    ``tf.IndexedSlices`` (embedding gradients) stay sparse unless ``sparse_as_dense``, as in Horovod:
+    their values and indices are allgathered. On a rank outside ``process_set`` the gradients stay
+    this rank's own (only ``postscale`` applies), as Horovod's optimizers and tapes do.
     """
-    grads = [tf.zeros_like(v) if g is None else dense_tensor(g, "gradient") for g, v in zip(grads, variables)]
+    grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
+    grads = [g if isinstance(g, tf.IndexedSlices) and not sparse_as_dense else dense_tensor(g, "gradient")
+             for g in grads]
     if not check_process_set(process_set).included():
-        return [g * tf.cast(postscale, g.dtype) if postscale != 1.0 else g for g in grads]
-    pre, post = 1.0, postscale
-    if op == Average:  # the runtime divides by size after the postscale
-        pre, post = 1.0 / gradient_predivide_factor, postscale * gradient_predivide_factor
-    return grouped_allreduce(grads, compression=compression, op=op, prescale_factor=pre,
-                             postscale_factor=post, process_set=process_set, name=name)
+        return [scaled(g, postscale) for g in grads]
+    sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+    dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+    out: List[Any] = list(grads)
+    if dense:
+        pre, post = 1.0, postscale
+        if op == Average:  # the runtime divides by size after the postscale
+            pre, post = 1.0 / gradient_predivide_factor, postscale * gradient_predivide_factor
+        reduced = grouped_allreduce([grads[i] for i in dense], compression=compression, op=op, prescale_factor=pre,
+                                    postscale_factor=post, process_set=process_set, name=name)
+        for i, g in zip(dense, reduced):
+            out[i] = g
+    if sparse:
+        # Rows are gathered, not summed, so there is nothing for the predivide to protect (Horovod 0.28
+        # refuses a predivide factor here instead, as it refuses any scale factor on IndexedSlices);
+        # only the postscale (Keras' summed accumulation) changes the result.
+        reduced = grouped_allreduce([grads[i] for i in sparse], op=op, process_set=process_set,
+                                    name=f"{name}.sparse")
+        for i, g in zip(sparse, reduced):
+            out[i] = scaled(g, postscale)
+    return out
+
+
+def scaled(grad: Any, factor: float) -> Any:
+    """``grad`` times ``factor``: a tensor, or an IndexedSlices (its values scaled)."""
+    if factor == 1.0:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
+def divided(grad: Any, divisor: int) -> Any:
+    """``grad`` divided by ``divisor`` (how Horovod scales local gradients): a tensor, or an
+    IndexedSlices (its values divided)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / tf.cast(divisor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad / tf.cast(divisor, grad.dtype)
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -54,14 +89,15 @@ class _DistributedGradientTape(tf.GradientTape):
         reduced = reduce_gradients([flat_grads[i] for i in shared], [flat_sources[i] for i in shared],
                                     self._mtrain_op, self._mtrain_predivide, self._mtrain_compression,
                                     "DistributedGradientTape.gradients",
-                                    process_set=self._mtrain_process_set) if shared else []
+                                    process_set=self._mtrain_process_set,
+                                    sparse_as_dense=self._mtrain_sparse_as_dense) if shared else []
         out = list(flat_grads)
         for i, g in zip(shared, reduced):
             out[i] = g
         if self._mtrain_scale_local:
             for i, v in enumerate(flat_sources):
                 if self._is_local(v) and out[i] is not None:
-                    out[i] = out[i] / tf.cast(set_size(self._mtrain_process_set), out[i].dtype)
+                    out[i] = divided(out[i], set_size(self._mtrain_process_set))
         return tf.nest.pack_sequence_as(grads, out)
 
     def _is_local(self, source: Any) -> bool:
@@ -87,7 +123,8 @@ def local_refs(local_layers: Any) -> set:
 
 
 def _wrap_tape(gradtape: tf.GradientTape, op: Any, gradient_predivide_factor: float, compression: type,
-               local: set, scale_local_gradients: bool, process_set: ProcessSet) -> tf.GradientTape:
+               local: set, scale_local_gradients: bool, process_set: ProcessSet,
+               sparse_as_dense: bool) -> tf.GradientTape:
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
     op = check_gradient_op(op, gradient_predivide_factor)
@@ -96,6 +133,7 @@ def _wrap_tape(gradtape: tf.GradientTape, op: Any, gradient_predivide_factor: fl
     tape._mtrain_op, tape._mtrain_predivide, tape._mtrain_compression = op, gradient_predivide_factor, compression
     tape._mtrain_local, tape._mtrain_scale_local = set(local), scale_local_gradients
     tape._mtrain_process_set = check_process_set(process_set)
+    tape._mtrain_sparse_as_dense = bool(sparse_as_dense)
     return tape
 
 
@@ -108,11 +146,12 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
 
     Gradients a rank did not produce (``None``) take part as zeros, so ranks never
     disagree on what is reduced; on a rank outside ``process_set`` they stay local (as
-    Horovod). ``device_*``, ``sparse_as_dense``, ``num_groups`` and ``groups`` are
-    accepted for Horovod compatibility: gradients are always dense and fused.
+    Horovod). ``tf.IndexedSlices`` gradients (embeddings) are allgathered and stay sparse,
+    unless ``sparse_as_dense`` (then they are densified and fused with the rest).
+    ``device_*``, ``num_groups`` and ``groups`` are accepted for Horovod compatibility.
     """
     return _wrap_tape(gradtape, op, gradient_predivide_factor, compression, set(), scale_local_gradients,
-                      process_set)
+                      process_set, sparse_as_dense)
 
 
 def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
@@ -124,4 +163,4 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str 
     """A ``DistributedGradientTape`` that leaves the gradients of ``local_layers``' weights on each rank
     (model parallelism); with ``scale_local_gradients`` those are divided by the set's size."""
     return _wrap_tape(gradtape, op, gradient_predivide_factor, compression, local_refs(local_layers),
-                      scale_local_gradients, process_set)
+                      scale_local_gradients, process_set, sparse_as_dense)

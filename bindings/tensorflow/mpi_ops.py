@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import Average, MismatchError, ProcessSet, Sum, global_process_set
+from mtrain.ringreduce import Adasum, Average, MismatchError, ProcessSet, Sum, global_process_set
 
 from ..gradient_op import resolve_op
 from .compression import Compression
@@ -133,9 +133,12 @@ def _call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], out_
 
     Eagerly, ranks that disagree raise FailedPreconditionError (Horovod's type, and a
     MismatchError). In a graph the error leaves through the numpy_function, where
-    TensorFlow maps Python exceptions by class alone (ValueError -> InvalidArgumentError,
-    anything else -> UnknownError; an OpError's own code is ignored): there it is an
-    InvalidArgumentError with the same message. Only a compiled kernel could do better.
+    TensorFlow maps Python exceptions by class alone (py_func.cc, DoCallPyFunc: ValueError
+    and TypeError -> InvalidArgumentError, StopIteration -> OutOfRange, MemoryError ->
+    ResourceExhausted, NotImplementedError -> Unimplemented, anything else -> UnknownError;
+    an OpError's own code is ignored, a TODO there, and tf.py_function shares that path):
+    there it is an InvalidArgumentError with the same message. No TensorFlow op raises a
+    chosen code with a chosen message, so only a compiled kernel could do better.
     """
     if tf.executing_eagerly():
         try:
@@ -245,6 +248,17 @@ def _my_rows(grad: tf.Tensor, x: tf.Tensor, name: Optional[str], process_set: Pr
     return tf.reshape(grad[start:start + counts[me]], tf.shape(x))
 
 
+def _allgather_backward(dys: Sequence[Any], outputs: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
+                        name: Optional[str], process_set: ProcessSet) -> List[tf.Tensor]:
+    """Horovod's allgather gradient: average the gradient over the set's ranks, keep the rows this
+    rank contributed."""
+    dys = _zeros_for_missing(dys, outputs)
+    averaged = [_raw_grouped_allreduce([dy], Average, None if name is None else f"{name}.grad.{i}",
+                                       1.0, 1.0, process_set)[0] for i, dy in enumerate(dys)]
+    return [_my_rows(g, x, None if name is None else f"{name}.grad.rows.{i}", process_set)
+            for i, (g, x) in enumerate(zip(averaged, xs))]
+
+
 def _differentiable_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str],
                                       process_set: ProcessSet) -> List[tf.Tensor]:
     @tf.custom_gradient
@@ -252,14 +266,27 @@ def _differentiable_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optiona
         outputs = _raw_grouped_allgather(xs, name, process_set)
 
         def grad(*dys: Any) -> List[tf.Tensor]:
-            # Horovod: average the gradient over the set's ranks, keep the rows this rank contributed.
-            dys = _zeros_for_missing(dys, outputs)
-            averaged = [_raw_grouped_allreduce([dy], Average, None if name is None else f"{name}.grad.{i}",
-                                               1.0, 1.0, process_set)[0] for i, dy in enumerate(dys)]
-            return [_my_rows(g, x, None if name is None else f"{name}.grad.rows.{i}", process_set)
-                    for i, (g, x) in enumerate(zip(averaged, xs))]
+            return _allgather_backward(dys, outputs, xs, name, process_set)
         return outputs, grad
     return list(gather(*inputs))
+
+
+def _differentiable_sparse_allgather(values: Sequence[tf.Tensor], indices: Sequence[tf.Tensor],
+                                     name: Optional[str], process_set: ProcessSet) -> List[tf.Tensor]:
+    """The values, then the indices, of IndexedSlices allgathered in one submission (one op in a
+    graph, so no rank can block on one half while another waits on the other); differentiable in
+    the values, as Horovod's two allgathers are."""
+    count = len(values)
+
+    @tf.custom_gradient
+    def gather(*xs: tf.Tensor) -> Any:
+        outputs = _raw_grouped_allgather(xs, name, process_set)
+
+        def grad(*dys: Any) -> List[Optional[tf.Tensor]]:
+            return _allgather_backward(dys[:count], outputs[:count], xs[:count], name,
+                                       process_set) + [None] * count  # integer indices have none
+        return outputs, grad
+    return list(gather(*values, *indices))
 
 
 def _raw_broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str], process_set: ProcessSet) -> tf.Tensor:
@@ -316,27 +343,70 @@ def _raw_alltoall(tensor: tf.Tensor, splits: tf.Tensor, given: bool, name: Optio
 # -- collectives -----------------------------------------------------------------
 # Argument order as in Horovod 0.28 (``process_set`` included), so positional calls keep working.
 
+def _check_sparse_reduction(op: Any, prescale: float, postscale: float) -> None:
+    """Refuse, before anything runs, the reductions an allgather of IndexedSlices cannot do."""
+    if op == Adasum:
+        raise NotImplementedError("the Adasum reduction does not support sparse tensors (tf.IndexedSlices); "
+                                  "pass sparse_as_dense=True to DistributedOptimizer or DistributedGradientTape, "
+                                  "or densify with tf.convert_to_tensor")
+    if op not in (Sum, Average):
+        raise NotImplementedError(f"only Sum and Average reduce tf.IndexedSlices (an allgather of values and "
+                                  f"indices), got {op!r}: densify with tf.convert_to_tensor first")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError("prescale_factor and postscale_factor are not supported with tf.IndexedSlices: "
+                                  "scale the slices' values yourself, or densify with tf.convert_to_tensor")
+
+
+def _sparse_allreduce(slices: Sequence[tf.IndexedSlices], op: Any, name: Optional[str],
+                      process_set: ProcessSet) -> List[tf.IndexedSlices]:
+    """Horovod's reduction of IndexedSlices: every rank's rows (values and indices allgathered over
+    ``process_set``; an index may repeat, and TensorFlow sums repeats when it applies or densifies
+    them), values divided by the set's size for Average; ``dense_shape`` kept (None stays None)."""
+    gathered = _differentiable_sparse_allgather([dense_tensor(s.values, "IndexedSlices values") for s in slices],
+                                                [dense_tensor(s.indices, "IndexedSlices indices") for s in slices],
+                                                name, process_set)
+    values, indices = gathered[:len(slices)], gathered[len(slices):]
+    if op == Average:  # Horovod's division by the size cast to the values' dtype (integers: a true division)
+        values = [v / tf.cast(set_size(process_set), v.dtype) for v in values]
+    return [tf.IndexedSlices(v, i, dense_shape=s.dense_shape) for v, i, s in zip(values, indices, slices)]
+
+
 def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
                       device_sparse: str = "", compression: type = Compression.none, op: Any = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
-                      name: Optional[str] = None) -> List[tf.Tensor]:
-    """Each tensor reduced over the ranks of ``process_set`` (default Average), as one fused unit."""
+                      name: Optional[str] = None) -> List[Any]:
+    """Each tensor reduced over the ranks of ``process_set`` (default Average), as one fused unit.
+
+    ``tf.IndexedSlices`` (embedding gradients) stay sparse, as in Horovod: their values and indices
+    are allgathered (Sum or Average only, no scale factors, no compression; see ``_sparse_allreduce``).
+    """
     op = resolve_op(average, op)
     check_process_set(process_set)
-    pairs = [compression.compress(dense_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    inputs = [t for t, _ in pairs]
-    if not inputs:
-        return []
-    reduced = _differentiable_grouped_allreduce(inputs, op, name, prescale_factor, postscale_factor, process_set)
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    out: List[Any] = [None] * len(tensors)
+    if sparse:
+        _check_sparse_reduction(op, prescale_factor, postscale_factor)
+        # A name of its own: the dense tensors go to the runtime under ``name``.
+        for i, s in zip(sparse, _sparse_allreduce([tensors[i] for i in sparse], op,
+                                                  None if name is None else f"{name}.sparse", process_set)):
+            out[i] = s
+    pairs = [compression.compress(dense_tensor(tensors[i], f"tensors[{i}]")) for i in dense]
+    if pairs:
+        reduced = _differentiable_grouped_allreduce([t for t, _ in pairs], op, name, prescale_factor,
+                                                    postscale_factor, process_set)
+        for i, r, (_, ctx) in zip(dense, reduced, pairs):
+            out[i] = compression.decompress(r, ctx)
+    return out
 
 
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",
               compression: type = Compression.none, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: Optional[str] = None,
-              process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False) -> tf.Tensor:
-    """``tensor`` reduced over the ranks of ``process_set`` (default Average, over the set's size)."""
+              process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False) -> Any:
+    """``tensor`` reduced over the ranks of ``process_set`` (default Average, over the set's size); a
+    ``tf.IndexedSlices`` comes back as one (see ``grouped_allreduce``)."""
     return grouped_allreduce([tensor], average, device_dense, device_sparse, compression, op, prescale_factor,
                              postscale_factor, process_set=process_set, name=name)[0]
 

@@ -10,18 +10,16 @@ from typing import Any, Dict, Optional
 
 import keras
 
-import tensorflow as tf
-
 from .. import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, Compression, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet,
     Product, ReduceOp, Sum, add_process_set, allgather, allgather_object, allreduce, alltoall, barrier, broadcast,
     broadcast_global_variables, broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size,
     cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled, grouped_allreduce, init,
     is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-    reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline,
+    reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline, sycl_built,
 )
 from ...gradient_op import check_gradient_op
-from ..gradient_tape import local_refs, reduce_gradients, variable_key
+from ..gradient_tape import divided, local_refs, reduce_gradients, variable_key
 from ..mpi_ops import check_process_set, set_size
 from . import callbacks  # noqa: F401
 
@@ -34,7 +32,7 @@ __all__ = [
     "local_size", "mpi_threads_supported", "rank", "reducescatter", "remove_process_set", "shutdown", "size",
     "start_timeline", "stop_timeline",
     "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
-    "nccl_built", "rocm_built", "elastic",
+    "nccl_built", "rocm_built", "sycl_built", "elastic",
 ]
 
 
@@ -79,14 +77,15 @@ class _DistributedOptimizer:
         reduced = reduce_gradients([grads[i] for i in shared], [grads[i] for i in shared], self._mtrain_op,
                                     self._mtrain_predivide, self._mtrain_compression,
                                     "DistributedOptimizer.gradients", postscale=self._mtrain_postscale,
-                                    process_set=process_set) if shared else []
+                                    process_set=process_set,
+                                    sparse_as_dense=self._mtrain_sparse_as_dense) if shared else []
         out = list(grads)
         for i, g in zip(shared, reduced):
             out[i] = g
         if self._mtrain_scale_local and len(shared) != len(grads):
             # Horovod divides the local gradients by the size of the process set.
             size = set_size(process_set)
-            out = [g if i in shared or g is None else g / tf.cast(size, g.dtype) for i, g in enumerate(out)]
+            out = [g if i in shared or g is None else divided(g, size) for i, g in enumerate(out)]
         return super()._clip_gradients(out)  # type: ignore[misc]
 
 
@@ -107,7 +106,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     a built optimizer's variables are carried over). ``backward_passes_per_step=k``
     accumulates k batches locally (Keras' own gradient accumulation) and reduces
     once; as in Horovod the k gradients are summed unless
-    ``average_aggregated_gradients=True``. ``device_*``, ``sparse_as_dense``,
+    ``average_aggregated_gradients=True``. ``tf.IndexedSlices`` gradients (embeddings)
+    are allgathered and stay sparse, unless ``sparse_as_dense``. ``device_*``,
     ``num_groups``, ``groups`` are accepted for Horovod compatibility.
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -140,6 +140,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     wrapped._mtrain_postscale = float(backward_passes_per_step) if summed else 1.0
     wrapped._mtrain_local, wrapped._mtrain_scale_local = set(), scale_local_gradients
     wrapped._mtrain_process_set = process_set
+    wrapped._mtrain_sparse_as_dense = bool(sparse_as_dense)
     if optimizer.built:  # keep the state of an optimizer that has already stepped
         wrapped.build(optimizer._trainable_variables)
         for mine, theirs in zip(wrapped.variables, optimizer.variables):
