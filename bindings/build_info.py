@@ -1,7 +1,7 @@
 """Horovod's build queries (``hvd.mpi_built()`` …): training scripts branch on them.
 
-mtrain always talks MPI through mpi4py; it has no Gloo, NCCL, DDL, oneCCL or
-ROCm controller of its own. Its CUDA support is CuPy: present when the install
+mtrain always talks MPI through mpi4py; it has no Gloo, NCCL, DDL, oneCCL, ROCm or
+SYCL (Intel GPU) support of its own. Its CUDA support is CuPy: present when the install
 has it (``pip install 'mtrain[cuda12]'``), absent otherwise.
 """
 from mtrain.ringreduce.cuda import cupy_installed
@@ -22,3 +22,5 @@ def cuda_built() -> bool:
 
 
 def rocm_built() -> bool: return False
+# Horovod's examples call it on their default (GPU) path to pick 'XPU' over 'GPU' devices.
+def sycl_built() -> bool: return False

@@ -26,7 +26,8 @@ from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
 )
 
 from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
-    ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
+    ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built,
+    sycl_built)
 from .compression import Compression
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
 from .mpi_ops import (  # noqa: F401
@@ -48,7 +49,7 @@ __all__ = [
     "local_size", "local_size_op", "mpi_threads_supported", "process_set_included_op", "rank", "rank_op",
     "reducescatter", "remove_process_set", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
     "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
-    "nccl_built", "rocm_built", "elastic",
+    "nccl_built", "rocm_built", "sycl_built", "elastic",
 ]
 
 

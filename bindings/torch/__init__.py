@@ -21,7 +21,8 @@ from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
 )
 
 from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
-    ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
+    ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built,
+    sycl_built)
 from ..handles import DeferredHandle, Handle, HandleBase, poll, synchronize  # noqa: F401
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters  # noqa: F401
@@ -48,6 +49,7 @@ __all__ = [
     "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "local_rank", "local_size",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
     "reducescatter_async", "rocm_built", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
+    "sycl_built",
     "SyncBatchNorm",
     "stop_timeline", "synchronize",
 ]

@@ -388,7 +388,8 @@ def test_timeline_homogeneous_build_queries_and_public_names():
     hvd.barrier()
     assert hvd.is_homogeneous() is True  # every rank on this one host
     for query, value in (("mpi_built", True), ("mpi_enabled", True), ("gloo_built", False), ("gloo_enabled", False),
-                         ("nccl_built", False), ("ddl_built", False), ("ccl_built", False), ("rocm_built", False)):
+                         ("nccl_built", False), ("ddl_built", False), ("ccl_built", False), ("rocm_built", False),
+                         ("sycl_built", False)):
         assert getattr(hvd, query)() is value, query
     assert isinstance(hvd.cuda_built(), bool)
     names = dir(hvd)
