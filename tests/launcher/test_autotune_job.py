@@ -104,3 +104,32 @@ def test_a_bad_autotune_flag_is_a_usage_error(tmp_path):
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "--autotune-warmup-samples" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_rank_dying_mid_tuning_ends_the_job_with_the_usual_report(tmp_path):
+    program = tmp_path / "train.py"
+    # Rank 1 leaves in the middle of the first scored sample (warm-up: 11 steps).
+    program.write_text(PROGRAM.replace("    for handle in handles:",
+                                       "    if step == 15 and r == 1:\n        import os; os._exit(7)\n"
+                                       "    for handle in handles:"))
+    done = mtrain("-np", "2", "--autotune", *SMALL, PYTHON, str(program), STEPS, timeout=120)
+    assert done.returncode == 7, done.stderr
+    assert "mtrain: job failed; first failure: rank 1" in done.stderr and "exit code 7" in done.stderr
+
+
+def test_the_config_files_autotune_section_reaches_the_ranks(tmp_path):
+    config = tmp_path / "hvd.yaml"
+    config.write_text("autotune:\n  enabled: true\n  log_file: at.csv\n  warmup_samples: 2\n"
+                      "  steps_per_sample: 5\n  bayes_opt_max_samples: 6\n  gaussian_process_noise: 0.3\n")
+    done = mtrain("-np", "2", "--dry-run", "--config-file", str(config), "--autotune-warmup-samples", "1",
+                  PYTHON, "-c", "pass", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    settings = re.findall(r"^rank setting (MTRAIN_AUTOTUNE\w*)=(\S+) \((.*)\)$", done.stdout, re.MULTILINE)
+    assert sorted(settings) == [
+        ("MTRAIN_AUTOTUNE", "1", "--config-file autotune.enabled"),
+        ("MTRAIN_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "6", "--config-file autotune.bayes_opt_max_samples"),
+        ("MTRAIN_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "0.3", "--config-file autotune.gaussian_process_noise"),
+        ("MTRAIN_AUTOTUNE_LOG", str(tmp_path / "at.csv"), "--config-file autotune.log_file"),
+        ("MTRAIN_AUTOTUNE_STEPS_PER_SAMPLE", "5", "--config-file autotune.steps_per_sample"),
+        ("MTRAIN_AUTOTUNE_WARMUP_SAMPLES", "1", "--autotune-warmup-samples"),  # the flag wins
+    ], done.stdout
