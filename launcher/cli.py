@@ -151,6 +151,20 @@ _NONNEGATIVE = click.IntRange(min=0)
                    "per buffer).")
 @click.option("--hierarchical-allgather/--no-hierarchical-allgather", default=None,
               help="Horovod's hierarchical allgather; mtrain's allgather runs on the ring.")
+@click.option("--autotune", is_flag=True, default=None,
+              help="Tune the fusion threshold, cycle time, ring segment and shared-memory stripe sizes, the "
+                   "all-reduce algorithm, the shared-memory transport and the response cache during the first "
+                   "steps, then keep the best (Horovod's autotune).")
+@click.option("--autotune-log-file", type=click.Path(dir_okay=False), default=None,
+              help="Rank 0 writes each autotune sample here, in Horovod's CSV format.")
+@click.option("--autotune-warmup-samples", type=_NONNEGATIVE, default=None,
+              help="Autotune samples run before scoring starts (default: 3).")
+@click.option("--autotune-steps-per-sample", type=click.IntRange(min=1), default=None,
+              help="Steps in each of the 5 parts of an autotune sample (default: 10).")
+@click.option("--autotune-bayes-opt-max-samples", type=click.IntRange(min=1), default=None,
+              help="Samples of Bayesian optimisation before the categorical settings are tried (default: 20).")
+@click.option("--autotune-gaussian-process-noise", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Noise of the autotuner's Gaussian process, in units of the scores' spread (default: 0.8).")
 @click.option("--mpi-threads-disable", is_flag=True, default=None,
               help="Horovod's; mtrain's background engine needs MPI threads, so they stay on.")
 @click.option("--num-nccl-streams", type=_NONNEGATIVE, default=None,

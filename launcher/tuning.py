@@ -13,6 +13,7 @@ in Horovod's YAML config file, and its effect.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Mapping, NamedTuple
 
 # The runtime's variables (ringreduce/settings.py; the launcher may not import the runtime).
@@ -21,6 +22,12 @@ CYCLE_TIME = "MTRAIN_CYCLE_TIME_MS"
 CACHE_CAPACITY = "MTRAIN_CACHE_CAPACITY"
 ALLREDUCE_ALGORITHM = "MTRAIN_ALLREDUCE_ALGORITHM"
 LOG_LEVEL = "MTRAIN_LOG_LEVEL"
+AUTOTUNE = "MTRAIN_AUTOTUNE"
+AUTOTUNE_LOG = "MTRAIN_AUTOTUNE_LOG"
+AUTOTUNE_WARMUP_SAMPLES = "MTRAIN_AUTOTUNE_WARMUP_SAMPLES"
+AUTOTUNE_STEPS_PER_SAMPLE = "MTRAIN_AUTOTUNE_STEPS_PER_SAMPLE"
+AUTOTUNE_BAYES_OPT_MAX_SAMPLES = "MTRAIN_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"
+AUTOTUNE_GAUSSIAN_PROCESS_NOISE = "MTRAIN_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # Horovod's --log-level choices
 # NCCL's own variable: `--tcp` keeps NCCL (a torch.distributed program's) off InfiniBand, as in Horovod.
 NCCL_IB_DISABLE = "NCCL_IB_DISABLE"
@@ -74,6 +81,19 @@ FLAGS: "tuple[Flag, ...]" = (
     Flag("hierarchical_allgather", "--hierarchical-allgather", ("params", "hierarchical_allgather"),
          _note_if_set("mtrain has no hierarchical allgather; allgather runs on the ring"),
          "--no-hierarchical-allgather"),
+    # --autotune off (the default) sets nothing: MTRAIN_AUTOTUNE / HOROVOD_AUTOTUNE in the environment still count.
+    Flag("autotune", "--autotune", ("autotune", "enabled"),
+         lambda on: Effect(((AUTOTUNE, "1"),)) if on else Effect()),
+    Flag("autotune_log_file", "--autotune-log-file", ("autotune", "log_file"),
+         _variable(AUTOTUNE_LOG, lambda path: os.path.abspath(str(path)))),
+    Flag("autotune_warmup_samples", "--autotune-warmup-samples", ("autotune", "warmup_samples"),
+         _variable(AUTOTUNE_WARMUP_SAMPLES)),
+    Flag("autotune_steps_per_sample", "--autotune-steps-per-sample", ("autotune", "steps_per_sample"),
+         _variable(AUTOTUNE_STEPS_PER_SAMPLE)),
+    Flag("autotune_bayes_opt_max_samples", "--autotune-bayes-opt-max-samples",
+         ("autotune", "bayes_opt_max_samples"), _variable(AUTOTUNE_BAYES_OPT_MAX_SAMPLES)),
+    Flag("autotune_gaussian_process_noise", "--autotune-gaussian-process-noise",
+         ("autotune", "gaussian_process_noise"), _variable(AUTOTUNE_GAUSSIAN_PROCESS_NOISE, _number_text)),
     Flag("mpi_threads_disable", "--mpi-threads-disable", ("library_options", "mpi_threads_disable"),
          _note_if_set("mtrain's background engine needs MPI's thread support; it stays on")),
     Flag("num_nccl_streams", "--num-nccl-streams", ("library_options", "num_nccl_streams"),
@@ -100,12 +120,6 @@ FLAGS: "tuple[Flag, ...]" = (
 # Horovod's config file keys whose flags are other parts of `mtrain run` (or not there yet):
 # (section, key) -> the option name they set.  `stall_check.enabled` is the inverse of --no-stall-check.
 OTHER_CONFIG_KEYS: "dict[tuple[str, str], str]" = {
-    ("autotune", "enabled"): "autotune",
-    ("autotune", "log_file"): "autotune_log_file",
-    ("autotune", "warmup_samples"): "autotune_warmup_samples",
-    ("autotune", "steps_per_sample"): "autotune_steps_per_sample",
-    ("autotune", "bayes_opt_max_samples"): "autotune_bayes_opt_max_samples",
-    ("autotune", "gaussian_process_noise"): "autotune_gaussian_process_noise",
     ("timeline", "filename"): "timeline_filename",
     ("timeline", "mark_cycles"): "timeline_mark_cycles",
     ("stall_check", "enabled"): "no_stall_check",

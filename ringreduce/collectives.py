@@ -137,7 +137,7 @@ class Executor:
     def __init__(self, comm: MPI.Comm, segment_bytes: int, small_bytes: int,
                  local: "MPI.Comm | None" = None, cross: "MPI.Comm | None" = None,
                  algorithm: "Algorithm | str | None" = None, shm_stripe_bytes: "int | None" = None,
-                 shm_transport: "shm.Transport | str | None" = None) -> None:
+                 shm_transport: "shm.Transport | str | None" = None, tunable: bool = False) -> None:
         self.comm = comm
         # ``comm`` split by host (``local``) and by local rank across hosts (``cross``); None
         # when the caller has no such split (then every collective runs on ``comm`` alone).
@@ -154,7 +154,7 @@ class Executor:
         # auto: buffers the ring reduces by one gather (N·bytes <= small_bytes) stay on the ring:
         # a single MPI_Allgather costs less than two shared-memory barriers and the copies
         # around them. From there up shared memory moves fewer bytes and wins.
-        self.shm_min_bytes = small_bytes // self.size + 1 if self.algorithm is Algorithm.AUTO else 0
+        self.shm_min_bytes = self._shm_min_bytes(self.algorithm)
         self.shared: "shm.SharedMemoryAllreduce | None" = None
         if self.algorithm is not Algorithm.RING and local is not None and self.size > 1:
             # Collective over ``comm``: fine here, the engine thread has not started yet.
@@ -166,13 +166,35 @@ class Executor:
                     shm_stripe_bytes = _stripe_from_environment()
                 shared = shm.SharedMemoryAllreduce(comm, local, None if one_host else cross,
                                                    segment_bytes, small_bytes, shm_stripe_bytes,
-                                                   transport=transport)
+                                                   transport=transport, tunable=tunable)
                 if transport is shm.Transport.CMA and not shared.cma and self.rank == 0:
                     sys.stderr.write(f"mtrain: {shared.notice}; shared memory uses the segment instead\n")
                 if shared.error is None:
                     self.shared = shared
                 elif self.rank == 0:
                     sys.stderr.write(f"mtrain: {shared.error}; all-reduces use the ring instead\n")
+
+    def _shm_min_bytes(self, algorithm: Algorithm) -> float:
+        """Host buffers of at least this many bytes take the shared-memory path (if there is one)."""
+        if algorithm is Algorithm.AUTO:
+            return self.small_bytes // self.size + 1
+        return math.inf if algorithm is Algorithm.RING else 0
+
+    def algorithms(self) -> "tuple[Algorithm, ...]":
+        """The choices ``use`` takes here: AUTO, RING and SHM where there is a shared-memory
+        path (SHM is hierarchical on several hosts), else RING alone."""
+        return (Algorithm.AUTO, Algorithm.RING, Algorithm.SHM) if self.shared is not None else (Algorithm.RING,)
+
+    def use(self, algorithm: Algorithm, segment_bytes: int) -> None:
+        """Run the next all-reduces by ``algorithm`` (one of ``algorithms()``) with ring segments of
+        ``segment_bytes``. Every rank must call it at the same point between collectives (the
+        autotuner's decision): the ranks then take the same path for the same buffer."""
+        if algorithm not in self.algorithms():
+            raise ValueError(f"all-reduce algorithm {algorithm} is not available here")
+        self.shm_min_bytes = self._shm_min_bytes(algorithm)
+        self.segment_bytes = segment_bytes
+        if self.shared is not None:
+            self.shared.segment_bytes = segment_bytes
 
     @property
     def allreduce_path(self) -> Algorithm:

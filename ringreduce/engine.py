@@ -30,6 +30,7 @@ forever on a rank that has left.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import sys
@@ -42,16 +43,17 @@ from mpi4py import MPI
 
 from mtrain.launcher.records import FailureCause, report_error
 
-from . import cuda, join
+from . import cuda, join, log, shm
+from .autotune import Decision, Knobs, Space, Tuner
 from .backend import NumpyBackend
-from .collectives import Executor, Kind
+from .collectives import Algorithm, Executor, Kind
 from .errors import EngineError, InvalidArgumentError, Refusal, ShutdownError, Verdict
 from .fusion import PLAN_CACHE_SIZE, FusionBuffers, Plan, PlanCache, Ring
 from .negotiation import (UNNAMED_PREFIX, Agreement, Control, Coordinator, Negotiator, Report, RequestState,
                           ResponseCache, SteadyBatch)
 from .ops import ReduceOp
 from .requests import AllreduceOp, Completion, Handle, Request, Signature
-from .settings import EngineConfig
+from .settings import DEFAULT_CACHE_CAPACITY, EngineConfig
 from .timeline import Timeline
 
 # A burst of submissions is over (the engine starts its cycle) once none came for this
@@ -134,6 +136,8 @@ class Engine:
         # The GPU init() bound in this thread; a new thread starts on GPU 0, so the engine
         # thread adopts it before its first device op (None: no CuPy in use).
         self._gpu = cuda.current_device()
+        self._cache_capacity = config.cache_capacity or DEFAULT_CACHE_CAPACITY  # when the autotuner turns it on
+        self._tuner = self._make_tuner() if config.autotune.enabled else None
         self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
         self._thread.start()
 
@@ -292,7 +296,9 @@ class Engine:
             if self._gpu is not None:
                 cuda.use_device(self._gpu)
             while self._cycle():
-                pass
+                tuner = self._tuner
+                if tuner is not None and tuner.due:
+                    self._retune(tuner)
             self._fail_all(self._shutdown_error)
         except BaseException as exc:  # a bug or an MPI failure: fail loudly, never hang the user
             traceback.print_exc()
@@ -525,6 +531,68 @@ class Engine:
             self._finish(request, error=error)
         return runnable
 
+    # -- autotune (autotune.py) ----------------------------------------------------
+    def _make_tuner(self) -> Tuner:
+        ex, config = self.executor, self.config
+        shared = ex.shared
+        if shared is None:
+            algorithm = Algorithm.RING
+        else:
+            algorithm = Algorithm.AUTO if ex.algorithm is Algorithm.AUTO else Algorithm.SHM
+        start = Knobs(config.fusion_threshold_bytes, round(config.cycle_time_s * 1000, 6), ex.segment_bytes,
+                      shared.stripe_bytes if shared is not None else 0, str(algorithm),
+                      str(shared.transport) if shared is not None else "", config.cache_capacity > 0)
+        space = Space([str(a) for a in ex.algorithms()],
+                      [str(t) for t in shared.transports] if shared is not None else [],
+                      stripes=shared is not None and shared.segment is not None)
+        hosts = ex.cross.Get_size() if ex.cross is not None else 1
+        return Tuner(config.autotune, space, start, self._rank, hosts)
+
+    def _retune(self, tuner: Tuner) -> None:
+        """The end of an autotune sample, reached by every rank after the same cycle: rank 0 takes
+        every rank's score and says what runs next; every rank applies it before its next cycle."""
+        scores = self._control.gather(tuner.score(), root=0)
+        decision = None
+        if self._rank == 0:
+            try:
+                decision = tuner.decide(scores)
+            except Exception as error:  # never leave the other ranks waiting in the broadcast
+                log.warning(f"autotune failed ({error!r}); keeping {tuner.current.describe()}")
+                decision = Decision(tuner.current, False)
+        decision = self._control.bcast(decision, root=0)
+        self._apply(decision.knobs)
+        tuner.follow(decision)
+        if not decision.active:
+            self._tuner = None
+
+    def _apply(self, knobs: Knobs) -> None:
+        """Run by ``knobs`` from the next cycle on (every rank at the same point of the op stream)."""
+        self.config = dataclasses.replace(self.config, fusion_threshold_bytes=knobs.fusion_threshold_bytes,
+                                          cycle_time_s=knobs.cycle_time_ms / 1000)
+        self.executor.use(Algorithm(knobs.algorithm), knobs.segment_bytes)
+        shared = self.executor.shared
+        if shared is not None:
+            shared.use(shm.Transport(knobs.transport), knobs.stripe_bytes)
+        self._use_cache(knobs.cache_enabled)
+
+    def _use_cache(self, enabled: bool) -> None:
+        """Turn the response cache on or off. Off forgets every name: ops pending by their bit go to
+        the coordinator again, and the steady batches (built from the bits) are dropped."""
+        cache = self._cache
+        if enabled == (cache.capacity > 0):
+            return
+        if enabled:
+            cache.capacity = self._cache_capacity
+            return
+        cache.capacity = 0
+        cache.entries.clear()
+        cache.names.clear()
+        cache.version += 1
+        for request in self._pending.values():
+            if request.state is RequestState.CACHED:
+                request.state = RequestState.UNREPORTED
+        self._steady.clear()
+
     # -- engine thread: dispatch ------------------------------------------------
     def _execute(self, ready: "list[Request]", plan: "Plan | None" = None,
                  names: "list[str] | None" = None) -> None:
@@ -537,7 +605,12 @@ class Engine:
             plan = self._plans.plan(ready, self.config.fusion_threshold_bytes, self.config.inplace_min_bytes)
         if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
             self._step_names = []
-        self._step_names.extend(names if names is not None else list(map(_NAME, ready)))
+        if names is None:
+            names = list(map(_NAME, ready))
+        self._step_names.extend(names)
+        tuner = self._tuner
+        if tuner is not None:
+            tuner.note(names, sum(request.nbytes for request in ready))
         if self._waiters:
             self._step_waited = True
         for index in plan.one_by_one:

@@ -39,3 +39,7 @@ def debug(message: str) -> None:
 
 def warning(message: str) -> None:
     emit(LogLevel.WARNING, message)
+
+
+def info(message: str) -> None:
+    emit(LogLevel.INFO, message)

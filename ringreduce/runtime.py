@@ -19,7 +19,7 @@ from .requests import AllreduceOp, Handle, Signature, host_allreduce_signature, 
 from .errors import HorovodInternalError, InvalidArgumentError, Refusal
 from .ops import Adasum, Average, ReduceOp, check_op, check_reducible, dtype_code
 from .process_sets import ProcessSet, global_process_set
-from .settings import EngineConfig, env_number
+from .settings import AutotuneConfig, EngineConfig, env_number
 
 
 class NotInitializedError(ValueError, RuntimeError):
@@ -75,13 +75,17 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
     def make_engine(set_comms: comm_module.Communicators, ranks: "list[int] | None" = None) -> Engine:
         # A set's engine names global ranks in its messages, and only the global set keeps a timeline.
-        set_config = config if set_comms is comms else dataclasses.replace(config, timeline_path=None)
+        # A set's engine names global ranks in its messages; only the global set keeps a timeline,
+        # and only its engine is autotuned (Horovod tunes one set of parameters for the job).
+        set_config = config if set_comms is comms else dataclasses.replace(
+            config, timeline_path=None, autotune=AutotuneConfig())
         members = ranks
         if members is None:
             members = [int(r) for r in MPI.Group.Translate_ranks(
                 set_comms.world.Get_group(), list(range(set_comms.world.Get_size())), comms.world.Get_group())]
-        return Engine(Executor(set_comms.world, segment, small, set_comms.local, set_comms.cross),
-                      set_comms.world.Dup(), set_config, members)
+        executor = Executor(set_comms.world, segment, small, set_comms.local, set_comms.cross,
+                            tunable=set_config.autotune.enabled)
+        return Engine(executor, set_comms.world.Dup(), set_config, members)
 
     admin = comms.world.Dup()  # made before any engine thread calls MPI
     engine = make_engine(comms, world_ranks)

@@ -53,6 +53,20 @@ def _count(text: str) -> int:
     return int(value)
 
 
+def _positive_count(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise ValueError
+    return value
+
+
+def _positive_number(text: str) -> float:
+    value = _number(text)
+    if not 0 < value < math.inf:
+        raise ValueError
+    return value
+
+
 def _flag(text: str) -> bool:
     # Horovod reads a flag with strtol(value) > 0: "1" is on, "0" off, and "true" silently
     # off. A word is refused here instead of being read as the opposite of what it says.
@@ -129,10 +143,27 @@ HIERARCHICAL_ALLGATHER = Setting(None, "HOROVOD_HIERARCHICAL_ALLGATHER", _flag, 
 LOG_HIDE_TIME = Setting(None, "HOROVOD_LOG_HIDE_TIME", _flag, _FLAG, False)
 DYNAMIC_PROCESS_SETS = Setting(None, "HOROVOD_DYNAMIC_PROCESS_SETS", _flag, _FLAG, False)
 
+# The autotuner (autotune.py). Horovod's defaults (parameter_manager.cc): 3 warm-up samples, 10
+# steps a sample, 20 Bayesian samples, noise 0.8.
+AUTOTUNE = Setting("MTRAIN_AUTOTUNE", "HOROVOD_AUTOTUNE", _flag, _FLAG, False)
+AUTOTUNE_LOG = Setting("MTRAIN_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG", _text, "a file path", None)
+AUTOTUNE_WARMUP_SAMPLES = Setting("MTRAIN_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", _count,
+                                  "a whole number of samples >= 0", 3)
+AUTOTUNE_STEPS_PER_SAMPLE = Setting("MTRAIN_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
+                                    _positive_count, "a whole number of steps >= 1", 10)
+AUTOTUNE_BAYES_OPT_MAX_SAMPLES = Setting("MTRAIN_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+                                         "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", _positive_count,
+                                         "a whole number of samples >= 1", 20)
+AUTOTUNE_GAUSSIAN_PROCESS_NOISE = Setting("MTRAIN_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+                                          "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _positive_number,
+                                          "a number > 0", 0.8)
+
 SETTINGS: "tuple[Setting, ...]" = (
     CYCLE_TIME_MS, FUSION_THRESHOLD_BYTES, INPLACE_MIN_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
     STALL_WARNING_SECONDS, STALL_SHUTDOWN_SECONDS, TIMELINE, TIMELINE_MARK_CYCLES, LOG_LEVEL,
     HIERARCHICAL_ALLREDUCE, HIERARCHICAL_ALLGATHER, LOG_HIDE_TIME, DYNAMIC_PROCESS_SETS,
+    AUTOTUNE, AUTOTUNE_LOG, AUTOTUNE_WARMUP_SAMPLES, AUTOTUNE_STEPS_PER_SAMPLE, AUTOTUNE_BAYES_OPT_MAX_SAMPLES,
+    AUTOTUNE_GAUSSIAN_PROCESS_NOISE,
 )
 
 
@@ -140,6 +171,28 @@ def env_number(name: str, default: float) -> float:
     """A non-negative number from the environment, or ``default`` when unset or empty
     (for the runtime's own variables that have no Horovod twin and no row in SETTINGS)."""
     return Setting(name, None, _number, "a number >= 0", default).read()
+
+
+@dataclasses.dataclass(frozen=True)
+class AutotuneConfig:
+    """Whether and how the autotuner runs (Horovod's --autotune flags; autotune.py)."""
+
+    enabled: bool = False
+    log_path: "str | None" = None
+    warmup_samples: int = 3
+    steps_per_sample: int = 10
+    bayes_opt_max_samples: int = 20
+    gaussian_process_noise: float = 0.8
+
+    @staticmethod
+    def from_environment(environ: "Mapping[str, str] | None" = None) -> "AutotuneConfig":
+        environ = os.environ if environ is None else environ
+        return AutotuneConfig(
+            enabled=AUTOTUNE.read(environ), log_path=AUTOTUNE_LOG.read(environ),
+            warmup_samples=AUTOTUNE_WARMUP_SAMPLES.read(environ),
+            steps_per_sample=AUTOTUNE_STEPS_PER_SAMPLE.read(environ),
+            bayes_opt_max_samples=AUTOTUNE_BAYES_OPT_MAX_SAMPLES.read(environ),
+            gaussian_process_noise=AUTOTUNE_GAUSSIAN_PROCESS_NOISE.read(environ))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +209,7 @@ class EngineConfig:
     cache_capacity: int = DEFAULT_CACHE_CAPACITY
     log_level: LogLevel = LogLevel.WARNING
     hierarchical_allgather: bool = False  # asked for (Horovod's variable); mtrain has none
+    autotune: AutotuneConfig = AutotuneConfig()
 
     @staticmethod
     def from_environment(environ: "Mapping[str, str] | None" = None) -> "EngineConfig":
@@ -177,6 +231,7 @@ class EngineConfig:
             cache_capacity=CACHE_CAPACITY.read(environ),
             log_level=LOG_LEVEL.read(environ),
             hierarchical_allgather=HIERARCHICAL_ALLGATHER.read(environ),
+            autotune=AutotuneConfig.from_environment(environ),
         )
 
     def describe(self) -> str:
@@ -185,4 +240,4 @@ class EngineConfig:
                 f"inplace_min_bytes={self.inplace_min_bytes} cache_capacity={self.cache_capacity} "
                 f"stall_warning_seconds={self.stall_warning_s:g} stall_shutdown_seconds={self.stall_shutdown_s:g} "
                 f"timeline={self.timeline_path or '-'} timeline_mark_cycles={int(self.timeline_mark_cycles)} "
-                f"log_level={self.log_level.name.lower()}")
+                f"log_level={self.log_level.name.lower()} autotune={int(self.autotune.enabled)}")

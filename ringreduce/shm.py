@@ -105,6 +105,9 @@ from .backend import NumpyBackend, finishing_factor
 from .ops import ReduceOp, reducer
 
 DEFAULT_STRIPE_BYTES = 2 << 20
+# The largest stripe the autotuner tries (the segment leaves room for it: 2·L·this bytes of
+# address space, of which only the regions' used parts are ever touched).
+TUNABLE_MAX_STRIPE_BYTES = 8 << 20
 # Elements reduced per step: the sources and the target of one block stay in L2 while
 # the result is finished and published.
 DEFAULT_BLOCK_BYTES = 256 << 10
@@ -278,7 +281,7 @@ class SharedMemoryAllreduce:
     def __init__(self, comm: MPI.Comm, local: MPI.Comm, cross: "MPI.Comm | None",
                  segment_bytes: int, small_bytes: int, stripe_bytes: "int | None" = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, transport: "Transport | str" = Transport.AUTO,
-                 cma_block_bytes: int = DEFAULT_CMA_BLOCK_BYTES) -> None:
+                 cma_block_bytes: int = DEFAULT_CMA_BLOCK_BYTES, tunable: bool = False) -> None:
         transport = Transport.of(transport)
         stripe_bytes = stripe_bytes or DEFAULT_STRIPE_BYTES
         self.comm = comm
@@ -298,20 +301,34 @@ class SharedMemoryAllreduce:
         self.error: "str | None" = None
         self.notice: "str | None" = None
         self.cma = False
+        # The transports this instance can switch between at an all-reduce boundary (the
+        # autotuner's knob: ``tunable`` maps the segment and probes cma too, and leaves room in
+        # each region for stripes up to TUNABLE_MAX_STRIPE_BYTES).
+        self.transports: "tuple[Transport, ...]" = ()
         if transport is Transport.CMA and self._probe_cma():
+            self.transports = (Transport.CMA,)
             return
-        # One region per chunk of a stripe, in bytes, on a cache-line boundary.
-        self.region_bytes = max(_LINE, -(-stripe_bytes // self.local_size // _LINE) * _LINE)
+        # One region per chunk of a stripe, in bytes, on a cache-line boundary. The regions lie
+        # ``region_stride`` apart: a stripe size changed between calls moves no region.
+        self.region_bytes = self._region_size(stripe_bytes)
+        self.region_stride = self._region_size(max(stripe_bytes, TUNABLE_MAX_STRIPE_BYTES)) if tunable \
+            else self.region_bytes
         self._stripes_done = 0  # halves alternate across calls too
-        mapped, error = map_shared(local, 2 * self.local_size * self.local_size * self.region_bytes)
+        mapped, error = map_shared(local, 2 * self.local_size * self.local_size * self.region_stride)
         failed = comm.allreduce(1 if error else 0, op=MPI.MAX)
         if not failed:
             self._map = mapped
             self.segment = np.frombuffer(mapped, dtype=np.uint8)
+            self.transports = (Transport.SEGMENT,)
+            if tunable:  # collective over ``comm``, like the rest of the construction
+                if self._probe_cma():
+                    self.transports += (Transport.CMA,)
+                self.cma = False
             return
         if mapped is not None:
             mapped.close()
         if transport is Transport.AUTO and self._probe_cma():
+            self.transports = (Transport.CMA,)
             return  # no segment (a small /dev/shm, say): cma for every buffer
         self.error = error or "another host could not map its shared memory"
 
@@ -331,6 +348,23 @@ class SharedMemoryAllreduce:
         """What runs: CMA or SEGMENT."""
         return Transport.CMA if self.cma else Transport.SEGMENT
 
+    def _region_size(self, stripe_bytes: int) -> int:
+        return max(_LINE, -(-stripe_bytes // self.local_size // _LINE) * _LINE)
+
+    def use(self, transport: Transport, stripe_bytes: int) -> None:
+        """Run the next all-reduces through ``transport`` (one of ``transports``) in stripes of
+        ``stripe_bytes`` (at most the room ``tunable`` left). Every rank of ``comm`` must call it
+        at the same point between all-reduces (the autotuner's decision)."""
+        if transport not in self.transports:
+            raise ValueError(f"transport {transport} is not available here ({self.transports})")
+        self.cma = transport is Transport.CMA
+        if self.segment is not None:
+            self.region_bytes = min(self._region_size(stripe_bytes), self.region_stride)
+
+    @property
+    def stripe_bytes(self) -> int:
+        return self.region_bytes * self.local_size if self.segment is not None else 0
+
     def _temp(self, nbytes: int) -> np.ndarray:
         """This instance's own scratch (engines of different process sets run at once, so
         nothing is shared with the backend's scratch slots)."""
@@ -339,7 +373,7 @@ class SharedMemoryAllreduce:
         return self._scratch[:nbytes]
 
     def _region(self, half: int, slot: int, chunk: int, dtype: np.dtype, count: int) -> np.ndarray:
-        start = ((half * self.local_size + slot) * self.local_size + chunk) * self.region_bytes
+        start = ((half * self.local_size + slot) * self.local_size + chunk) * self.region_stride
         return self.segment[start:start + count * dtype.itemsize].view(dtype)
 
     def allreduce(self, buf: "Any | ring.Layout", op: ReduceOp, backend: NumpyBackend,

@@ -247,7 +247,7 @@ def test_every_variable_the_flags_set_is_one_the_runtime_reads():
     flag_names = {name for flag in tuning.FLAGS
                   for name, _ in flag.effect("INFO" if flag.option == "log_level" else 1).variables}
     assert flag_names - runtime_names == {tuning.NCCL_IB_DISABLE}  # NCCL's own, for a program's NCCL
-    assert len(flag_names) == 6
+    assert len(flag_names) == 12
 
 
 # -- output timestamps ---------------------------------------------------------------------
