@@ -64,11 +64,13 @@ class _DistributedOptimizer:
 
     def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
         # Remember which variable each gradient belongs to: _clip_gradients only sees gradients.
-        self._mtrain_applying = list(trainable_variables)
+        # Past Keras' attribute tracking (vars()): a tracked list would make the model's variables
+        # the optimizer's too, and a saved optimizer would not load back.
+        vars(self)["_mtrain_applying"] = list(trainable_variables)
         try:
             return super()._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
         finally:
-            self._mtrain_applying = None
+            vars(self)["_mtrain_applying"] = None
 
     def _clip_gradients(self, grads: Any) -> Any:
         # Keras calls this once per update, with the final (accumulated, unscaled) gradients,
