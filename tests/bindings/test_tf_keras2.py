@@ -25,7 +25,10 @@ Every rank's data differ, so an un-averaged gradient fails a check; each rank pr
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +61,33 @@ def test_horovod_keras2_patterns_under_tf_use_legacy_keras(np_: int) -> None:
                     "lr.momentum_restored", "load_model.custom.reduces"):
         assert pattern in names, f"{pattern} was not checked: {sorted(names)}"
     assert len({d.split()[-1] for d in digests}) == 1 and len(digests) == np_, digests
+
+
+_WITHOUT_TF_KERAS = """
+import os, sys
+sys.modules["tf_keras"] = None  # as if it were not installed
+import keras
+import mtrain.tensorflow.keras as hvd
+assert hvd.callbacks.BroadcastGlobalVariablesCallback.__mro__[1] is keras.callbacks.Callback
+hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+try:
+    hvd.DistributedOptimizer(object())
+except TypeError as error:
+    print("error:", error)
+print("legacy requested:", os.environ.get("TF_USE_LEGACY_KERAS"))
+"""
+
+
+@pytest.mark.parametrize("legacy", ["1", ""], ids=["TF_USE_LEGACY_KERAS=1", "unset"])
+def test_without_tf_keras_keras3_alone_and_a_clear_error(legacy: str) -> None:
+    """No tf_keras on the machine: importing works (also under TF_USE_LEGACY_KERAS=1, where the callbacks
+    fall back to Keras 3's), Keras 3 optimizers wrap, anything else is one line saying tf_keras is missing."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    if legacy:
+        env["TF_USE_LEGACY_KERAS"] = legacy
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TF_KERAS], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "got object; tf_keras is not installed, so only Keras 3 optimizers can be wrapped" in done.stdout, \
+        done.stdout

@@ -178,7 +178,7 @@ def not_a_keras_optimizer(optimizer: Any) -> str:
     message = (f"DistributedOptimizer wraps a Keras optimizer (keras.optimizers.Optimizer, or for Keras 2 a "
                f"tf_keras.optimizers.Optimizer or tf_keras.optimizers.legacy.Optimizer), got "
                f"{type(optimizer).__name__}")
-    if "tf_keras" not in sys.modules and keras2.import_tf_keras() is None:
+    if not keras2.tf_keras_installed():
         message += "; tf_keras is not installed, so only Keras 3 optimizers can be wrapped (pip install tf_keras)"
     return message
 

@@ -13,6 +13,7 @@ This module never imports tf_keras: a tf_keras optimizer means the user has impo
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from types import ModuleType
@@ -27,7 +28,7 @@ from ..mpi_ops import set_size
 
 __all__ = ["Settings", "default_settings", "distributed_class", "distributed_optimizer", "import_tf_keras",
            "is_keras2_optimizer", "legacy_hyper", "legacy_keras_requested", "loading_objects", "optimizer_variables",
-           "slot_variables"]
+           "slot_variables", "tf_keras_installed"]
 
 
 def legacy_keras_requested() -> bool:
@@ -42,6 +43,13 @@ def import_tf_keras() -> Optional[ModuleType]:
     except ImportError:
         return None
     return tf_keras
+
+
+def tf_keras_installed() -> bool:
+    """Whether tf_keras can be imported (without importing it)."""
+    if "tf_keras" in sys.modules:
+        return sys.modules["tf_keras"] is not None
+    return importlib.util.find_spec("tf_keras") is not None
 
 
 def _legacy_base() -> Optional[type]:
