@@ -109,6 +109,11 @@ for kind, plain in (("new", keras.optimizers.Adam(0.01)), ("legacy", keras.optim
         v = tf.Variable(np.zeros(3))
         delta = minimize_step(copies[1], grad_of, [v])[0]
         check(f"from_config.{kind}.reduces", close(delta, -0.01 * mean_grad / (np.abs(mean_grad) + 1e-7), 1e-6), delta)
+# A legacy optimizer's get_gradients (graph code: tf.gradients, here inside a tf.function) reduces too.
+v = tf.Variable(np.zeros(3))
+opt = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(0.5))
+got = tf.function(lambda: opt.get_gradients(tf.reduce_sum(v * grad_of(me)[0]), [v]))()[0]
+check("get_gradients.legacy", close(got, mean_grad), got)
 with_error = None
 try:
     hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))

@@ -8,7 +8,8 @@ and the code it exercises:
 - DistributedOptimizer in compile/fit, new and legacy tf_keras optimizers, with BroadcastGlobalVariablesCallback
   and MetricAverageCallback: weights and averaged losses equal the NumPy rule (SGD on the ranks' mean
   gradient) — horovod/_keras/__init__.py create_distributed_optimizer, horovod/_keras/callbacks.py;
-- from_config of the wrapped optimizer (test_from_config), also of a Keras 3 one; the error for a TF1 optimizer;
+- from_config of the wrapped optimizer (test_from_config), also of a Keras 3 one; a legacy optimizer's get_gradients;
+  the error for a TF1 optimizer;
 - sparse_as_dense and sparse IndexedSlices gradients of an Embedding (test_sparse_as_dense);
 - backward_passes_per_step with and without average_aggregated_gradients, with register_local_var, with an inf
   gradient in the first round (test_gradient_aggregation, ..._with_local_vars, test_grad_aggregation_with_inf_grad;
@@ -53,9 +54,10 @@ def test_horovod_keras2_patterns_under_tf_use_legacy_keras(np_: int) -> None:
         assert len(found) == 1, f"rank {rank} did not finish: {lines.get(rank)}\n{done.stderr[-3000:]}"
         reports.append((int(found[0].group(1)), found[0].group(2)))
         digests += [line for line in lines[rank] if line.startswith(f"rank {rank} digest ")]
-    assert len({r for r in reports}) == 1, "the ranks ran different checks"
+    assert len(set(reports)) == 1, "the ranks ran different checks"
     names = set(reports[0][1].split(","))
     for pattern in ("fit.new.weights", "fit.legacy.metric_average", "from_config.legacy.reduces",
+                    "get_gradients.legacy",
                     "from_config.keras3.reduces", "sparse_as_dense=False", "aggregation.inf", "aggregation.fit",
                     "partial.local2.var3", "broadcast.local.layer0", "broadcast.slots.new.local", "lr.schedule",
                     "lr.momentum_restored", "load_model.custom.reduces"):

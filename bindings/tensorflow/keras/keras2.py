@@ -190,9 +190,6 @@ class _DistributedOptimizer:
         """Keep ``var``'s gradient on this rank (not reduced over ranks)."""
         self._mtrain_local.add(variable_key(var))
 
-    def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> List[Any]:
-        return self._mtrain_reduced_pairs(super().compute_gradients(loss, var_list, tape))  # type: ignore[misc]
-
     def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         aggregation = self._mtrain_aggregation
         if aggregation is None:
@@ -256,21 +253,23 @@ class _DistributedOptimizer:
         return out
 
 
-class _DistributedLegacyOptimizer(_DistributedOptimizer):
-    """The same for ``tf_keras.optimizers.legacy`` optimizers (OptimizerV2), whose ``minimize`` calls
-    ``_compute_gradients`` and whose graph-mode ``fit`` calls ``get_gradients``."""
+class _DistributedNewOptimizer(_DistributedOptimizer):
+    """For the new tf_keras optimizers, whose ``minimize`` calls ``compute_gradients``."""
 
     def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> List[Any]:
-        return self._compute_gradients(loss, var_list, tape=tape)
+        return self._mtrain_reduced_pairs(super().compute_gradients(loss, var_list, tape))  # type: ignore[misc]
+
+
+class _DistributedLegacyOptimizer(_DistributedOptimizer):
+    """For ``tf_keras.optimizers.legacy`` optimizers (OptimizerV2), whose ``minimize`` calls
+    ``_compute_gradients``, and whose ``get_gradients`` graph code calls."""
 
     def _compute_gradients(self, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None) -> List[Any]:
-        pairs = super(_DistributedOptimizer, self)._compute_gradients(  # type: ignore[misc]
-            loss, var_list, grad_loss, tape=tape)
+        pairs = super()._compute_gradients(loss, var_list, grad_loss, tape=tape)  # type: ignore[misc]
         return self._mtrain_reduced_pairs(pairs)
 
     def get_gradients(self, loss: Any, params: Any) -> List[Any]:
-        grads = super(_DistributedOptimizer, self).get_gradients(loss, params)  # type: ignore[misc]
-        return self._mtrain_reduce(grads, params)
+        return self._mtrain_reduce(super().get_gradients(loss, params), params)  # type: ignore[misc]
 
 
 def distributed_optimizer(optimizer: Any, settings: Settings, name: Optional[str]) -> Any:
@@ -278,20 +277,19 @@ def distributed_optimizer(optimizer: Any, settings: Settings, name: Optional[str
     as ``settings`` says. Like Horovod, the new optimizer starts without the old one's slots."""
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    mixin = _DistributedLegacyOptimizer if isinstance(optimizer, _legacy_base()) else _DistributedOptimizer
-    cls = distributed_class(type(optimizer), settings, mixin)
+    cls = distributed_class(type(optimizer), settings)
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
     return cls.from_config(config)
 
 
-def distributed_class(base: type, settings: Settings, mixin: Optional[type] = None) -> type:
-    """``base`` with the reduction mixed in, named after it (so saved models load without mtrain)."""
-    if mixin is None:
-        legacy = _legacy_base()
-        mixin = _DistributedLegacyOptimizer if legacy is not None and issubclass(base, legacy) \
-            else _DistributedOptimizer
+def distributed_class(base: type, settings: Settings) -> type:
+    """``base`` (a tf_keras optimizer class) with the reduction mixed in, named after it (so saved models
+    load without mtrain)."""
+    legacy = _legacy_base()
+    mixin = _DistributedLegacyOptimizer if legacy is not None and issubclass(base, legacy) \
+        else _DistributedNewOptimizer
     return type(base.__name__, (mixin, base), {"__module__": base.__module__, "_mtrain_settings": settings})
 
 
