@@ -67,10 +67,11 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
     """Wrap a Keras optimizer so that gradients are averaged over the ranks of ``process_set`` (as
     Horovod does in TF2, this is ``mtrain.tensorflow.keras.DistributedOptimizer``)."""
     import keras
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.Optimizer), got "
-                        f"{type(optimizer).__name__}; TF1 tf.compat.v1.train optimizers are not supported: "
-                        "use a Keras optimizer or DistributedGradientTape")
+
+    from .keras import keras2, not_a_keras_optimizer
+    if not isinstance(optimizer, keras.optimizers.Optimizer) and not keras2.is_keras2_optimizer(optimizer):
+        raise TypeError(f"{not_a_keras_optimizer(optimizer)}; TF1 tf.compat.v1.train optimizers are not "
+                        "supported: use a Keras optimizer or DistributedGradientTape")
     from .keras import DistributedOptimizer as keras_distributed_optimizer
     return keras_distributed_optimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,

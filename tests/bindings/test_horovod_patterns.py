@@ -26,14 +26,17 @@ SMALL = ["--batch-size", "4", "--image-size", "32", "--num-batches-per-iter", "2
 _LINE = re.compile(r"^\[(\d+)\]<stdout>:(.*)$")
 
 
-def mtrain_run(flags: "list[str]", program: str, args: "list[str]", timeout: float) -> subprocess.CompletedProcess:
-    """``mtrain run FLAGS python PROGRAM ARGS`` from the repository root; the whole job is
-    killed if it outlives ``timeout``."""
+def mtrain_run(flags: "list[str]", program: str, args: "list[str]", timeout: float,
+               env_extra: "dict[str, str] | None" = None) -> subprocess.CompletedProcess:
+    """``mtrain run FLAGS python PROGRAM ARGS`` from the repository root (PROGRAM relative to
+    ``horovod_patterns/``, or absolute), ``env_extra`` added to the job's environment; the whole
+    job is killed if it outlives ``timeout``."""
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     # Two ranks share two cores: one compute thread each; and TensorFlow's start-up chatter off.
     env.update(OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="2",
                TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    env.update(env_extra or {})
     argv = [sys.executable, "-m", "mtrain.launcher.cli", "run", *flags, sys.executable, str(PATTERNS / program),
             *args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,

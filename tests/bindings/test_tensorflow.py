@@ -175,7 +175,7 @@ def test_callbacks_collectives_and_errors():
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
     with pytest.raises(ValueError, match="op=Average"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Sum, gradient_predivide_factor=2.0)
-    with pytest.raises(TypeError, match="Keras 3 optimizer"):
+    with pytest.raises(TypeError, match="wraps a Keras optimizer"):
         hvd.DistributedOptimizer(tf.Variable(1.0))
     with pytest.raises(ValueError, match="positive integer"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)

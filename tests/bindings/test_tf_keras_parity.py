@@ -1,7 +1,11 @@
 """Horovod 0.28 parity for the Keras side: SyncBatchNormalization, DistributedOptimizer in
 mtrain.tensorflow, PartialDistributedGradientTape / PartialDistributedOptimizer (local layers),
-BroadcastGlobalVariablesCallback(local_variables=...). Data distinct per rank and per element.
+BroadcastGlobalVariablesCallback(local_variables=...), load_model. Data distinct per rank and per element.
 """
+import os
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -144,6 +148,35 @@ def test_sync_batch_norm_partial_optimizers_and_callback():
     for name, value in slots.items():
         want = float(me + 1) if "local" in name else 1.0
         assert value == want, f"optimizer slot {name}: {value} != {want}"
+
+    # load_model (Horovod's test_load_model*): a model saved with a wrapped optimizer loads back wrapped,
+    # with its state (the optimizer tracks none of the model's variables), custom_optimizers and
+    # custom_objects; training it goes on reducing.
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    def my_loss(y_true, y_pred):
+        return keras.ops.mean((y_true - y_pred) ** 2)
+
+    folder = tempfile.mkdtemp(prefix=f"mtrain-keras3-{me}-")
+    for make, loss, extra in ((lambda: keras.optimizers.Adam(0.01), "mse", {}),
+                              (lambda: MyAdam(0.01), my_loss, {"custom_optimizers": [MyAdam],
+                                                               "custom_objects": {"my_loss": my_loss}})):
+        model = _model(keras, 40)
+        model.compile(optimizer=tkhvd.DistributedOptimizer(make()), loss=loss)
+        model.fit(_rows(me, b, 4), _rows(me, b, 2), batch_size=b, verbose=0)
+        assert len(model.optimizer.variables) == 2 + 2 * len(model.trainable_variables), model.optimizer.variables
+        path = os.path.join(folder, f"{type(make()).__name__}.keras")
+        model.save(path)
+        loaded = khvd.load_model(path, **extra)
+        assert type(loaded.optimizer).__name__ == type(make()).__name__ and isinstance(loaded.optimizer, type(make()))
+        assert hasattr(loaded.optimizer, "register_local_var"), type(loaded.optimizer).__mro__
+        for mine, saved in zip(loaded.optimizer.variables, model.optimizer.variables):
+            assert np.array_equal(mine.numpy(), saved.numpy()), (mine.path, saved.path)
+        loaded.fit(_rows(me, b, 4), _rows(me, b, 2), batch_size=b, verbose=0)
+        everyone = hvd.allgather_object([w.numpy() for w in loaded.weights])
+        assert all(np.array_equal(w, z) for e in everyone for w, z in zip(e, everyone[0])), "load_model: reduces"
+    shutil.rmtree(folder)
 
     # Names.
     assert khvd.HorovodInternalError is hvd.HorovodInternalError

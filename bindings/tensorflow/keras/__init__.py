@@ -1,12 +1,15 @@
-"""Keras 3 adapter: ``import mtrain.tensorflow.keras as hvd`` in place of ``import horovod.tensorflow.keras as hvd``.
+"""Keras adapter: ``import mtrain.tensorflow.keras as hvd`` in place of ``import horovod.tensorflow.keras as hvd``.
 
-``DistributedOptimizer`` wraps any Keras 3 optimizer so that ``model.fit`` (or a
-custom loop's ``apply``) averages gradients over all ranks before they are
-clipped and applied. Horovod stops at Keras 2; this is built for Keras 3.
+Both Keras generations, behind one API. ``DistributedOptimizer`` wraps a Keras 3 optimizer
+(``keras.optimizers``) or a Keras 2 one (tf_keras, which ``tf.keras`` is under
+``TF_USE_LEGACY_KERAS=1``, TensorFlow's path for Keras 2 code on TF >= 2.16), chosen by the
+optimizer it is given; the Keras 2 side is ``keras2``. The callbacks and ``load_model`` follow
+``tf.keras``. tf_keras is optional: without it, Keras 3 alone.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import sys
+from typing import Any, Dict, List, Optional
 
 import keras
 
@@ -21,7 +24,7 @@ from .. import (  # noqa: F401  (re-exported: the Horovod API)
 from ...gradient_op import check_gradient_op
 from ..gradient_tape import divided, local_refs, reduce_gradients, variable_key
 from ..mpi_ops import check_process_set, set_size
-from . import callbacks  # noqa: F401
+from . import callbacks, keras2  # noqa: F401
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
@@ -29,8 +32,8 @@ __all__ = [
     "Sum", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
     "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks", "cross_rank",
     "cross_size", "global_process_set", "grouped_allreduce", "init", "is_initialized", "local_rank",
-    "local_size", "mpi_threads_supported", "rank", "reducescatter", "remove_process_set", "shutdown", "size",
-    "start_timeline", "stop_timeline",
+    "load_model", "local_size", "mpi_threads_supported", "rank", "reducescatter", "remove_process_set", "shutdown",
+    "size", "start_timeline", "stop_timeline",
     "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
     "nccl_built", "rocm_built", "sycl_built", "elastic",
 ]
@@ -43,6 +46,10 @@ def __dir__() -> list:
 
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's own class (see ``DistributedOptimizer``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._mtrain_local = set()
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         # A variable without a gradient on this rank takes part with zeros: Keras would
@@ -57,11 +64,13 @@ class _DistributedOptimizer:
 
     def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
         # Remember which variable each gradient belongs to: _clip_gradients only sees gradients.
-        self._mtrain_applying = list(trainable_variables)
+        # Past Keras' attribute tracking (vars()): a tracked list would make the model's variables
+        # the optimizer's too, and a saved optimizer would not load back.
+        vars(self)["_mtrain_applying"] = list(trainable_variables)
         try:
             return super()._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
         finally:
-            self._mtrain_applying = None
+            vars(self)["_mtrain_applying"] = None
 
     def _clip_gradients(self, grads: Any) -> Any:
         # Keras calls this once per update, with the final (accumulated, unscaled) gradients,
@@ -89,37 +98,51 @@ class _DistributedOptimizer:
         return super()._clip_gradients(out)  # type: ignore[misc]
 
 
-_CLASSES: Dict[type, type] = {}
-
-
-def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+def DistributedOptimizer(optimizer: Any, name: Optional[str] = None,
                          device_dense: str = "", device_sparse: str = "",
                          compression: type = Compression.none, sparse_as_dense: bool = False,
                          gradient_predivide_factor: float = 1.0, op: Any = Average,
                          backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                          num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
-                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
-    """Wrap a Keras 3 optimizer so that gradients are averaged over the ranks of ``process_set`` (default:
+                         scale_local_gradients: bool = True) -> Any:
+    """Wrap a Keras optimizer so that gradients are averaged over the ranks of ``process_set`` (default:
     all ranks) before being applied; on a rank outside the set they stay its own, as in Horovod.
 
-    Returns an optimizer of the same class and configuration (``isinstance`` holds;
-    a built optimizer's variables are carried over). ``backward_passes_per_step=k``
-    accumulates k batches locally (Keras' own gradient accumulation) and reduces
-    once; as in Horovod the k gradients are summed unless
-    ``average_aggregated_gradients=True``. ``tf.IndexedSlices`` gradients (embeddings)
-    are allgathered and stay sparse, unless ``sparse_as_dense``. ``device_*``,
-    ``num_groups``, ``groups`` are accepted for Horovod compatibility.
+    Returns an optimizer of the same class name and configuration, whose ``from_config``
+    makes optimizers that reduce the same way. ``tf.IndexedSlices`` gradients (embeddings)
+    are allgathered and stay sparse, unless ``sparse_as_dense``. ``device_*``, ``num_groups``,
+    ``groups`` are accepted for Horovod compatibility.
+
+    The optimizer's generation chooses the path:
+
+    - Keras 3 (``keras.optimizers.Optimizer``): ``isinstance`` holds and a built optimizer's
+      variables are carried over. Gradients are reduced inside ``apply`` / ``apply_gradients``
+      (hence ``fit``), before clipping. ``backward_passes_per_step=k`` is Keras' own gradient
+      accumulation over k batches, reduced once.
+    - Keras 2 (tf_keras, ``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``; its new or its legacy
+      optimizers): as in Horovod, gradients are reduced where the optimizer computes them
+      (``minimize``, hence ``fit``; ``compute_gradients``; legacy ``_compute_gradients`` and
+      ``get_gradients``), and ``backward_passes_per_step=k`` sums k passes on the rank, reduces
+      every k-th and applies only then (see ``keras2``).
+
+    In both, as in Horovod, the k aggregated gradients are summed unless
+    ``average_aggregated_gradients=True``.
     """
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.Optimizer), "
-                        f"got {type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
-        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    is_keras2 = keras2.is_keras2_optimizer(optimizer)
+    if not is_keras2 and not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(not_a_keras_optimizer(optimizer))
     op = check_gradient_op(op, gradient_predivide_factor)
     check_process_set(process_set)
     if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
+    if is_keras2:
+        settings = keras2.Settings(op, gradient_predivide_factor, compression, bool(sparse_as_dense), process_set,
+                                   backward_passes_per_step, bool(average_aggregated_gradients),
+                                   scale_local_gradients)
+        return keras2.distributed_optimizer(optimizer, settings, name)
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         if config.get("gradient_accumulation_steps"):
@@ -128,19 +151,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         config["gradient_accumulation_steps"] = backward_passes_per_step
     if name is not None:
         config["name"] = name
-    base = type(optimizer)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
-    wrapped = cls.from_config(config)
-    wrapped._mtrain_op = op
-    wrapped._mtrain_predivide = gradient_predivide_factor
-    wrapped._mtrain_compression = compression
     summed = backward_passes_per_step > 1 and not average_aggregated_gradients
-    wrapped._mtrain_postscale = float(backward_passes_per_step) if summed else 1.0
-    wrapped._mtrain_local, wrapped._mtrain_scale_local = set(), scale_local_gradients
-    wrapped._mtrain_process_set = process_set
-    wrapped._mtrain_sparse_as_dense = bool(sparse_as_dense)
+    cls = _keras3_class(type(optimizer), op, gradient_predivide_factor, compression,
+                        float(backward_passes_per_step) if summed else 1.0, scale_local_gradients,
+                        process_set, bool(sparse_as_dense))
+    wrapped = cls.from_config(config)
     if optimizer.built:  # keep the state of an optimizer that has already stepped
         wrapped.build(optimizer._trainable_variables)
         for mine, theirs in zip(wrapped.variables, optimizer.variables):
@@ -148,24 +163,76 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     return wrapped
 
 
-def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+def _keras3_class(base: type, op: Any, predivide: float, compression: type, postscale: float, scale_local: bool,
+                  process_set: ProcessSet, sparse_as_dense: bool) -> type:
+    """``base`` (a Keras 3 optimizer class) with the reduction mixed in, named after it. The settings are
+    the class's, so that its ``from_config`` (and ``load_model``) builds optimizers that reduce alike."""
+    return type(base.__name__, (_DistributedOptimizer, base), {
+        "__module__": base.__module__, "_mtrain_op": op, "_mtrain_predivide": predivide,
+        "_mtrain_compression": compression, "_mtrain_postscale": postscale, "_mtrain_scale_local": scale_local,
+        "_mtrain_process_set": process_set, "_mtrain_sparse_as_dense": sparse_as_dense})
+
+
+def not_a_keras_optimizer(optimizer: Any) -> str:
+    """The error for an object that is neither a Keras 3 nor a Keras 2 (tf_keras) optimizer."""
+    message = (f"DistributedOptimizer wraps a Keras optimizer (keras.optimizers.Optimizer, or for Keras 2 a "
+               f"tf_keras.optimizers.Optimizer or tf_keras.optimizers.legacy.Optimizer), got "
+               f"{type(optimizer).__name__}")
+    if not keras2.tf_keras_installed():
+        message += "; tf_keras is not installed, so only Keras 3 optimizers can be wrapped (pip install tf_keras)"
+    return message
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: Optional[str] = None,
                                 device_dense: str = "", device_sparse: str = "",
                                 compression: type = Compression.none, sparse_as_dense: bool = False,
                                 gradient_predivide_factor: float = 1.0, op: Any = Average,
                                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                                 groups: Any = None, process_set: ProcessSet = global_process_set,
                                 local_layers: Any = None,
-                                scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
-    """A ``DistributedOptimizer`` that leaves the gradients of ``local_layers``' weights on each rank
-    (model parallelism); with ``scale_local_gradients`` those are divided by the set's size."""
+                                scale_local_gradients: bool = True) -> Any:
+    """A ``DistributedOptimizer`` (Keras 3 or Keras 2) that leaves the gradients of ``local_layers``'
+    weights on each rank (model parallelism); with ``scale_local_gradients`` those are divided by the
+    set's size."""
     wrapped = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
                                    compression=compression, sparse_as_dense=sparse_as_dense,
                                    gradient_predivide_factor=gradient_predivide_factor, op=op,
                                    backward_passes_per_step=backward_passes_per_step,
                                    average_aggregated_gradients=average_aggregated_gradients, groups=groups,
                                    process_set=process_set, scale_local_gradients=scale_local_gradients)
-    wrapped._mtrain_local = local_refs(local_layers)
+    local = local_refs(local_layers)
+    wrapped._mtrain_local.update(local)
     return wrapped
+
+
+def load_model(filepath: Any, custom_optimizers: Optional[List[type]] = None,
+               custom_objects: Optional[Dict[str, Any]] = None, compression: type = Compression.none) -> Any:
+    """Load a saved Keras model with its optimizer wrapped in a ``DistributedOptimizer`` (Horovod's
+    ``load_model``), so that training resumes with the saved optimizer state.
+
+    The model loads with ``tf.keras``: tf_keras under ``TF_USE_LEGACY_KERAS=1`` (Keras 2), Keras 3
+    otherwise. Every optimizer of that Keras is wrapped; ``custom_optimizers`` names other optimizer
+    classes to wrap; ``custom_objects`` is passed on (and wins over the wrapped names).
+    """
+    tf_keras = keras2.import_tf_keras() if keras2.legacy_keras_requested() else None
+    if tf_keras is not None:
+        objects = keras2.loading_objects(tf_keras, compression)
+        generation = tf_keras
+    else:
+        objects = {cls.__name__: _loading_class(cls, compression) for cls in vars(keras.optimizers).values()
+                   if isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)}
+        generation = keras
+    for cls in custom_optimizers or []:
+        objects[cls.__name__] = _loading_class(cls, compression)
+    objects.update(custom_objects or {})
+    return generation.models.load_model(filepath, custom_objects=objects)
+
+
+def _loading_class(base: type, compression: type) -> type:
+    """``base`` wrapped with the default settings (and ``compression``), as ``load_model`` builds it."""
+    if issubclass(base, keras.optimizers.Optimizer):
+        return _keras3_class(base, Average, 1.0, compression, 1.0, True, global_process_set, False)
+    return keras2.distributed_class(base, keras2.default_settings(compression))
 
 
 from mtrain.elastic import tensorflow as elastic  # noqa: E402  (hvd.elastic)

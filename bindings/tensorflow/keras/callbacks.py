@@ -1,4 +1,9 @@
-"""Keras 3 callbacks with Horovod's names and arguments."""
+"""Keras callbacks with Horovod's names and arguments, for Keras 3 and Keras 2.
+
+As Horovod's derive from ``tf.keras.callbacks.Callback``, these derive from the Callback of
+``tf.keras`` in this process: tf_keras' under ``TF_USE_LEGACY_KERAS=1`` (when tf_keras is
+installed), Keras 3's otherwise. Each callback reads the optimizer it finds on the model.
+"""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
@@ -10,9 +15,22 @@ import mtrain.ringreduce as rr
 
 from ..gradient_tape import variable_key
 from ..mpi_ops import broadcast_variables
+from . import keras2
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+def _callback_base() -> type:
+    """``tf.keras.callbacks.Callback`` as TensorFlow resolves it, without importing tf_keras otherwise."""
+    if keras2.legacy_keras_requested():
+        tf_keras = keras2.import_tf_keras()
+        if tf_keras is not None:
+            return tf_keras.callbacks.Callback
+    return keras.callbacks.Callback
+
+
+_Callback = _callback_base()
+
+
+class BroadcastGlobalVariablesCallback(_Callback):
     """Broadcast the model's and the optimizer's variables from ``root_rank`` when training starts.
 
     Unlike Horovod (after the first batch), this runs before the first batch, so
@@ -26,9 +44,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = False
         self.local_variables = set()
         self._local_slot_prefixes = []
+        self._local_list = []
         for item in local_variables or []:
             for variable in getattr(item, "weights", [item]):
                 self.local_variables.add(variable_key(variable))
+                self._local_list.append(variable)
                 if hasattr(variable, "path"):  # Keras 3 names a slot "<variable path with _>_<slot>"
                     self._local_slot_prefixes.append(variable.path.replace("/", "_") + "_")
 
@@ -44,7 +64,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             return
         broadcast_variables(self._shared(self.model.variables), self.root_rank)
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None:
+        if keras2.is_keras2_optimizer(optimizer):
+            variables = keras2.optimizer_variables(optimizer, self.model.trainable_variables)
+            local = keras2.slot_variables(optimizer, self._local_list)  # their moments stay local too
+            broadcast_variables([v for v in variables if variable_key(v) not in local], self.root_rank)
+        elif optimizer is not None:
             if not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
             # The optimizer state of local variables (Adam's moments, ...) stays local too.
@@ -52,7 +76,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_Callback):
     """At the end of every epoch, replace each metric in ``logs`` by its average over all ranks.
 
     Put it before callbacks that read the metrics (ModelCheckpoint, ReduceLROnPlateau, ...).
@@ -71,12 +95,14 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[key] = value
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_Callback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` between ``start_epoch`` and ``end_epoch``.
 
     ``multiplier`` is a number or a function of the (fractional, when not
-    ``staircase``) epoch. ``momentum_correction`` is accepted for Horovod
-    compatibility; Keras 3 compiles momentum as a constant, so it is not adjusted.
+    ``staircase``) epoch. With ``momentum_correction``, as in Horovod, a Keras 2 legacy
+    optimizer's momentum is scaled by new/old learning rate for the batch that follows a change
+    (Goyal et al.), then restored. Keras 3 and the new tf_keras optimizers compile momentum as a
+    constant, so there it is not adjusted.
     """
 
     def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
@@ -90,12 +116,27 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = 0
+        self.restore_momentum: Optional[float] = None
 
     def _active(self, epoch: int) -> bool:
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
 
     def _set(self, epoch: float) -> None:
-        self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+        optimizer = self.model.optimizer
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        momentum = keras2.legacy_hyper(optimizer, "momentum") if self.momentum_correction else None
+        if momentum is not None:
+            old_lr = keras2.legacy_hyper(optimizer, "learning_rate")
+            if self.restore_momentum is None:
+                self.restore_momentum = momentum
+            if old_lr:
+                optimizer.momentum = self.restore_momentum * new_lr / old_lr
+        optimizer.learning_rate = new_lr
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self.restore_momentum is not None:
+            self.model.optimizer.momentum = self.restore_momentum
+            self.restore_momentum = None
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         if self.steps_per_epoch is None:
