@@ -221,6 +221,15 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
             if item.split("=", 1)[0] == setting.name:
                 raise click.UsageError(f"{setting.origin} sets {setting.name} for the ranks, and so does "
                                        f"-x {item}; give one of them")
+    ranks_environ = dict(os.environ)
+    for item in options["env_items"]:
+        if "=" in item:
+            key, value = item.split("=", 1)
+            ranks_environ[key] = value
+    ranks_environ.update((setting.name, setting.value) for setting in rank_settings)
+    refusal = tuning.refused_variable(ranks_environ)
+    if refusal is not None:
+        raise click.UsageError(refusal)
     binding_args: tuple[str, ...] | None = None
     if options["binding_args"] is not None:
         try:

@@ -203,3 +203,44 @@ def rank_settings(options: Mapping[str, Any], origins: Mapping[str, str]) -> "tu
         if effect.note:
             notes.append(f"mtrain: {origin}: {effect.note}")
     return tuple(settings), tuple(notes)
+
+
+def _runtime_settings() -> Any:
+    """ringreduce/settings.py, loaded from its file: importing it as ``mtrain.ringreduce.settings``
+    would run the runtime package's ``__init__`` (mpi4py, MPI_Init) in the launcher. The module
+    is plain Python (the standard library only), so this copy reads the environment exactly as
+    every rank's ``init()`` will."""
+    import importlib.util
+    import sys
+    name = "mtrain.launcher._runtime_settings"
+    if name in sys.modules:
+        return sys.modules[name]
+    package = importlib.util.find_spec("mtrain.ringreduce")
+    if package is None or not package.submodule_search_locations:
+        return None
+    path = os.path.join(list(package.submodule_search_locations)[0], "settings.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def refused_variable(environ: Mapping[str, str]) -> "str | None":
+    """The one-line refusal of the first runtime variable (ours or Horovod's, as the ranks will
+    see it in ``environ``) whose value every rank's ``init()`` would refuse, or None."""
+    settings = _runtime_settings()
+    if settings is None:
+        return None
+    for setting in settings.SETTINGS:
+        try:
+            setting.read(environ)
+        except ValueError as error:
+            return str(error)
+    return None

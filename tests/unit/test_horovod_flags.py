@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -370,3 +372,20 @@ def test_rank_zero_logs_its_settings_at_debug_and_says_there_is_no_hierarchical_
         assert capsys.readouterr().err == ""  # rank 0 alone says it
     finally:
         log.start(EngineConfig(), rank=1)
+
+
+def test_the_launcher_refuses_a_variable_the_ranks_would_refuse():
+    from mtrain.launcher import tuning
+    refusal = tuning.refused_variable({"HOROVOD_CYCLE_TIME": "abc"})
+    assert refusal is not None and refusal.startswith("HOROVOD_CYCLE_TIME='abc' is not a number")
+    assert tuning.refused_variable({"HOROVOD_CACHE_CAPACITY": "-1"}).startswith("HOROVOD_CACHE_CAPACITY=")
+    # Ours win, so the ranks never read Horovod's twin: nothing to refuse (as init() reads it).
+    assert tuning.refused_variable({"MTRAIN_CYCLE_TIME_MS": "2", "HOROVOD_CYCLE_TIME": "abc"}) is None
+    assert tuning.refused_variable({"HOROVOD_AUTOTUNE": "1", "HOROVOD_FUSION_THRESHOLD": "0"}) is None
+
+
+def test_checking_variables_leaves_mpi_alone_in_the_launcher():
+    code = ("import sys; from mtrain.launcher import tuning; tuning.refused_variable({}); "
+            "print(sorted(m for m in sys.modules if m.startswith(('mpi4py', 'mtrain.ringreduce'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
