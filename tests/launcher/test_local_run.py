@@ -100,7 +100,13 @@ def test_failure_before_init_reads_like_one_after_it():
     missing = mtrain("-np", "2", PYTHON, "no_such_script.py")
     assert missing.returncode == 2, missing.stderr
     assert "exit code 2 (" in missing.stderr and "no_such_script.py" in missing.stderr
-    bad_setting = mtrain("-np", "2", "-x", "MTRAIN_CYCLE_TIME_MS=soon", PYTHON, "-c",
+    # A bad runtime variable given to `mtrain run` is refused before anything starts; one the
+    # program sets itself is refused by init() on the ranks, and reported like any failure.
+    refused = mtrain("-np", "2", "-x", "MTRAIN_CYCLE_TIME_MS=soon", PYTHON, "-c",
+                     "import mtrain.ringreduce as rr; rr.init()")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "MTRAIN_CYCLE_TIME_MS='soon' is not a number" in refused.stderr
+    bad_setting = mtrain("-np", "2", PYTHON, "-c", "import os; os.environ['MTRAIN_CYCLE_TIME_MS'] = 'soon'; "
                          "import mtrain.ringreduce as rr; rr.init()")
     assert "exit code 1 (ValueError: MTRAIN_CYCLE_TIME_MS='soon' is not a number" in bad_setting.stderr
     for done in (early, late, missing, bad_setting):
