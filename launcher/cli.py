@@ -165,6 +165,17 @@ _NONNEGATIVE = click.IntRange(min=0)
               help="Samples of Bayesian optimisation before the categorical settings are tried (default: 20).")
 @click.option("--autotune-gaussian-process-noise", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Noise of the autotuner's Gaussian process, in units of the scores' spread (default: 0.8).")
+@click.option("--timeline-filename", type=click.Path(dir_okay=False), default=None,
+              help="Rank 0 writes a timeline of every collective here (Chrome trace format, as Horovod's).")
+@click.option("--timeline-mark-cycles", is_flag=True, default=None,
+              help="Mark each engine cycle in the timeline.")
+@click.option("--stall-check/--no-stall-check", default=None,
+              help="Warn about ops some ranks submitted and others did not (default: on).")
+@click.option("--stall-check-warning-time-seconds", type=click.FloatRange(min=0), default=None,
+              help="Seconds an op may wait for the other ranks before the stall warning (default: 60).")
+@click.option("--stall-check-shutdown-time-seconds", type=click.FloatRange(min=0), default=None,
+              help="Seconds an op may wait before the job ends with an error naming the missing ranks "
+                   "(default: 0, never).")
 @click.option("--mpi-threads-disable", is_flag=True, default=None,
               help="Horovod's; mtrain's background engine needs MPI threads, so they stay on.")
 @click.option("--num-nccl-streams", type=_NONNEGATIVE, default=None,

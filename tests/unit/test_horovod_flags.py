@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -218,13 +219,44 @@ def test_bad_config_files_are_one_line_naming_file_and_key(capsys, tmp_path, tex
 
 def test_config_keys_of_flags_this_run_lacks_are_named_not_dropped(capsys, tmp_path):
     path = tmp_path / "horovod.yaml"
-    path.write_text("stall_check:\n  enabled: false\nparams:\n  cycle_time_ms: 4\n")
+    path.write_text("library_options:\n  ccl_bgt_affinity: 1\nparams:\n  cycle_time_ms: 4\n")
     status, out, err = dry_run(capsys, "--config-file", str(path))
     assert status == 0, err
     assert "MTRAIN_CYCLE_TIME_MS" in settings_shown(out)
-    # Applied once the flag exists (other work adds --no-stall-check); until then, said so.
-    assert ("mtrain: --config-file stall_check.enabled: not applied; this mtrain run has no --no-stall-check"
-            in err.splitlines())
+    assert ("mtrain: --config-file library_options.ccl_bgt_affinity: not applied; this mtrain run has no "
+            "--ccl-bgt-affinity" in err.splitlines())
+
+
+def test_timeline_and_stall_check_flags_and_their_config_keys(capsys, tmp_path):
+    status, out, err = dry_run(capsys, "--timeline-filename", "tl.json", "--timeline-mark-cycles",
+                               "--no-stall-check", "--stall-check-warning-time-seconds", "12.5",
+                               "--stall-check-shutdown-time-seconds", "30")
+    assert status == 0 and err == "", err
+    assert settings_shown(out) == {
+        "MTRAIN_TIMELINE": f"{os.path.abspath('tl.json')} (--timeline-filename)",
+        "MTRAIN_TIMELINE_MARK_CYCLES": "1 (--timeline-mark-cycles)",
+        "MTRAIN_STALL_CHECK_DISABLE": "1 (--no-stall-check)",
+        "MTRAIN_STALL_WARNING_SECONDS": "12.5 (--stall-check-warning-time-seconds)",
+        "MTRAIN_STALL_SHUTDOWN_SECONDS": "30 (--stall-check-shutdown-time-seconds)",
+    }
+    # Horovod's file says `stall_check: enabled:` where its command line says --no-stall-check.
+    path = tmp_path / "horovod.yaml"
+    path.write_text("timeline:\n  filename: /tmp/x.json\n  mark_cycles: false\n"
+                    "stall_check:\n  enabled: false\n  warning_time_seconds: 5\n")
+    status, out, err = dry_run(capsys, "--config-file", str(path))
+    assert status == 0 and err == "", err
+    assert settings_shown(out) == {
+        "MTRAIN_TIMELINE": "/tmp/x.json (--config-file timeline.filename)",
+        "MTRAIN_TIMELINE_MARK_CYCLES": "0 (--config-file timeline.mark_cycles)",
+        "MTRAIN_STALL_CHECK_DISABLE": "1 (--config-file stall_check.enabled)",
+        "MTRAIN_STALL_WARNING_SECONDS": "5 (--config-file stall_check.warning_time_seconds)",
+    }
+    path.write_text("stall_check:\n  enabled: true\n")
+    status, out, err = dry_run(capsys, "--config-file", str(path))
+    assert settings_shown(out) == {"MTRAIN_STALL_CHECK_DISABLE": "0 (--config-file stall_check.enabled)"}
+    status = main(["run", "-np", "2", "--stall-check-warning-time-seconds", "-1", "true"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "--stall-check-warning-time-seconds" in err
 
 
 def test_dry_run_shows_the_horovod_and_mtrain_variables_the_ranks_inherit(capsys, monkeypatch):
@@ -249,7 +281,7 @@ def test_every_variable_the_flags_set_is_one_the_runtime_reads():
     flag_names = {name for flag in tuning.FLAGS
                   for name, _ in flag.effect("INFO" if flag.option == "log_level" else 1).variables}
     assert flag_names - runtime_names == {tuning.NCCL_IB_DISABLE}  # NCCL's own, for a program's NCCL
-    assert len(flag_names) == 12
+    assert len(flag_names) == 17
 
 
 # -- output timestamps ---------------------------------------------------------------------
