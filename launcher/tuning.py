@@ -88,7 +88,7 @@ FLAGS: "tuple[Flag, ...]" = (
          "--no-hierarchical-allgather"),
     # --autotune off (the default) sets nothing: MTRAIN_AUTOTUNE / HOROVOD_AUTOTUNE in the environment still count.
     Flag("autotune", "--autotune", ("autotune", "enabled"),
-         lambda on: Effect(((AUTOTUNE, "1"),)) if on else Effect()),
+         lambda on: Effect(((AUTOTUNE, "1"),)) if on else Effect(), "--no-autotune"),
     Flag("autotune_log_file", "--autotune-log-file", ("autotune", "log_file"),
          _variable(AUTOTUNE_LOG, lambda path: os.path.abspath(str(path)))),
     Flag("autotune_warmup_samples", "--autotune-warmup-samples", ("autotune", "warmup_samples"),
@@ -103,7 +103,7 @@ FLAGS: "tuple[Flag, ...]" = (
     Flag("timeline_filename", "--timeline-filename", ("timeline", "filename"),
          _variable(TIMELINE, lambda path: os.path.abspath(str(path)))),
     Flag("timeline_mark_cycles", "--timeline-mark-cycles", ("timeline", "mark_cycles"),
-         lambda on: Effect(((TIMELINE_MARK_CYCLES, "1" if on else "0"),))),
+         lambda on: Effect(((TIMELINE_MARK_CYCLES, "1" if on else "0"),)), "--no-timeline-mark-cycles"),
     # Horovod has --no-stall-check only; its config file's `stall_check.enabled` is the other side.
     Flag("stall_check", "--stall-check", ("stall_check", "enabled"),
          lambda on: Effect(((STALL_CHECK_DISABLE, "0" if on else "1"),)), "--no-stall-check"),
@@ -112,7 +112,8 @@ FLAGS: "tuple[Flag, ...]" = (
     Flag("stall_check_shutdown_time_seconds", "--stall-check-shutdown-time-seconds",
          ("stall_check", "shutdown_time_seconds"), _variable(STALL_SHUTDOWN_SECONDS, _number_text)),
     Flag("mpi_threads_disable", "--mpi-threads-disable", ("library_options", "mpi_threads_disable"),
-         _note_if_set("mtrain's background engine needs MPI's thread support; it stays on")),
+         _note_if_set("mtrain's background engine needs MPI's thread support; it stays on"),
+         "--no-mpi-threads-disable"),
     Flag("num_nccl_streams", "--num-nccl-streams", ("library_options", "num_nccl_streams"),
          _note_if_set("mtrain's collectives do not use NCCL; the setting has no effect")),
     Flag("thread_affinity", "--thread-affinity", None,

@@ -421,3 +421,54 @@ def test_checking_variables_leaves_mpi_alone_in_the_launcher():
             "print(sorted(m for m in sys.modules if m.startswith(('mpi4py', 'mtrain.ringreduce'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+# Every flag of horovodrun 0.28 (horovod/runner/launch.py, parse_args; its hidden aliases too),
+# with a value where it takes one. Elastic ones run in their own line (they need a discovery script).
+HOROVODRUN_FLAGS = [
+    ["-v"], ["--version"], ["-cb"], ["--check-build"], ["--disable-cache"], ["--start-timeout", "30"],
+    ["--network-interface", "lo"], ["--network-interfaces", "lo"], ["--output-filename", "out"], ["--verbose"],
+    ["--config-file", "CONFIG"], ["-p", "22"], ["--ssh-port", "22"], ["-i", "KEY"], ["--ssh-identity-file", "KEY"],
+    ["--fusion-threshold-mb", "64"], ["--cycle-time-ms", "5"], ["--cache-capacity", "1024"],
+    ["--hierarchical-allreduce"], ["--no-hierarchical-allreduce"], ["--hierarchical-allgather"],
+    ["--no-hierarchical-allgather"], ["--autotune"], ["--no-autotune"], ["--autotune-log-file", "at.csv"],
+    ["--autotune-warmup-samples", "3"], ["--autotune-steps-per-sample", "10"],
+    ["--autotune-bayes-opt-max-samples", "20"], ["--autotune-gaussian-process-noise", "0.8"],
+    ["--timeline-filename", "tl.json"], ["--timeline-mark-cycles"], ["--no-timeline-mark-cycles"],
+    ["--no-stall-check"], ["--stall-check"], ["--stall-check-warning-time-seconds", "60"],
+    ["--stall-check-shutdown-time-seconds", "0"], ["--mpi-threads-disable"], ["--no-mpi-threads-disable"],
+    ["--mpi-args=--oversubscribe"], ["--tcp"], ["--binding-args=--bind-to none"], ["--num-nccl-streams", "1"],
+    ["--thread-affinity", "0"], ["--gloo-timeout-seconds", "30"], ["--log-level", "WARNING"],
+    ["--log-with-timestamp"], ["--log-without-timestamp"], ["-prefix-timestamp"], ["--prefix-output-with-timestamp"],
+    ["--log-hide-timestamp"], ["--no-log-hide-timestamp"], ["-H", "localhost:2"], ["--hosts", "localhost:2"],
+    ["-hostfile", "HOSTFILE"], ["--hostfile", "HOSTFILE"], ["--gloo"], ["--mpi"], ["--jsrun"],
+]
+
+
+@pytest.mark.parametrize("flag", HOROVODRUN_FLAGS, ids=lambda flag: flag[0])
+def test_every_horovodrun_flag_is_accepted(capsys, tmp_path, flag):
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    (tmp_path / "key").write_text("")
+    (tmp_path / "horovod.yaml").write_text("params:\n  cycle_time_ms: 2\n")
+    args = [{"CONFIG": str(tmp_path / "horovod.yaml"), "KEY": str(tmp_path / "key"),
+             "HOSTFILE": str(tmp_path / "hosts")}.get(arg, arg) for arg in flag]
+    status = main(["run", "-np", "2", *args, "--dry-run", "python", "train.py"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert len(err.strip().splitlines()) <= 1, err  # at most the one line of a flag mtrain has no use for
+    if flag[0] in ("-v", "--version"):
+        assert out.strip() == f"mtrain, version {mtrain.__version__}", out
+    elif flag[0] in ("-cb", "--check-build"):
+        assert "Available Frameworks:" in out, out
+    else:  # the job's plan, not click's help (which a misread single-dash flag such as -hostfile gives)
+        assert re.search(r"^host localhost: ranks 0-1 \(local\)$", out, re.MULTILINE), out
+
+
+def test_horovodruns_elastic_flags_are_accepted(capsys, tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    status = main(["run", "-np", "2", "--min-np", "1", "--max-np", "2", "--slots-per-host", "2",
+                   "--elastic-timeout", "60", "--reset-limit", "3", "--blacklist-cooldown-range", "1", "5",
+                   "--host-discovery-script", str(script), "--dry-run", "python", "train.py"])
+    assert status == 0, capsys.readouterr().err
