@@ -92,7 +92,7 @@ _NONNEGATIVE = click.IntRange(min=0)
               help="Number of ranks (default: all slots of the hosts).")
 @click.option("-H", "--hosts", "host_list", type=HostListType(), default=None,
               help="Hosts and slots, e.g. host1:4,host2:4 (a host without :N has 1 slot).")
-@click.option("--hostfile", type=click.Path(dir_okay=False), default=None,
+@click.option("-hostfile", "--hostfile", type=click.Path(dir_okay=False), default=None,
               help="File with one `host slots=N` per line.")
 @click.option("-p", "--ssh-port", type=click.IntRange(1, 65535), default=None,
               help="SSH port of the remote hosts (default: ~/.ssh/config, else 22).")
@@ -151,7 +151,7 @@ _NONNEGATIVE = click.IntRange(min=0)
                    "per buffer).")
 @click.option("--hierarchical-allgather/--no-hierarchical-allgather", default=None,
               help="Horovod's hierarchical allgather; mtrain's allgather runs on the ring.")
-@click.option("--autotune", is_flag=True, default=None,
+@click.option("--autotune/--no-autotune", default=None,
               help="Tune the fusion threshold, cycle time, ring segment and shared-memory stripe sizes, the "
                    "all-reduce algorithm, the shared-memory transport and the response cache during the first "
                    "steps, then keep the best (Horovod's autotune).")
@@ -165,7 +165,18 @@ _NONNEGATIVE = click.IntRange(min=0)
               help="Samples of Bayesian optimisation before the categorical settings are tried (default: 20).")
 @click.option("--autotune-gaussian-process-noise", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Noise of the autotuner's Gaussian process, in units of the scores' spread (default: 0.8).")
-@click.option("--mpi-threads-disable", is_flag=True, default=None,
+@click.option("--timeline-filename", type=click.Path(dir_okay=False), default=None,
+              help="Rank 0 writes a timeline of every collective here (Chrome trace format, as Horovod's).")
+@click.option("--timeline-mark-cycles/--no-timeline-mark-cycles", default=None,
+              help="Mark each engine cycle in the timeline.")
+@click.option("--stall-check/--no-stall-check", default=None,
+              help="Warn about ops some ranks submitted and others did not (default: on).")
+@click.option("--stall-check-warning-time-seconds", type=click.FloatRange(min=0), default=None,
+              help="Seconds an op may wait for the other ranks before the stall warning (default: 60).")
+@click.option("--stall-check-shutdown-time-seconds", type=click.FloatRange(min=0), default=None,
+              help="Seconds an op may wait before the job ends with an error naming the missing ranks "
+                   "(default: 0, never).")
+@click.option("--mpi-threads-disable/--no-mpi-threads-disable", default=None,
               help="Horovod's; mtrain's background engine needs MPI threads, so they stay on.")
 @click.option("--num-nccl-streams", type=_NONNEGATIVE, default=None,
               help="Horovod's; mtrain's collectives do not use NCCL.")
@@ -180,7 +191,9 @@ _NONNEGATIVE = click.IntRange(min=0)
                    "`--map-by slot --bind-to none` (MPICH: `-bind-to none`).")
 @click.option("--log-level", type=click.Choice(tuning.LOG_LEVELS, case_sensitive=False), default=None,
               help="Least severe runtime message shown (default: WARNING).")
-@click.option("--log-without-timestamp", "log_with_timestamp", flag_value=False, default=None,
+# Horovod's deprecated --log-hide-timestamp / --no-log-hide-timestamp are the same switch, reversed.
+@click.option("--log-with-timestamp/--log-without-timestamp", "--no-log-hide-timestamp/--log-hide-timestamp",
+              "log_with_timestamp", default=None,
               help="Horovod's; mtrain's runtime messages carry no timestamp anyway.")
 @click.option("-prefix-timestamp", "--prefix-output-with-timestamp", "prefix_timestamp", is_flag=True,
               help="Start every line of the ranks' output with the time mtrain received it.")

@@ -28,6 +28,11 @@ AUTOTUNE_WARMUP_SAMPLES = "MTRAIN_AUTOTUNE_WARMUP_SAMPLES"
 AUTOTUNE_STEPS_PER_SAMPLE = "MTRAIN_AUTOTUNE_STEPS_PER_SAMPLE"
 AUTOTUNE_BAYES_OPT_MAX_SAMPLES = "MTRAIN_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"
 AUTOTUNE_GAUSSIAN_PROCESS_NOISE = "MTRAIN_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"
+TIMELINE = "MTRAIN_TIMELINE"
+TIMELINE_MARK_CYCLES = "MTRAIN_TIMELINE_MARK_CYCLES"
+STALL_CHECK_DISABLE = "MTRAIN_STALL_CHECK_DISABLE"
+STALL_WARNING_SECONDS = "MTRAIN_STALL_WARNING_SECONDS"
+STALL_SHUTDOWN_SECONDS = "MTRAIN_STALL_SHUTDOWN_SECONDS"
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # Horovod's --log-level choices
 # NCCL's own variable: `--tcp` keeps NCCL (a torch.distributed program's) off InfiniBand, as in Horovod.
 NCCL_IB_DISABLE = "NCCL_IB_DISABLE"
@@ -83,7 +88,7 @@ FLAGS: "tuple[Flag, ...]" = (
          "--no-hierarchical-allgather"),
     # --autotune off (the default) sets nothing: MTRAIN_AUTOTUNE / HOROVOD_AUTOTUNE in the environment still count.
     Flag("autotune", "--autotune", ("autotune", "enabled"),
-         lambda on: Effect(((AUTOTUNE, "1"),)) if on else Effect()),
+         lambda on: Effect(((AUTOTUNE, "1"),)) if on else Effect(), "--no-autotune"),
     Flag("autotune_log_file", "--autotune-log-file", ("autotune", "log_file"),
          _variable(AUTOTUNE_LOG, lambda path: os.path.abspath(str(path)))),
     Flag("autotune_warmup_samples", "--autotune-warmup-samples", ("autotune", "warmup_samples"),
@@ -94,8 +99,21 @@ FLAGS: "tuple[Flag, ...]" = (
          ("autotune", "bayes_opt_max_samples"), _variable(AUTOTUNE_BAYES_OPT_MAX_SAMPLES)),
     Flag("autotune_gaussian_process_noise", "--autotune-gaussian-process-noise",
          ("autotune", "gaussian_process_noise"), _variable(AUTOTUNE_GAUSSIAN_PROCESS_NOISE, _number_text)),
+    # Rank 0 writes the timeline (Horovod's Chrome trace); a relative path is the launch folder's.
+    Flag("timeline_filename", "--timeline-filename", ("timeline", "filename"),
+         _variable(TIMELINE, lambda path: os.path.abspath(str(path)))),
+    Flag("timeline_mark_cycles", "--timeline-mark-cycles", ("timeline", "mark_cycles"),
+         lambda on: Effect(((TIMELINE_MARK_CYCLES, "1" if on else "0"),)), "--no-timeline-mark-cycles"),
+    # Horovod has --no-stall-check only; its config file's `stall_check.enabled` is the other side.
+    Flag("stall_check", "--stall-check", ("stall_check", "enabled"),
+         lambda on: Effect(((STALL_CHECK_DISABLE, "0" if on else "1"),)), "--no-stall-check"),
+    Flag("stall_check_warning_time_seconds", "--stall-check-warning-time-seconds",
+         ("stall_check", "warning_time_seconds"), _variable(STALL_WARNING_SECONDS, _number_text)),
+    Flag("stall_check_shutdown_time_seconds", "--stall-check-shutdown-time-seconds",
+         ("stall_check", "shutdown_time_seconds"), _variable(STALL_SHUTDOWN_SECONDS, _number_text)),
     Flag("mpi_threads_disable", "--mpi-threads-disable", ("library_options", "mpi_threads_disable"),
-         _note_if_set("mtrain's background engine needs MPI's thread support; it stays on")),
+         _note_if_set("mtrain's background engine needs MPI's thread support; it stays on"),
+         "--no-mpi-threads-disable"),
     Flag("num_nccl_streams", "--num-nccl-streams", ("library_options", "num_nccl_streams"),
          _note_if_set("mtrain's collectives do not use NCCL; the setting has no effect")),
     Flag("thread_affinity", "--thread-affinity", None,
@@ -117,14 +135,9 @@ FLAGS: "tuple[Flag, ...]" = (
          _note_if_set("mtrain keeps no cache of its host checks; every run checks every host")),
 )
 
-# Horovod's config file keys whose flags are other parts of `mtrain run` (or not there yet):
-# (section, key) -> the option name they set.  `stall_check.enabled` is the inverse of --no-stall-check.
+# Horovod's config file keys with no flag in `mtrain run`: (section, key) -> the option name they
+# would set (the file's value then gets a line saying it is not applied).
 OTHER_CONFIG_KEYS: "dict[tuple[str, str], str]" = {
-    ("timeline", "filename"): "timeline_filename",
-    ("timeline", "mark_cycles"): "timeline_mark_cycles",
-    ("stall_check", "enabled"): "no_stall_check",
-    ("stall_check", "warning_time_seconds"): "stall_check_warning_time_seconds",
-    ("stall_check", "shutdown_time_seconds"): "stall_check_shutdown_time_seconds",
     ("library_options", "ccl_bgt_affinity"): "ccl_bgt_affinity",  # a file-only setting in Horovod too
 }
 CONFIG_KEYS: "dict[tuple[str, str], str]" = {
@@ -181,8 +194,6 @@ def read_config_file(path: str) -> "list[ConfigValue]":
             if option is None:
                 known = sorted(k for s, k in CONFIG_KEYS if s == section)
                 raise ConfigFileError(f"unknown key {section}.{key}; {section} takes {', '.join(known)}")
-            if (section, key) == ("stall_check", "enabled") and isinstance(value, bool):
-                value = not value
             found.append(ConfigValue(option, value, f"{section}.{key}"))
     return found
 

@@ -74,7 +74,6 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     world_ranks = list(range(comms.world.Get_size()))
 
     def make_engine(set_comms: comm_module.Communicators, ranks: "list[int] | None" = None) -> Engine:
-        # A set's engine names global ranks in its messages, and only the global set keeps a timeline.
         # A set's engine names global ranks in its messages; only the global set keeps a timeline,
         # and only its engine is autotuned (Horovod tunes one set of parameters for the job).
         set_config = config if set_comms is comms else dataclasses.replace(

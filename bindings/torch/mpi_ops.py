@@ -308,30 +308,32 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> Handle:
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    """Start ``reducescatter``. Horovod's parameter order: ``process_set`` before the scale factors
+    here and in the other reduce-scatters (its all-reduces put it last)."""
     array = numpy_view(check_tensor(tensor))
     return Handle(rr.reducescatter_async(array, op, name, prescale_factor, postscale_factor,
                                                    process_set=process_set), from_numpy)
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: type = Compression.none,
-                  op: Any = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> torch.Tensor:
+                  op: Any = Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over ranks, keep this rank's rows (the first ``rows % size`` ranks get one extra).
     Differentiable."""
     compressed, ctx = compression.compress(check_tensor(tensor))
     if tensor.requires_grad and torch.is_grad_enabled():
         reduced = _ReducescatterFunction.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     else:
-        reduced = synchronize(reducescatter_async(compressed, name, op, prescale_factor, postscale_factor,
-                                                   process_set))
+        reduced = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor,
+                                                   postscale_factor))
     return compression.decompress(reduced, ctx)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: Any = Average,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> Handle:
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
     """Start reduce-scatters of several tensors as one unit; ``synchronize`` returns a list."""
     arrays = [numpy_view(check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inner = rr.grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor,
@@ -341,8 +343,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression: type = Compression.none, op: Any = Average,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """``reducescatter`` of each tensor, as one unit. Differentiable."""
     compressed = [compression.compress(check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inputs = [t for t, _ in compressed]
@@ -350,8 +352,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
         reduced = list(_GroupedReducescatterFunction.apply(name, op, prescale_factor, postscale_factor, process_set,
                                                            *inputs))
     else:
-        reduced = synchronize(grouped_reducescatter_async(inputs, name, op, prescale_factor, postscale_factor,
-                                                           process_set))
+        reduced = synchronize(grouped_reducescatter_async(inputs, name, op, process_set, prescale_factor,
+                                                           postscale_factor))
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
 
@@ -369,7 +371,7 @@ class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):  # type: ignore[override]
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set))
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -380,8 +382,8 @@ class _GroupedReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):  # type: ignore[override]
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return tuple(synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
-                                                             postscale_factor, process_set)))
+        return tuple(synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
+                                                             postscale_factor)))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]

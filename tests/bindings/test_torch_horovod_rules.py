@@ -182,7 +182,9 @@ def test_optimizer_state_broadcast_leaves_zero_gradients_and_refusals_are_runtim
     require a gradient are given a zero one (sparse for SparseAdam and a model's sparse embeddings);
     horovod/torch/mpi_ops.py and horovod/common/operations.cc / controller.cc: an op a collective
     does not support, an Adasum it cannot run, a scalar to alltoall and a collective before init
-    are refused as RuntimeError (NotImplementedError, HorovodInternalError)."""
+    are refused as RuntimeError (NotImplementedError, HorovodInternalError); horovod/torch/mpi_ops.py
+    reducescatter and its async and grouped forms take process_set before the scale factors, so
+    positional callers pass them in that order."""
     import mtrain.torch as hvd
     n, me = hvd.size(), hvd.rank()
 
@@ -227,3 +229,15 @@ def test_optimizer_state_broadcast_leaves_zero_gradients_and_refusals_are_runtim
     refused(lambda: hvd.allreduce(t), "not initialized")
     hvd.init()  # the harness shuts it down after the body
     assert torch.equal(hvd.broadcast(t, root_rank=0), _data(0, (n, 2)))
+
+    # Horovod's parameter order of the reduce-scatters, called positionally (rows: an uneven split).
+    rows = _data(me, (2 * n + 1, 2))
+    want = hvd.reducescatter(rows, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+    assert not torch.equal(want, hvd.reducescatter(rows, op=hvd.Sum))  # the factors count
+    none, world = hvd.Compression.none, hvd.global_process_set
+    assert torch.equal(hvd.reducescatter(rows, "rules.rs", none, hvd.Sum, world, 0.5, 3.0), want)
+    assert torch.equal(hvd.synchronize(hvd.reducescatter_async(rows, "rules.rsa", hvd.Sum, world, 0.5, 3.0)), want)
+    got = hvd.grouped_reducescatter([rows, rows * 2], "rules.grs", none, hvd.Sum, world, 0.5, 3.0)
+    assert torch.equal(got[0], want) and torch.equal(got[1], want * 2)
+    got = hvd.synchronize(hvd.grouped_reducescatter_async([rows], "rules.grsa", hvd.Sum, world, 0.5, 3.0))
+    assert torch.equal(got[0], want)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -218,13 +219,44 @@ def test_bad_config_files_are_one_line_naming_file_and_key(capsys, tmp_path, tex
 
 def test_config_keys_of_flags_this_run_lacks_are_named_not_dropped(capsys, tmp_path):
     path = tmp_path / "horovod.yaml"
-    path.write_text("stall_check:\n  enabled: false\nparams:\n  cycle_time_ms: 4\n")
+    path.write_text("library_options:\n  ccl_bgt_affinity: 1\nparams:\n  cycle_time_ms: 4\n")
     status, out, err = dry_run(capsys, "--config-file", str(path))
     assert status == 0, err
     assert "MTRAIN_CYCLE_TIME_MS" in settings_shown(out)
-    # Applied once the flag exists (other work adds --no-stall-check); until then, said so.
-    assert ("mtrain: --config-file stall_check.enabled: not applied; this mtrain run has no --no-stall-check"
-            in err.splitlines())
+    assert ("mtrain: --config-file library_options.ccl_bgt_affinity: not applied; this mtrain run has no "
+            "--ccl-bgt-affinity" in err.splitlines())
+
+
+def test_timeline_and_stall_check_flags_and_their_config_keys(capsys, tmp_path):
+    status, out, err = dry_run(capsys, "--timeline-filename", "tl.json", "--timeline-mark-cycles",
+                               "--no-stall-check", "--stall-check-warning-time-seconds", "12.5",
+                               "--stall-check-shutdown-time-seconds", "30")
+    assert status == 0 and err == "", err
+    assert settings_shown(out) == {
+        "MTRAIN_TIMELINE": f"{os.path.abspath('tl.json')} (--timeline-filename)",
+        "MTRAIN_TIMELINE_MARK_CYCLES": "1 (--timeline-mark-cycles)",
+        "MTRAIN_STALL_CHECK_DISABLE": "1 (--no-stall-check)",
+        "MTRAIN_STALL_WARNING_SECONDS": "12.5 (--stall-check-warning-time-seconds)",
+        "MTRAIN_STALL_SHUTDOWN_SECONDS": "30 (--stall-check-shutdown-time-seconds)",
+    }
+    # Horovod's file says `stall_check: enabled:` where its command line says --no-stall-check.
+    path = tmp_path / "horovod.yaml"
+    path.write_text("timeline:\n  filename: /tmp/x.json\n  mark_cycles: false\n"
+                    "stall_check:\n  enabled: false\n  warning_time_seconds: 5\n")
+    status, out, err = dry_run(capsys, "--config-file", str(path))
+    assert status == 0 and err == "", err
+    assert settings_shown(out) == {
+        "MTRAIN_TIMELINE": "/tmp/x.json (--config-file timeline.filename)",
+        "MTRAIN_TIMELINE_MARK_CYCLES": "0 (--config-file timeline.mark_cycles)",
+        "MTRAIN_STALL_CHECK_DISABLE": "1 (--config-file stall_check.enabled)",
+        "MTRAIN_STALL_WARNING_SECONDS": "5 (--config-file stall_check.warning_time_seconds)",
+    }
+    path.write_text("stall_check:\n  enabled: true\n")
+    status, out, err = dry_run(capsys, "--config-file", str(path))
+    assert settings_shown(out) == {"MTRAIN_STALL_CHECK_DISABLE": "0 (--config-file stall_check.enabled)"}
+    status = main(["run", "-np", "2", "--stall-check-warning-time-seconds", "-1", "true"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "--stall-check-warning-time-seconds" in err
 
 
 def test_dry_run_shows_the_horovod_and_mtrain_variables_the_ranks_inherit(capsys, monkeypatch):
@@ -249,7 +281,7 @@ def test_every_variable_the_flags_set_is_one_the_runtime_reads():
     flag_names = {name for flag in tuning.FLAGS
                   for name, _ in flag.effect("INFO" if flag.option == "log_level" else 1).variables}
     assert flag_names - runtime_names == {tuning.NCCL_IB_DISABLE}  # NCCL's own, for a program's NCCL
-    assert len(flag_names) == 12
+    assert len(flag_names) == 17
 
 
 # -- output timestamps ---------------------------------------------------------------------
@@ -389,3 +421,54 @@ def test_checking_variables_leaves_mpi_alone_in_the_launcher():
             "print(sorted(m for m in sys.modules if m.startswith(('mpi4py', 'mtrain.ringreduce'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+# Every flag of horovodrun 0.28 (horovod/runner/launch.py, parse_args; its hidden aliases too),
+# with a value where it takes one. Elastic ones run in their own line (they need a discovery script).
+HOROVODRUN_FLAGS = [
+    ["-v"], ["--version"], ["-cb"], ["--check-build"], ["--disable-cache"], ["--start-timeout", "30"],
+    ["--network-interface", "lo"], ["--network-interfaces", "lo"], ["--output-filename", "out"], ["--verbose"],
+    ["--config-file", "CONFIG"], ["-p", "22"], ["--ssh-port", "22"], ["-i", "KEY"], ["--ssh-identity-file", "KEY"],
+    ["--fusion-threshold-mb", "64"], ["--cycle-time-ms", "5"], ["--cache-capacity", "1024"],
+    ["--hierarchical-allreduce"], ["--no-hierarchical-allreduce"], ["--hierarchical-allgather"],
+    ["--no-hierarchical-allgather"], ["--autotune"], ["--no-autotune"], ["--autotune-log-file", "at.csv"],
+    ["--autotune-warmup-samples", "3"], ["--autotune-steps-per-sample", "10"],
+    ["--autotune-bayes-opt-max-samples", "20"], ["--autotune-gaussian-process-noise", "0.8"],
+    ["--timeline-filename", "tl.json"], ["--timeline-mark-cycles"], ["--no-timeline-mark-cycles"],
+    ["--no-stall-check"], ["--stall-check"], ["--stall-check-warning-time-seconds", "60"],
+    ["--stall-check-shutdown-time-seconds", "0"], ["--mpi-threads-disable"], ["--no-mpi-threads-disable"],
+    ["--mpi-args=--oversubscribe"], ["--tcp"], ["--binding-args=--bind-to none"], ["--num-nccl-streams", "1"],
+    ["--thread-affinity", "0"], ["--gloo-timeout-seconds", "30"], ["--log-level", "WARNING"],
+    ["--log-with-timestamp"], ["--log-without-timestamp"], ["-prefix-timestamp"], ["--prefix-output-with-timestamp"],
+    ["--log-hide-timestamp"], ["--no-log-hide-timestamp"], ["-H", "localhost:2"], ["--hosts", "localhost:2"],
+    ["-hostfile", "HOSTFILE"], ["--hostfile", "HOSTFILE"], ["--gloo"], ["--mpi"], ["--jsrun"],
+]
+
+
+@pytest.mark.parametrize("flag", HOROVODRUN_FLAGS, ids=lambda flag: flag[0])
+def test_every_horovodrun_flag_is_accepted(capsys, tmp_path, flag):
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    (tmp_path / "key").write_text("")
+    (tmp_path / "horovod.yaml").write_text("params:\n  cycle_time_ms: 2\n")
+    args = [{"CONFIG": str(tmp_path / "horovod.yaml"), "KEY": str(tmp_path / "key"),
+             "HOSTFILE": str(tmp_path / "hosts")}.get(arg, arg) for arg in flag]
+    status = main(["run", "-np", "2", *args, "--dry-run", "python", "train.py"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert len(err.strip().splitlines()) <= 1, err  # at most the one line of a flag mtrain has no use for
+    if flag[0] in ("-v", "--version"):
+        assert out.strip() == f"mtrain, version {mtrain.__version__}", out
+    elif flag[0] in ("-cb", "--check-build"):
+        assert "Available Frameworks:" in out, out
+    else:  # the job's plan, not click's help (which a misread single-dash flag such as -hostfile gives)
+        assert re.search(r"^host localhost: ranks 0-1 \(local\)$", out, re.MULTILINE), out
+
+
+def test_horovodruns_elastic_flags_are_accepted(capsys, tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    status = main(["run", "-np", "2", "--min-np", "1", "--max-np", "2", "--slots-per-host", "2",
+                   "--elastic-timeout", "60", "--reset-limit", "3", "--blacklist-cooldown-range", "1", "5",
+                   "--host-discovery-script", str(script), "--dry-run", "python", "train.py"])
+    assert status == 0, capsys.readouterr().err
