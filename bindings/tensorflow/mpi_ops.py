@@ -3,7 +3,9 @@ process-set queries and the ``*_op`` tensors, eagerly or inside ``tf.function`` 
 as ``tf.numpy_function`` calls into the runtime; see ``_call``)."""
 from __future__ import annotations
 
+import itertools
 import re
+import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
@@ -127,12 +129,26 @@ class _RanksDisagreeError(tf.errors.FailedPreconditionError, MismatchError):
         super().__init__(None, None, message)
 
 
-def _call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
+Finish = Callable[[], List[np.ndarray]]
+
+
+def _call(submit: Callable[..., Finish], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
           shapes: Sequence[Any]) -> List[tf.Tensor]:
-    """Run ``fn`` on the inputs' NumPy values: directly when eager, as a numpy_function in a graph.
+    """Run a collective on the inputs' NumPy values: ``submit(*arrays)`` hands it to the runtime
+    and returns what waits for its result. Eagerly both happen here; in a graph they are two ops.
+
+    In a graph, one op that submitted and then waited would hold one of TensorFlow's inter-op
+    threads for as long as the other ranks take to submit the same collective. Ranks whose
+    threads picked independent collectives in different orders would then each hold every
+    thread in a collective the others cannot reach for want of a thread: a job that hangs
+    (Horovod's ops are asynchronous kernels, which hold no thread while they wait). So a
+    *submit* op hands the collective over and returns at once, and a separate *wait* op
+    blocks for the result; the submit ops of a graph run in the order they were built
+    (see ``_submit_op``), the same on every rank, so the earliest collective not yet done has
+    been submitted by every rank or will be by a thread that is free.
 
     Eagerly, ranks that disagree raise FailedPreconditionError (Horovod's type, and a
-    MismatchError). In a graph the error leaves through the numpy_function, where
+    MismatchError). In a graph the error leaves through a numpy_function, where
     TensorFlow maps Python exceptions by class alone (py_func.cc, DoCallPyFunc: ValueError
     and TypeError -> InvalidArgumentError, StopIteration -> OutOfRange, MemoryError ->
     ResourceExhausted, NotImplementedError -> Unimplemented, anything else -> UnknownError;
@@ -142,17 +158,50 @@ def _call(fn: Callable[..., List[np.ndarray]], inputs: Sequence[tf.Tensor], out_
     """
     if tf.executing_eagerly():
         try:
-            outputs = _eager_errors(lambda: fn(*[t.numpy() for t in inputs]))
+            outputs = _eager_errors(lambda: submit(*[t.numpy() for t in inputs])())
         except MismatchError as error:
             if isinstance(error, tf.errors.OpError):
                 raise
             raise _RanksDisagreeError(str(error)) from error
         return [tf.convert_to_tensor(np.asarray(o), dtype=d) for o, d in zip(outputs, out_dtypes)]
-    outputs = tf.numpy_function(lambda *arrays: [np.asarray(o) for o in fn(*arrays)], list(inputs),
-                                list(out_dtypes), stateful=True)
+    ticket = _submit_op(submit, inputs)
+    # Not stateful: in a tf.function every stateful op runs in program order, which would make
+    # each collective wait for the one before it instead of letting the runtime fuse them.
+    outputs = tf.numpy_function(_wait, [ticket], list(out_dtypes), stateful=False)
     for out, shape in zip(outputs, shapes):
         out.set_shape(shape)
     return list(outputs)
+
+
+# Collectives submitted by a graph's submit ops, by ticket, until their wait op takes them.
+_submitted: "dict[int, Finish]" = {}
+_tickets = itertools.count(1)
+# Per graph: its last submit op, and the control-flow context it was built in.
+_last_submit: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _submit_op(submit: Callable[..., Finish], inputs: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The op that submits a collective and returns its ticket (an int64 scalar), run after the
+    graph's previous submit op: the order the graph was built in, the same on every rank."""
+    def run(*arrays: np.ndarray) -> np.ndarray:
+        finish = submit(*arrays)
+        ticket = next(_tickets)
+        _submitted[ticket] = finish
+        return np.int64(ticket)
+
+    graph = tf.compat.v1.get_default_graph()
+    context = graph._get_control_flow_context()  # TF1 loops drop control inputs from outside them
+    previous = _last_submit.get(graph)
+    after = [previous[0]] if previous is not None and previous[1] is context else []
+    with tf.control_dependencies(after):
+        ticket = tf.numpy_function(run, list(inputs), tf.int64, stateful=True)
+    ticket.set_shape([])
+    _last_submit[graph] = (ticket.op, context)
+    return ticket
+
+
+def _wait(ticket: np.ndarray) -> List[np.ndarray]:
+    return [np.asarray(o) for o in _submitted.pop(int(ticket))()]
 
 
 def _graph_name(name: Optional[str], kind: str, process_set: ProcessSet) -> Optional[str]:
@@ -203,12 +252,11 @@ def _raw_grouped_allreduce(inputs: Sequence[tf.Tensor], op: Any, name: Optional[
                            postscale: float, process_set: ProcessSet) -> List[tf.Tensor]:
     name = _graph_name(name, "allreduce", process_set)
 
-    def reduce(*arrays: np.ndarray) -> List[np.ndarray]:
+    def reduce(*arrays: np.ndarray) -> Finish:
         arrays = [_c(a) for a in arrays]
         # The runtime scales as Horovod does (Average is one scaling by postscale / size).
-        results = rr.synchronize(rr.grouped_allreduce_async(arrays, op, name, prescale, postscale,
-                                                            process_set=process_set))
-        return [r.reshape(a.shape) for r, a in zip(results, arrays)]
+        handle = rr.grouped_allreduce_async(arrays, op, name, prescale, postscale, process_set=process_set)
+        return lambda: [r.reshape(a.shape) for r, a in zip(rr.synchronize(handle), arrays)]
     return _call(reduce, inputs, [t.dtype for t in inputs], [t.shape for t in inputs])
 
 
@@ -231,10 +279,10 @@ def _raw_grouped_allgather(inputs: Sequence[tf.Tensor], name: Optional[str],
                            process_set: ProcessSet) -> List[tf.Tensor]:
     name = _graph_name(name, "allgather", process_set)
 
-    def gather(*arrays: np.ndarray) -> List[np.ndarray]:
+    def gather(*arrays: np.ndarray) -> Finish:
         names = [None if name is None else f"{name}.{i}" for i in range(len(arrays))]
         handles = [rr.allgather_async(_c(a), n, process_set=process_set) for a, n in zip(arrays, names)]
-        return [rr.synchronize(h) for h in handles]
+        return lambda: [rr.synchronize(h) for h in handles]
     shapes = [_first_dim_unknown(t) if t.shape.rank != 0 else tf.TensorShape([None]) for t in inputs]
     return _call(gather, inputs, [t.dtype for t in inputs], shapes)  # a scalar is gathered as one row
 
@@ -292,9 +340,9 @@ def _differentiable_sparse_allgather(values: Sequence[tf.Tensor], indices: Seque
 def _raw_broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str], process_set: ProcessSet) -> tf.Tensor:
     name = _graph_name(name, "broadcast", process_set)
 
-    def fn(a: np.ndarray) -> List[np.ndarray]:
+    def fn(a: np.ndarray) -> Finish:
         handle = rr.broadcast_async(_c(a), root_rank, name, process_set=process_set)
-        return [rr.synchronize(handle).reshape(a.shape)]
+        return lambda: [rr.synchronize(handle).reshape(a.shape)]
     return _call(fn, [tensor], [tensor.dtype], [tensor.shape])[0]
 
 
@@ -302,13 +350,13 @@ def _raw_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, name: Optio
                                postscale: float, process_set: ProcessSet) -> List[tf.Tensor]:
     name = _graph_name(name, "reducescatter", process_set)
 
-    def scatter(*arrays: np.ndarray) -> List[np.ndarray]:
+    def scatter(*arrays: np.ndarray) -> Finish:
         names = [name if name is None or len(arrays) == 1 else f"{name}.{i}" for i in range(len(arrays))]
         # The runtime scales as Horovod does (pre- and postscale, Average as one scaling by
         # postscale / size), so the factors go to it as they are.
         handles = [rr.reducescatter_async(_c(a), op, n, prescale, postscale, process_set=process_set)
                    for a, n in zip(arrays, names)]
-        return [rr.synchronize(h) for h in handles]
+        return lambda: [rr.synchronize(h) for h in handles]
     return _call(scatter, inputs, [t.dtype for t in inputs], [_first_dim_unknown(t) for t in inputs])
 
 
@@ -333,10 +381,13 @@ def _raw_alltoall(tensor: tf.Tensor, splits: tf.Tensor, given: bool, name: Optio
                   process_set: ProcessSet) -> List[tf.Tensor]:
     name = _graph_name(name, "alltoall", process_set)
 
-    def fn(a: np.ndarray, s: np.ndarray) -> List[np.ndarray]:
-        received, received_splits = rr.synchronize(rr.alltoall_async(_c(a), s.tolist() if given else None, name,
-                                                                     process_set=process_set))
-        return [received, np.asarray(received_splits, dtype=np.int32)]
+    def fn(a: np.ndarray, s: np.ndarray) -> Finish:
+        handle = rr.alltoall_async(_c(a), s.tolist() if given else None, name, process_set=process_set)
+
+        def finish() -> List[np.ndarray]:
+            received, received_splits = rr.synchronize(handle)
+            return [received, np.asarray(received_splits, dtype=np.int32)]
+        return finish
     return _call(fn, [tensor, splits], [tensor.dtype, tf.int32], [_first_dim_unknown(tensor), [None]])
 
 
@@ -465,10 +516,14 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
         return None if tf.executing_eagerly() else tf.no_op()
     values = [dense_tensor(v, f"variables[{i}]") for i, v in enumerate(variables)]
 
-    def fn(*arrays: np.ndarray) -> List[np.ndarray]:
-        handles = [rr.broadcast_async(_c(a), root_rank, f"broadcast_variables.{i}", process_set=process_set)
+    # Two calls in one graph (the model's variables, then the optimizer's) may be in flight at
+    # once, so there each call's names are its own.
+    base = _graph_name(None, "broadcast_variables", process_set) or "broadcast_variables"
+
+    def fn(*arrays: np.ndarray) -> Finish:
+        handles = [rr.broadcast_async(_c(a), root_rank, f"{base}.{i}", process_set=process_set)
                    for i, a in enumerate(arrays)]
-        return [rr.synchronize(h).reshape(a.shape) for h, a in zip(handles, arrays)]
+        return lambda: [rr.synchronize(h).reshape(a.shape) for h, a in zip(handles, arrays)]
     assigns = [variable.assign(value) for variable, value in
                zip(variables, _call(fn, values, [v.dtype for v in values], [v.shape for v in values]))]
     return None if tf.executing_eagerly() else tf.group(*assigns)

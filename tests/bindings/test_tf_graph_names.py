@@ -4,7 +4,9 @@ same tensors whatever order TensorFlow's inter-op threads run them in.
 Horovod names an unnamed op from its graph node (horovod/tensorflow/mpi_ops.py: the op's name,
 normalized, when it is created). A counter advanced as the ops run pairs different tensors on
 ranks whose threads ran them in a different order ("ranks submitted op 'noname.0.0' with
-different arguments (rank 0: uint8[17, 17, 17]; rank 1: float64[17, 17])").
+different arguments (rank 0: uint8[17, 17, 17]; rank 1: float64[17, 17])"). And an op that waits
+must not hold one of the inter-op threads while it waits, or ranks that picked ops in different
+orders hang.
 """
 import numpy as np
 
@@ -56,12 +58,14 @@ def test_unnamed_ops_in_a_graph_pair_alike_on_every_rank():
 
     # A TF1 graph run by a session: no automatic control dependencies there (a tf.function orders
     # its stateful ops as written), so the ops run in whatever order the inter-op threads pick.
+    # Fewer threads than collectives: an op that held its thread while it waited for the other
+    # ranks left each rank's threads all waiting in ops the others could not reach (a hang).
     graph = tf.Graph()
     with graph.as_default():
         inputs = [tf.compat.v1.placeholder(dtype, shape) for dtype, shape in _SPECS]
         outputs = many.python_function(*inputs)
     session = tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(
-        inter_op_parallelism_threads=8, intra_op_parallelism_threads=1))
+        inter_op_parallelism_threads=2, intra_op_parallelism_threads=1))
 
     def in_session(*xs):
         return [tf.constant(v) for v in session.run(outputs, dict(zip(inputs, [x.numpy() for x in xs])))]
