@@ -27,7 +27,7 @@ import shutil
 import sys
 from typing import Any, Mapping, Sequence
 
-from mtrain.launcher.records import ENV_ELASTIC, RESET_EXIT_STATUS, Phase, PhaseNote
+from mtrain.launcher.records import ENV_ELASTIC, RESET_EXIT_STATUS, Phase, PhaseNote, user_line
 
 MODULE = "mtrain.launcher.pymain"
 # Options of the interpreter (before the program): these take no value...
@@ -68,12 +68,15 @@ def abort_mpi_at_exit(status: int) -> bool:
     return True
 
 
-def _ended(status: int) -> None:
+def _ended(status: int, leaving: "BaseException | None" = None) -> None:
     global _final
     _final = status
     # The supervisor learns that this rank will call nothing more: others waiting for it in
-    # init() never would get out (see records.stuck_in_init).
-    PhaseNote(Phase.ENDED, status=status).emit()
+    # init() never would get out (see records.stuck_in_init); and the program's own line it
+    # left from, for the job's failure report (a status 0 fails the job too if the rank left
+    # while others still needed it).
+    where = user_line(leaving.__traceback__) if leaving is not None else ""
+    PhaseNote(Phase.ENDED, status=status, where=where).emit()
     # Whether or not the runtime was initialized: a rank that fails before init() must not
     # keep the others waiting in theirs (its exit handler, when it has one, says the same).
     abort_mpi_at_exit(status)
@@ -139,13 +142,13 @@ def main(argv: "list[str] | None" = None) -> None:
     try:
         _run(argv)
     except SystemExit as leaving:
-        _ended(status_of(leaving.code))
+        _ended(status_of(leaving.code), leaving)
         raise  # the interpreter prints a message code and exits, as it would have
     except BaseException as error:  # noqa: B036 - what the interpreter would do with it, below
         # Printed by the hook the interpreter would call (mtrain's abort hook after init()),
         # without this runner's frames; then status 1, or SIGINT's for Ctrl-C.
         status = 130 if isinstance(error, KeyboardInterrupt) else 1
-        _ended(status)
+        _ended(status, error)
         trimmed = _user_frames(error.__traceback__)
         sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
         raise SystemExit(status) from None

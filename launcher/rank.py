@@ -41,8 +41,8 @@ from mtrain.launcher import job_files, pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR, ENV_USER_UMASK,
-                                     PHASE_MARKER, ErrorReport, ExitRecord, FailureCause, JobLayout,
-                                     exception_line)
+                                     PHASE_MARKER, ErrorReport, ExitRecord, FailureCause, JobLayout, Phase,
+                                     PhaseNote, exception_line)
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0
@@ -68,6 +68,7 @@ class _Relay(threading.Thread):
         self.source, self.target, self.prefix, self.lock, self.tail = source, target, prefix, lock, tail
         self.saw_mpi_abort = False
         self.last_exception = ""
+        self.where = ""  # the program's own line it failed at, as its runner noted it
 
     def _emit(self, line: bytes) -> None:
         if self.tail is not None and _ABORT_DELAY_LINE.match(line):
@@ -76,7 +77,11 @@ class _Relay(threading.Thread):
         with self.lock:
             self.target.write(self.prefix + line)
             self.target.flush()
-        if self.tail is not None and PHASE_MARKER not in line:  # the supervisor's, not the rank's words
+        if self.tail is not None and PHASE_MARKER in line:  # the supervisor's, not the rank's words
+            note = PhaseNote.decode(line.partition(PHASE_MARKER)[2])
+            if note is not None and note.phase is Phase.ENDED:
+                self.where = note.where
+        elif self.tail is not None:
             text = line.rstrip(b"\n").decode(errors="replace")
             self.tail.append(text)
             # Kept apart from the tail: a long exception message can push its first line out.
@@ -259,18 +264,20 @@ def main(argv: list[str] | None = None) -> int:
     _remove_scratch(scratch, error_file)
     with lock:
         _write_record(exit_record(rank, host, returncode, stopped, tuple(tail), end, report,
-                                  err_relay.saw_mpi_abort, err_relay.last_exception))
+                                  err_relay.saw_mpi_abort, err_relay.last_exception, err_relay.where))
     return exit_code(returncode)
 
 
 def exit_record(rank: int, host: str, returncode: int, stopped: bool, tail: tuple[str, ...],
-                end: float, report: ErrorReport | None, mpi_abort: bool, exception: str = "") -> ExitRecord:
+                end: float, report: ErrorReport | None, mpi_abort: bool, exception: str = "",
+                where: str = "") -> ExitRecord:
     """What the supervisor learns of this rank; the runtime's own account beats our inference."""
     if report is None:
-        return ExitRecord(rank, host, returncode, stopped, end, tail, mpi_abort=mpi_abort, exception=exception)
+        return ExitRecord(rank, host, returncode, stopped, end, tail, mpi_abort=mpi_abort, exception=exception,
+                          where=where)
     return ExitRecord(rank, host, returncode, stopped=report.cause is FailureCause.PEER,
                       time=min(end, report.time), stderr_tail=tail, report=report.message,
-                      mpi_abort=mpi_abort, exception=exception)
+                      mpi_abort=mpi_abort, exception=exception, where=where)
 
 
 def _write_record(record: ExitRecord) -> None:

@@ -166,6 +166,49 @@ def exception_line(line: str) -> str:
     return match.group(1)[:_MESSAGE_LIMIT] if match else ""
 
 
+def user_line(traceback: object) -> str:
+    """Where the program's own code was when ``traceback``'s exception left it: the innermost
+    frame outside mtrain, the installed libraries and the standard library, as
+    ``file:line in function`` (``file`` relative to the current folder when under it), else ""."""
+    frame = None
+    while traceback is not None:
+        filename = traceback.tb_frame.f_code.co_filename  # type: ignore[attr-defined]
+        if not _library_file(filename):
+            frame = traceback
+        traceback = traceback.tb_next  # type: ignore[attr-defined]
+    if frame is None:
+        return ""
+    code = frame.tb_frame.f_code
+    path = code.co_filename
+    try:
+        here = os.getcwd()
+    except OSError:  # the current folder was removed
+        here = os.sep
+    if not path.startswith("<") and here != os.sep:
+        relative = os.path.relpath(path, here)
+        path = relative if not relative.startswith(os.pardir) else path
+    return f"{path}:{frame.tb_lineno} in {code.co_name}"
+
+
+def _library_file(filename: str) -> bool:
+    if filename.startswith("<"):
+        return filename.startswith("<frozen ")  # <string> (python -c) and <stdin> are the user's
+    path = os.path.realpath(filename)
+    if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
+        return True
+    return any(path == root or path.startswith(root + os.sep) for root in _library_roots())
+
+
+def _library_roots() -> "list[str]":
+    import sys
+    import sysconfig
+    roots = [sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    roots.append(os.path.dirname(os.path.abspath(__file__)))  # mtrain.launcher
+    for name in ("mtrain", "mtrain.ringreduce"):  # mtrain (its bindings, mtrain.torch, ...) and the runtime
+        roots.extend(getattr(sys.modules.get(name), "__path__", None) or ())
+    return [os.path.realpath(root) for root in roots if root]
+
+
 class Evidence(enum.IntEnum):
     """How surely a failure began in the rank that reports it (lower is surer)."""
 
@@ -187,6 +230,7 @@ class ExitRecord:
     report: str = ""                # the runtime's own one-line account, if it gave one
     mpi_abort: bool = False         # it ended inside MPI_Abort
     exception: str = ""             # the last exception line the rank printed to stderr, if any
+    where: str = ""                 # the program's own line it failed at (``user_line``), if known
 
     @property
     def failed(self) -> bool:
@@ -221,7 +265,8 @@ class ExitRecord:
     def describe(self) -> str:
         how = f"killed by {signal_name(-self.returncode)}" if self.returncode < 0 else f"exit code {self.returncode}"
         reason = self.reason
-        return f"rank {self.rank} on {self.host}: {how}" + (f" ({reason})" if reason else "")
+        where = f" at {self.where}" if self.where and self.returncode > 0 else ""
+        return f"rank {self.rank} on {self.host}: {how}" + (f" ({reason})" if reason else "") + where
 
     def encode(self) -> bytes:
         fields = self._asdict()
@@ -238,7 +283,7 @@ class ExitRecord:
                               time=float(data["time"]),
                               stderr_tail=tuple(str(line) for line in data["stderr_tail"]),
                               report=str(data["report"]), mpi_abort=bool(data["mpi_abort"]),
-                              exception=str(data["exception"]))
+                              exception=str(data["exception"]), where=str(data.get("where", "")))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -419,16 +464,18 @@ class PhaseNote:
     phase: Phase
     ranks: tuple = ()  # INIT_WAITING: the job's ranks that init() waits for
     status: int = 0    # ENDED: the program's exit status
+    where: str = ""    # ENDED through an exception or SystemExit: the program's own line it left from
 
     def encode(self) -> bytes:
         return PHASE_MARKER + json.dumps({"phase": self.phase.value, "ranks": list(self.ranks),
-                                          "status": self.status}).encode() + b"\n"
+                                          "status": self.status, "where": self.where}).encode() + b"\n"
 
     @staticmethod
     def decode(payload: bytes) -> "PhaseNote | None":
         try:
             data = json.loads(payload)
-            return PhaseNote(Phase(data["phase"]), tuple(int(r) for r in data["ranks"]), int(data["status"]))
+            return PhaseNote(Phase(data["phase"]), tuple(int(r) for r in data["ranks"]), int(data["status"]),
+                             str(data.get("where", "")))
         except (ValueError, KeyError, TypeError):
             return None
 

@@ -374,7 +374,7 @@ def print_failure_report(failure: ExitRecord, records: Sequence[ExitRecord], ver
             print(f"    {line}", file=sys.stderr)
     reported = {r.rank for r in records}
     silent = {rank for rank in range(size) if rank not in reported}
-    others = sorted({r.rank for r in records if r.failed and r is not failure} | silent)
+    others = sorted({r.rank for r in records if r.failed and r.rank != failure.rank} | silent)
     if len(others) == 1:
         print(f"mtrain: rank {others[0]} was stopped or failed after it", file=sys.stderr)
     elif others:

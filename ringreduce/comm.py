@@ -67,13 +67,16 @@ def install_abort_on_exception() -> None:
             return
         rank = MPI.COMM_WORLD.Get_rank()
         # Tell the launcher whether this failure began here or was caused by a rank that left.
-        cause = FailureCause.PEER if getattr(value, "peers", None) else FailureCause.OWN
+        peers = getattr(value, "peers", None)
+        cause = FailureCause.PEER if peers else FailureCause.OWN
         report_error(f"{kind.__name__}: {value}", cause)
         text = "".join(traceback.format_exception(kind, value, tb))
         # The real stderr: a hook that called this one (torch.distributed's, say) may have pointed
         # sys.stderr at a buffer it prints only after this hook returns, and Abort never returns.
         stream = sys.__stderr__ or sys.stderr
-        stream.write(f"mtrain: rank {rank} raised an uncaught exception; aborting the job\n{text}")
+        why = (f" because rank(s) {sorted(peers)} left or failed first (the job's report names their line)"
+               if peers else "")
+        stream.write(f"mtrain: rank {rank} raised an uncaught exception{why}; aborting the job\n{text}")
         stream.flush()
         MPI.COMM_WORLD.Abort(1)
 

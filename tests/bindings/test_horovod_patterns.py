@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.bindings.requires import require
+from tests.jobs import run_job
 
 REPO = Path(__file__).resolve().parents[2]
 PATTERNS = Path(__file__).resolve().parent / "horovod_patterns"
@@ -39,17 +37,9 @@ def mtrain_run(flags: "list[str]", program: str, args: "list[str]", timeout: flo
     env.update(env_extra or {})
     argv = [sys.executable, "-m", "mtrain.launcher.cli", "run", *flags, sys.executable, str(PATTERNS / program),
             *args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{program} did not finish within {timeout}s\n--- stdout ---\n{out[-3000:]}\n"
-                    f"--- stderr ---\n{err[-3000:]}")
-    assert proc.returncode == 0, f"{program}: exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    done = run_job(argv, timeout, program, env=env, cwd=REPO)
+    assert done.returncode == 0, f"{program}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
 
 
 def rank_lines(stdout: str) -> "dict[int, list[str]]":

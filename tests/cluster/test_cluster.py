@@ -149,6 +149,11 @@ def test_uncaught_exception_is_the_reported_root_cause(cluster, tmp_path, token)
     assert done.returncode != 0, done.stderr
     assert "first failure: rank 2 on mtr-b" in done.stderr
     assert "RuntimeError: simulated failure in rank 2" in done.stderr.split("first failure")[1]
+    # The report names the line that raised, on the other host (the job ran from another folder).
+    script = HERE / "fault_rank.py"
+    line = script.read_text().splitlines().index('    raise RuntimeError("simulated failure in rank 2")') + 1
+    first = next(text for text in done.stderr.splitlines() if "first failure" in text)
+    assert first.endswith(f") at {script}:{line} in <module>"), first
     assert_only_mtrain_output(done.stderr)
     assert_no_leftovers(cluster, token, within=10)
 

@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from tests import stale_mpi_folders
+from tests.jobs import run_job
 from tests.launcher.report_check import assert_only_mtrain_output
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,8 +28,8 @@ def env() -> dict[str, str]:
 
 
 def mtrain(*args: str, timeout: float = 60, extra_env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(env(), **(extra_env or {})), cwd=cwd)
+    return run_job([PYTHON, "-m", "mtrain.launcher.cli", "run", *args], timeout,
+                   env=dict(env(), **(extra_env or {})), cwd=cwd)
 
 
 def processes_with(token: str) -> list[str]:
@@ -246,6 +247,70 @@ def test_rank_leaving_mid_job_is_named_not_the_ranks_it_strands(status):
         assert done.returncode == status and "exit code 7" in done.stderr, done.stderr
     else:
         assert done.returncode != 0 and "left the job" in done.stderr, done.stderr
+        # Rank 0's own traceback says it is a consequence, not the cause.
+        assert ("[0]<stderr>:mtrain: rank 0 raised an uncaught exception because rank(s) [1] left or failed "
+                "first") in done.stderr, done.stderr
+    # Where rank 1 left: the line of its sys.exit, in the program given with -c.
+    assert re.search(r"first failure: rank 1 on .* at <string>:6 in <module>\n", done.stderr), done.stderr
+    assert_only_mtrain_output(done.stderr)
+
+
+_FAILING_PROGRAM = """\
+import json, sys
+import numpy as np
+import mtrain.ringreduce as rr
+
+
+def read_config(text):
+    return json.loads(text)  # line 7: the stdlib raises below it
+
+
+def reduce(x):
+    return rr.allreduce(x, process_set="everyone")  # line 11: mtrain raises below it
+
+
+def give_up():
+    sys.exit(4)  # line 15
+
+
+def main(mode):
+    if mode == "before":
+        read_config("{not json")  # line 20: before init()
+    rr.init()
+    if rr.rank() == 1:
+        if mode == "stdlib":
+            read_config("{not json")
+        if mode == "mtrain":
+            reduce(np.ones(3))
+        if mode == "exit":
+            give_up()
+        if mode == "return":
+            return 3
+    rr.barrier()
+    return 0
+
+
+raise SystemExit(main(sys.argv[1]))  # line 35
+"""
+
+
+@pytest.mark.parametrize("mode, line, where, reason", [
+    ("stdlib", 7, "read_config", "(JSONDecodeError: Expecting property name"),
+    ("mtrain", 11, "reduce", "(InvalidArgumentError: process_set must be an mtrain ProcessSet"),
+    ("exit", 15, "give_up", "exit code 4"),
+    ("return", 35, "<module>", "exit code 3"),
+    ("before", 7, "read_config", "(JSONDecodeError: Expecting property name"),
+])
+def test_the_report_names_the_users_line_not_mtrains_or_a_librarys(tmp_path, mode, line, where, reason):
+    # The innermost frame of the program's own code: not the stdlib's json, not mtrain's
+    # runtime, and the SystemExit's line for an exit status. The path is relative to the
+    # folder the job runs in.
+    (tmp_path / "train.py").write_text(_FAILING_PROGRAM)
+    done = mtrain("-np", "2", PYTHON, "train.py", mode, cwd=tmp_path)
+    assert done.returncode in (1, 3, 4), done.stderr
+    first = next(text for text in done.stderr.splitlines() if "first failure" in text)
+    assert first.startswith("mtrain: job failed; first failure: rank ") and reason in first, first
+    assert first.endswith(f" at train.py:{line} in {where}"), first
     assert_only_mtrain_output(done.stderr)
 
 

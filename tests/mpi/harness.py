@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import pytest
 
 from mtrain.launcher.job_files import SHARED_MEMORY_PARENT
 from mtrain.launcher.records import ENV_OPENMPI_SESSION_BASE
+from tests.jobs import run_job
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,16 +59,7 @@ def launch(nprocs: int, argv: "list[str]", timeout: float = 120,
             tempfile.TemporaryDirectory(prefix="mtrain-test-mpirun-") as session_base:
         full_env.setdefault("OMPI_MCA_btl_sm_backing_directory", segments)
         full_env.setdefault(ENV_OPENMPI_SESSION_BASE, session_base)
-        proc = subprocess.Popen(cmd + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=full_env, cwd=REPO, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"{nprocs}-rank job did not finish within {timeout}s (hang?)\n"
-                        f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
-    return subprocess.CompletedProcess(cmd + argv, proc.returncode, out, err)
+        return run_job(cmd + argv, timeout, f"{nprocs}-rank job", env=full_env, cwd=REPO)
 
 
 def mpi_test(nps: Iterable[int] = (1, 2, 3), timeout: float = 120,

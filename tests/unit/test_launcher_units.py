@@ -83,8 +83,11 @@ def test_wrapper_hides_open_mpi_abort_delay_line_and_records_it():
                              "print(f'[node-1:{os.getpid()}] Delaying for 1 seconds before aborting', file=sys.stderr)\n"
                              "sys.exit(14)")
     # The program's runner adds its note for the supervisor (which takes it out): never in the tail.
-    assert shown == "[5]<stderr>:before\n" + "[5]<stderr>:" + PhaseNote(Phase.ENDED, status=14).encode().decode()
+    # It says where the program left, and the record keeps it for the report.
+    ended = PhaseNote(Phase.ENDED, status=14, where="<string>:4 in <module>")
+    assert shown == "[5]<stderr>:before\n" + "[5]<stderr>:" + ended.encode().decode()
     assert (record.rank, record.returncode, record.mpi_abort) == (5, 14, True)
+    assert record.where == "<string>:4 in <module>"
     assert record.stderr_tail == ("before",)
     shown, record = _wrapped("import sys; print('Delaying for 1 seconds before aborting', file=sys.stderr); sys.exit(3)")
     assert shown.startswith("[5]<stderr>:Delaying for 1 seconds before aborting\n") and record.mpi_abort is False
@@ -116,7 +119,7 @@ def test_error_report_is_read_defensively_and_written_once(tmp_path, monkeypatch
 
 
 def test_exit_record_round_trip_and_the_runtime_account_wins():
-    record = ExitRecord(3, "b", -9, False, 12.5, ("x", "y"), "RuntimeError: z", True)
+    record = ExitRecord(3, "b", -9, False, 12.5, ("x", "y"), "RuntimeError: z", True, where="t.py:3 in f")
     assert ExitRecord.decode(record.encode()[len(EXIT_MARKER):]) == record
     assert ExitRecord.decode(b'{"rank": 1}') is None and ExitRecord.decode(b"garbage") is None
     peer = exit_record(1, "a", 1, False, (), 20.0, ErrorReport("ShutdownError: rank 0 left", FailureCause.PEER, 19.0), False)
@@ -230,7 +233,8 @@ def test_wrapper_keeps_the_exception_line_a_long_message_pushes_out_of_the_tail(
     code = "raise ValueError('first line of a long message' + chr(10) * 40 + 'last line')"
     shown, record = _wrapped(code)
     assert record.exception == "ValueError: first line of a long message"
-    assert record.describe() == "rank 5 on " + record.host + ": exit code 1 (ValueError: first line of a long message)"
+    assert record.describe() == ("rank 5 on " + record.host
+                                 + ": exit code 1 (ValueError: first line of a long message) at <string>:1 in <module>")
 
 
 def test_paramiko_starts_without_importing_invoke_until_ssh_config_needs_it():
@@ -289,7 +293,8 @@ def test_records_are_frozen_compare_by_value_and_take_defaults():
 
 def test_phase_notes_round_trip_and_tell_a_job_stuck_in_init():
     from mtrain.launcher.records import stuck_in_init
-    for note in (PhaseNote(Phase.INIT_WAITING, (0, 1, 3)), PhaseNote(Phase.INIT_DONE), PhaseNote(Phase.ENDED, status=4)):
+    for note in (PhaseNote(Phase.INIT_WAITING, (0, 1, 3)), PhaseNote(Phase.INIT_DONE), PhaseNote(Phase.ENDED, status=4),
+                 PhaseNote(Phase.ENDED, status=1, where="train.py:7 in step")):
         marker, _, payload = note.encode().partition(b" ")
         assert PhaseNote.decode(payload) == note
     assert PhaseNote.decode(b"{not json") is None
@@ -344,3 +349,54 @@ def test_a_hosts_news_that_comes_after_mpiruns_exit_still_counts(tmp_path, capsy
     finally:
         late.cancel()
     assert "mtrain: host h2: the MPI daemon there died (killed by SIGKILL); the job was stopped" in capsys.readouterr().err
+
+
+def _raised(fn) -> "object":
+    try:
+        fn()
+    except BaseException as error:  # noqa: B036 - SystemExit too
+        return error.__traceback__
+    raise AssertionError("did not raise")
+
+
+def _bad_json() -> None:
+    import json
+    json.loads("{not json")  # the stdlib raises further in
+
+
+def _frozen_record() -> None:
+    note = PhaseNote(Phase.INIT_DONE)
+    note.status = 3  # mtrain's record refuses it, in records.py
+
+
+def test_user_line_is_the_innermost_frame_of_the_programs_own_code(monkeypatch):
+    from mtrain.launcher.records import user_line
+    here = os.path.dirname(os.path.abspath(__file__))
+    name = os.path.basename(__file__)
+    line = _bad_json.__code__.co_firstlineno + 2
+    monkeypatch.chdir(here)  # under the current folder: relative
+    assert user_line(_raised(_bad_json)) == f"{name}:{line} in _bad_json"
+    assert user_line(_raised(_frozen_record)) == f"{name}:{_frozen_record.__code__.co_firstlineno + 2} in _frozen_record"
+    assert user_line(_raised(lambda: sys.exit(3))) == f"{name}:{sys._getframe().f_lineno} in <lambda>"
+    monkeypatch.chdir("/")  # elsewhere: the path as the code object has it
+    assert user_line(_raised(_bad_json)) == f"{os.path.abspath(__file__)}:{line} in _bad_json"
+    # Only library frames (the test's own frame cut off): nothing to name.
+    assert user_line(_raised(_bad_json).tb_next.tb_next) == ""
+    assert user_line(None) == ""
+    # Code given with -c (or typed in) is the user's.
+    scope: dict = {}
+    exec(compile("def f():\n    raise KeyError(1)\n", "<string>", "exec"), scope)
+    assert user_line(_raised(scope["f"])) == "<string>:2 in f"
+
+
+def test_the_failure_report_says_where_a_failing_rank_left(capsys):
+    failed = ExitRecord(1, "b", 1, False, 3.0, exception="ValueError: x", where="train.py:7 in step")
+    assert failed.describe() == "rank 1 on b: exit code 1 (ValueError: x) at train.py:7 in step"
+    killed = ExitRecord(1, "b", -9, False, 3.0, where="train.py:7 in step")
+    assert killed.describe() == "rank 1 on b: killed by SIGKILL"  # a signal has no line of its own
+    # The first failure's status replaced (see Job._outcome) is still that rank, not one after it.
+    other = ExitRecord(0, "a", 1, True, 3.5)
+    print_failure_report(failed.replace(returncode=3), [failed, other], False, 2)
+    err = capsys.readouterr().err
+    assert "first failure: rank 1 on b: exit code 3 (ValueError: x) at train.py:7 in step" in err
+    assert "mtrain: rank 0 was stopped or failed after it" in err and "ranks 0, 1" not in err
