@@ -138,14 +138,16 @@ def _call(submit: Callable[..., Finish], inputs: Sequence[tf.Tensor], out_dtypes
     and returns what waits for its result. Eagerly both happen here; in a graph they are two ops.
 
     In a graph, one op that submitted and then waited would hold one of TensorFlow's inter-op
-    threads for as long as the other ranks take to submit the same collective. Ranks whose
-    threads picked independent collectives in different orders would then each hold every
-    thread in a collective the others cannot reach for want of a thread: a job that hangs
-    (Horovod's ops are asynchronous kernels, which hold no thread while they wait). So a
-    *submit* op hands the collective over and returns at once, and a separate *wait* op
-    blocks for the result; the submit ops of a graph run in the order they were built
-    (see ``_submit_op``), the same on every rank, so the earliest collective not yet done has
-    been submitted by every rank or will be by a thread that is free.
+    threads for as long as the other ranks take to submit the same collective. In a TF1 graph
+    run by a session (no automatic control dependencies), ranks whose threads picked
+    independent collectives in different orders would then each hold every thread in a
+    collective the others cannot reach for want of a thread: a job that hangs (Horovod's ops
+    are asynchronous kernels, which hold no thread while they wait). So a *submit* op hands
+    the collective over and returns at once, and a separate *wait* op blocks for the result;
+    the submit ops of a graph run in the order they were built (see ``_submit_op``), the same
+    on every rank, so the earliest collective not yet done has been submitted by every rank or
+    will be by a thread that is free. (A tf.function runs its stateful ops in program order,
+    one collective at a time, the same on every rank.)
 
     Eagerly, ranks that disagree raise FailedPreconditionError (Horovod's type, and a
     MismatchError). In a graph the error leaves through a numpy_function, where
@@ -165,9 +167,10 @@ def _call(submit: Callable[..., Finish], inputs: Sequence[tf.Tensor], out_dtypes
             raise _RanksDisagreeError(str(error)) from error
         return [tf.convert_to_tensor(np.asarray(o), dtype=d) for o, d in zip(outputs, out_dtypes)]
     ticket = _submit_op(submit, inputs)
-    # Not stateful: in a tf.function every stateful op runs in program order, which would make
-    # each collective wait for the one before it instead of letting the runtime fuse them.
-    outputs = tf.numpy_function(_wait, [ticket], list(out_dtypes), stateful=False)
+    # Stateful, so that it is never pruned or merged, and so that a tf.function runs it in program
+    # order with every other stateful op (a wait, then the next submit): a collective in a
+    # tf.while_loop then waits for the previous iteration's, which has the same name.
+    outputs = tf.numpy_function(_wait, [ticket], list(out_dtypes), stateful=True)
     for out, shape in zip(outputs, shapes):
         out.set_shape(shape)
     return list(outputs)

@@ -83,6 +83,22 @@ def test_unnamed_ops_in_a_graph_pair_alike_on_every_rank():
         assert np.array_equal(got[k + 1].numpy(), everyone[n - 1][4]), step
         assert np.array_equal(got[k + 2].numpy(), np.concatenate([e[0] for e in everyone])), step
 
+    # A collective in a tf.while_loop (the same op, under the same name, every iteration; the
+    # iterations' inputs do not wait for each other) and in a tf.cond branch.
+    @tf.function
+    def looped(x):
+        def body(i, acc):
+            return i + 1, acc + hvd.allreduce(x * tf.cast(i, x.dtype), op=hvd.Sum)
+        _, acc = tf.while_loop(lambda i, acc: i < 4, body, [tf.constant(1), tf.zeros_like(x)])
+        return acc, tf.cond(acc[0] > 0, lambda: hvd.allgather(acc), lambda: acc)
+
+    for step in range(2):
+        mine = _value(me, step, 0, "float64", (5,))
+        acc, gathered = looped(tf.constant(mine))
+        want = sum(_value(r, step, 0, "float64", (5,)) for r in range(n)) * (1 + 2 + 3)
+        assert np.array_equal(acc.numpy(), want), step
+        assert np.array_equal(gathered.numpy(), np.concatenate([want] * n)), step
+
     # A DistributedGradientTape over many variables, inside a tf.function.
     variables = [tf.Variable(_value(me, 0, i, "float64", shape)) for i, (_, shape) in enumerate(_SPECS)]
 
