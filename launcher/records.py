@@ -171,9 +171,10 @@ def user_line(traceback: object) -> str:
     frame outside mtrain, the installed libraries and the standard library, as
     ``file:line in function`` (``file`` relative to the current folder when under it), else ""."""
     frame = None
+    roots = _library_roots()
     while traceback is not None:
         filename = traceback.tb_frame.f_code.co_filename  # type: ignore[attr-defined]
-        if not _library_file(filename):
+        if not _library_file(filename, roots):
             frame = traceback
         traceback = traceback.tb_next  # type: ignore[attr-defined]
     if frame is None:
@@ -190,13 +191,13 @@ def user_line(traceback: object) -> str:
     return f"{path}:{frame.tb_lineno} in {code.co_name}"
 
 
-def _library_file(filename: str) -> bool:
+def _library_file(filename: str, roots: "list[str]") -> bool:
     if filename.startswith("<"):
         return filename.startswith("<frozen ")  # <string> (python -c) and <stdin> are the user's
     path = os.path.realpath(filename)
     if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
         return True
-    return any(path == root or path.startswith(root + os.sep) for root in _library_roots())
+    return any(path == root or path.startswith(root + os.sep) for root in roots)
 
 
 def _library_roots() -> "list[str]":

@@ -74,7 +74,7 @@ def install_abort_on_exception() -> None:
         # The real stderr: a hook that called this one (torch.distributed's, say) may have pointed
         # sys.stderr at a buffer it prints only after this hook returns, and Abort never returns.
         stream = sys.__stderr__ or sys.stderr
-        why = (f" because rank(s) {sorted(peers)} left or failed first (the job's report names their line)"
+        why = (f" because rank(s) {sorted(peers)} left or failed first (the job's report names the first failure)"
                if peers else "")
         stream.write(f"mtrain: rank {rank} raised an uncaught exception{why}; aborting the job\n{text}")
         stream.flush()
