@@ -17,14 +17,18 @@ from . import exits
 
 @dataclasses.dataclass(frozen=True)
 class Communicators:
-    """Private duplicates of the user's communicator, so our messages never meet theirs."""
+    """Private duplicates of the user's communicator, so our messages never meet theirs.
+
+    ``p2p`` carries the point-to-point transfers (``p2p.py``) of the set these are made for, and
+    nothing else: its tags are the users' own."""
 
     world: MPI.Comm
     local: MPI.Comm
     cross: MPI.Comm
+    p2p: MPI.Comm
 
     def free(self) -> None:
-        for comm in (self.cross, self.local, self.world):
+        for comm in (self.p2p, self.cross, self.local, self.world):
             if comm != MPI.COMM_NULL:
                 comm.Free()
 
@@ -38,7 +42,7 @@ def create(parent: "MPI.Comm | None" = None) -> Communicators:
     world = (parent or MPI.COMM_WORLD).Dup()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
     cross = world.Split(color=local.Get_rank(), key=world.Get_rank())
-    return Communicators(world=world, local=local, cross=cross)
+    return Communicators(world=world, local=local, cross=cross, p2p=world.Dup())
 
 
 def threading_level_ok() -> bool:
