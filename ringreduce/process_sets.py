@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from mpi4py import MPI
 
 from . import comm as comm_module
+from . import p2p
 from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ class SetState:
 
     def stop(self) -> None:
         if self.engine is not None:
+            p2p.close_set(self)
             self.engine.shutdown()
             if not self.engine.alive():
                 self.engine.executor.close()  # its shared-memory segment
@@ -285,6 +287,8 @@ class Registry:
                 self.sets[set_id].stop()
                 for process_set in list(self.sets[set_id].holders):
                     process_set._invalidate()
+        p2p.close_set(self.sets[0])
+        p2p.stop()  # its thread calls MPI: gone before the communicators are
         self.engine.shutdown()
         if not self.engine.alive():
             self.engine.executor.close()

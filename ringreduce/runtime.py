@@ -11,7 +11,7 @@ from mpi4py import MPI
 from mtrain.launcher.records import Phase, PhaseNote
 
 from . import comm as comm_module
-from . import cuda, exits, log, process_sets as _ps, ring
+from . import cuda, exits, log, p2p, process_sets as _ps, ring
 from .backend import is_device_array
 from .collectives import Executor, Kind
 from .engine import Engine, EngineStats
@@ -622,6 +622,32 @@ def allgather_object(obj: Any, name: "str | None" = None, process_set: ProcessSe
     payloads = synchronize(_submit(Kind.ALLGATHER_OBJECT, name, process_set,
                                    lambda: ([None], dict(obj=pickle.dumps(obj)))))
     return [pickle.loads(payload) for payload in payloads]
+
+
+# -- point-to-point (p2p.py) ------------------------------------------------------
+# Global ranks, as root_rank; matched in order per (source, dest, tag) within a process set.
+
+def send_async(array: np.ndarray, dest: int, tag: int = 0, process_set: ProcessSet = global_process_set) -> p2p.Transfer:
+    """Start sending ``array`` to rank ``dest``; ``synchronize`` waits until the array may be reused."""
+    exits.forget_status()
+    return p2p.start_send(_rt().member(process_set), array, dest, tag)
+
+
+def recv_async(array: np.ndarray, source: int, tag: int = 0, process_set: ProcessSet = global_process_set) -> p2p.Transfer:
+    """Start receiving rank ``source``'s send (same tag) into ``array``; ``synchronize`` returns ``array``.
+    The send must have the same dtype and number of elements (else a ``MismatchError`` here)."""
+    exits.forget_status()
+    return p2p.start_recv(_rt().member(process_set), array, source, tag)
+
+
+def send(array: np.ndarray, dest: int, tag: int = 0, process_set: ProcessSet = global_process_set) -> None:
+    """Send ``array`` to rank ``dest`` and wait until it may be reused."""
+    synchronize(send_async(array, dest, tag, process_set))
+
+
+def recv(array: np.ndarray, source: int, tag: int = 0, process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Receive rank ``source``'s send into ``array``; returns ``array``."""
+    return synchronize(recv_async(array, source, tag, process_set))
 
 
 def join() -> int:

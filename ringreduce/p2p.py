@@ -1,0 +1,449 @@
+"""Point-to-point transfers: one rank's array into another rank's array, matched in order.
+
+    handle = send_async(array, dest, tag=0)     # on rank src
+    handle = recv_async(array, source, tag=0)   # on rank dest: fills ``array``
+    synchronize(handle)                         # (or poll(handle))
+
+Ranks are global ranks (as ``root_rank`` is); with a ``process_set`` both ends must be in
+it, and its transfers never meet another set's. The k-th send from ``src`` to ``dest``
+with a tag matches the k-th recv on ``dest`` from ``src`` with that tag, as in MPI.
+
+On the wire, on the set's own communicator (``Communicators.p2p``, which carries nothing
+else), a transfer is
+
+* a small one (payload up to ``MTRAIN_P2P_EAGER_BYTES``, 64 KiB): one message on MPI
+  tag ``2*tag`` holding a header (dtype, element count) and the payload;
+* a large one: the header alone on tag ``2*tag``, then the payload on tag ``2*tag+1``,
+  sent straight from the caller's array and received straight into the receiver's.
+
+The header is what lets a receiver refuse, with an error that says so, a send of another
+dtype or size (MPI itself would truncate silently or fail without saying whose the data
+was); a refused payload is still received, into scratch, so the sender never waits on it.
+MPI's non-overtaking rule per (communicator, source, tag) keeps headers and payloads in
+order; a receiver posts payload receives in the order its headers came (one FIFO per
+source and tag).
+
+Which thread moves the bytes: never the engine thread. The caller posts the first
+messages (so transfers start in program order, without a thread hop); after that, one
+daemon thread per process (``mtrain-p2p``), and any thread waiting on a transfer's
+handle, drive MPI's progress for the transfers in flight: they post the payload
+receives as headers arrive and complete the handles. The engine thread only runs
+collectives, on other communicators, so a 64 MiB transfer does not hold up a gradient
+all-reduce on the same rank (``benchmarks/p2p.py`` measures both). The mover thread polls with
+short, growing sleeps while transfers are in flight and sleeps on a condition when none are.
+
+A transfer whose peer has left the job ends with the ``ShutdownError`` that names it (the
+set's engine hears of the leaving rank within a cycle), never a hang; this rank's own
+``shutdown()`` ends its transfers in flight likewise.
+"""
+from __future__ import annotations
+
+import collections
+import struct
+import threading
+import time
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import is_device_array
+from .errors import InvalidArgumentError, MismatchError, ShutdownError
+from .settings import env_number
+
+# dtype name (padded), element count, whether the payload follows in a message of its own.
+_HEADER = struct.Struct("<16sqq")
+EAGER_BYTES = 64 * 1024
+# After the set's engine says a peer left, transfers in flight still get this long to finish
+# (their last messages may still be on the way), then fail.
+_DEPARTED_GRACE_SECONDS = 1.0
+# How long a thread waiting on a transfer polls MPI without sleeping.
+_SPIN_SECONDS = 2e-4
+
+
+def _eager_bytes() -> int:
+    return int(env_number("MTRAIN_P2P_EAGER_BYTES", EAGER_BYTES))
+
+
+_names: Dict[np.dtype, bytes] = {}
+
+
+def _header(buffer: np.ndarray, separate: bool) -> bytes:
+    name = _names.get(buffer.dtype)
+    if name is None:  # dtype.name is slow to build: once per dtype
+        name = _names[buffer.dtype] = buffer.dtype.name.encode("ascii")[:16]
+    return _HEADER.pack(name, buffer.size, separate)
+
+
+class Transfer:
+    """One send or recv in flight: its handle too (``poll``/``synchronize`` take it)."""
+
+    __slots__ = ("kind", "state", "peer", "tag", "array", "_buffer", "_land", "_requests", "_scratch",
+                 "_phase", "_error", "_channel", "_mover", "__weakref__")
+
+    def __init__(self, kind: str, state: Any, peer: int, tag: int, array: np.ndarray, mover: "_Mover") -> None:
+        self.kind, self.state, self.peer, self.tag, self.array = kind, state, peer, tag, array
+        self._buffer: np.ndarray = array
+        self._land = False          # a recv into a non-contiguous array copies back at the end
+        self._requests: List[MPI.Request] = []
+        self._scratch: Optional[np.ndarray] = None
+        self._phase = "posted"      # recv: "header" -> "payload" -> "done"; send: "posted" -> "done"
+        self._error: Optional[BaseException] = None
+        self._channel: Optional[Deque["Transfer"]] = None
+        self._mover = mover
+
+    def __repr__(self) -> str:
+        return f"<mtrain {self.describe()}: {self._phase}>"
+
+    def describe(self) -> str:
+        way = "to" if self.kind == "send" else "from"
+        return f"{self.kind} of {self.array.dtype.name}{list(self.array.shape)} {way} rank {self.peer} (tag {self.tag})"
+
+    # -- what poll / synchronize call ----------------------------------------------
+    def done(self) -> bool:
+        return self._phase == "done"
+
+    def wait(self) -> Any:
+        if self._phase != "done":
+            self._mover.wait_for(self)
+        if self._error is not None:
+            raise self._error
+        return self.array if self.kind == "recv" else None
+
+    # -- driven under the mover's lock ---------------------------------------------
+    def _finish(self, error: Optional[BaseException] = None) -> None:
+        if error is not None and self._error is None:
+            self._error = error
+        if self._land and self._error is None:
+            self.array[...] = self._buffer.reshape(self.array.shape)
+        self._phase = "done"
+        self._requests, self._scratch = [], None
+
+    def _advance(self, may_post_payload: bool) -> bool:
+        """Move on if the MPI requests of this phase are complete; True when anything changed."""
+        if self._requests and not MPI.Request.Testall(self._requests):
+            return False
+        if self.kind == "send" or self._phase == "payload":
+            self._finish()
+            return True
+        # A recv whose header (and, if small, payload) has come.
+        if not may_post_payload:
+            return False
+        assert self._scratch is not None
+        name, count, separate = _HEADER.unpack_from(self._scratch)
+        sent_dtype = name.rstrip(b"\0").decode("ascii", "replace")
+        problem = None
+        if sent_dtype != self._buffer.dtype.name or count != self._buffer.size:
+            problem = MismatchError(
+                f"{self.describe()}: rank {self.peer} sent {sent_dtype}[{count}], but this buffer holds "
+                f"{self._buffer.dtype.name}[{self._buffer.size}]; a send and its recv must have the same dtype and "
+                "number of elements")
+        if not separate:
+            if problem is None:
+                payload = self._scratch[_HEADER.size:_HEADER.size + self._buffer.nbytes]
+                self._buffer.reshape(-1).view(np.uint8)[...] = payload
+            self._finish(problem)
+            return True
+        self._phase = "payload"
+        if problem is None:
+            target = self._buffer
+        else:  # drained into scratch, so that the sender's transfer ends too
+            self._error = problem
+            target = np.empty(_sent_nbytes(sent_dtype, count), np.uint8)
+        self._scratch = target if problem is not None else None
+        comm, source = self.state.comms.p2p, self.state.set_rank_of(self.peer)
+        self._requests = [comm.Irecv([_bytes_of(target), MPI.BYTE], source, 2 * self.tag + 1)]
+        return True
+
+
+def _sent_nbytes(dtype_name: str, count: int) -> int:
+    try:
+        itemsize = np.dtype(dtype_name).itemsize
+    except TypeError:
+        itemsize = _named_itemsize(dtype_name)
+    return int(itemsize * count)
+
+
+def _named_itemsize(dtype_name: str) -> int:
+    """Item size of a dtype NumPy knows only through a plug-in (bfloat16: ml_dtypes)."""
+    try:
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, dtype_name)).itemsize
+    except (ImportError, AttributeError, TypeError):
+        digits = "".join(c for c in dtype_name if c.isdigit())
+        return max(1, int(digits) // 8) if digits else 1
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+    """A contiguous array's bytes as a flat uint8 view (MPI moves bytes; the header says what they are)."""
+    return array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
+
+
+class _Mover:
+    """The transfers in flight in this process and the thread that drives them."""
+
+    def __init__(self) -> None:
+        # One lock; two conditions on it, so that a completion wakes only the threads that sleep
+        # on a transfer, and a submission only the mover thread, and each only when it sleeps.
+        self._lock = threading.Lock()
+        self._done_cv = threading.Condition(self._lock)
+        self._work_cv = threading.Condition(self._lock)
+        self._active: List[Transfer] = []
+        self._channels: Dict[Tuple[int, int, int], Deque[Transfer]] = {}
+        self._departed_since: Dict[int, float] = {}
+        self._closing = False
+        self._waiters = 0           # threads in wait_for: they drive progress, the mover stands aside
+        self._sleepers = 0          # of those, the ones asleep on _done_cv
+        self._mover_idle = False    # the mover thread sleeps on _work_cv
+        self.eager = _eager_bytes()
+        self._thread = threading.Thread(target=self._run, name="mtrain-p2p", daemon=True)
+        self._thread.start()
+
+    # -- submitting (caller's thread) ---------------------------------------------
+    def start(self, transfer: Transfer) -> Transfer:
+        state, comm = transfer.state, transfer.state.comms.p2p
+        peer = state.set_rank_of(transfer.peer)
+        buffer, eager = transfer._buffer, self.eager
+        header = transfer.kind == "send" and _header(buffer, buffer.nbytes > eager)
+        with self._lock:
+            if self._closing:
+                raise ShutdownError("mtrain was shut down; call init() again before sending")
+            if transfer.kind == "send":
+                assert isinstance(header, bytes)
+                if buffer.nbytes > eager:
+                    transfer._requests = [comm.Isend([np.frombuffer(header, np.uint8), MPI.BYTE], peer, 2 * transfer.tag),
+                                          comm.Isend([_bytes_of(buffer), MPI.BYTE], peer, 2 * transfer.tag + 1)]
+                else:
+                    packed = np.empty(_HEADER.size + buffer.nbytes, np.uint8)
+                    packed[:_HEADER.size] = np.frombuffer(header, np.uint8)
+                    packed[_HEADER.size:] = _bytes_of(buffer)
+                    transfer._scratch = packed
+                    transfer._requests = [comm.Isend([packed, MPI.BYTE], peer, 2 * transfer.tag)]
+            else:
+                transfer._scratch = np.empty(_HEADER.size + eager, np.uint8)
+                transfer._requests = [comm.Irecv([transfer._scratch, MPI.BYTE], peer, 2 * transfer.tag)]
+                key = (id(comm), peer, transfer.tag)
+                channel = self._channels.get(key)
+                if channel is None:
+                    channel = self._channels[key] = collections.deque()
+                channel.append(transfer)
+                transfer._channel = channel
+            self._active.append(transfer)
+            if self._mover_idle:
+                self._work_cv.notify()
+        return transfer
+
+    # -- progress (under the lock) --------------------------------------------------
+    def _progress(self) -> bool:
+        changed = False
+        now = None
+        for transfer in list(self._active):
+            channel = transfer._channel
+            head = channel is None or transfer._phase != "posted" or channel[0] is transfer
+            if transfer._advance(head):
+                changed = True
+                if channel is not None and transfer._phase != "posted" and channel and channel[0] is transfer:
+                    channel.popleft()
+            if transfer.done():
+                self._active.remove(transfer)
+                continue
+            engine = transfer.state.engine
+            departed = ShutdownError("this rank's process set was removed") if engine is None else engine.departed()
+            if departed is not None:
+                now = time.monotonic() if now is None else now
+                since = self._departed_since.setdefault(id(transfer.state), now)
+                if now - since >= _DEPARTED_GRACE_SECONDS:
+                    self._fail(transfer, departed)
+                    changed = True
+        if changed and self._sleepers:
+            self._done_cv.notify_all()
+        return changed
+
+    def _fail(self, transfer: Transfer, why: BaseException) -> None:
+        peers = getattr(why, "peers", [])
+        error = ShutdownError(f"{transfer.describe()} cannot finish: {why}", peers=peers)
+        for request in transfer._requests:
+            if transfer.kind == "recv":
+                try:
+                    request.Cancel()
+                except MPI.Exception:
+                    pass
+        transfer._finish(error)
+        if transfer in self._active:
+            self._active.remove(transfer)
+        channel = transfer._channel
+        if channel is not None and transfer in channel:
+            channel.remove(transfer)
+
+    def wait_for(self, transfer: Transfer) -> None:
+        """Drive progress until ``transfer`` is done: spinning for a moment (a reply usually comes
+        within microseconds), then on growing sleeps that the mover's completions cut short."""
+        spin_end, delay = None, 0.0
+        with self._lock:
+            self._waiters += 1
+        try:
+            while True:
+                with self._lock:
+                    if transfer.done():
+                        return
+                    if self._progress():
+                        spin_end, delay = None, 0.0
+                        continue
+                    now = time.perf_counter()
+                    if spin_end is None:
+                        spin_end = now + _SPIN_SECONDS
+                    if now < spin_end:
+                        continue  # the lock is let go between tries: other threads submit meanwhile
+                    self._sleepers += 1
+                    self._done_cv.wait(delay)
+                    self._sleepers -= 1
+                    delay = min(max(delay * 2, 5e-5), 1e-3)
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                if not self._waiters and self._active and self._mover_idle:
+                    self._work_cv.notify()  # transfers still in flight: the mover takes them on
+
+    def _run(self) -> None:
+        delay = 0.0
+        while True:
+            with self._lock:
+                while (not self._active or self._waiters) and not self._closing:
+                    self._mover_idle = True
+                    self._work_cv.wait()
+                self._mover_idle = False
+                if self._closing:
+                    return
+                moved = self._progress()
+            if moved:
+                delay = 0.0
+                time.sleep(0)
+            else:
+                delay = min(max(delay * 2, 2e-5), 1e-3)
+                time.sleep(delay)
+
+    # -- ending -------------------------------------------------------------------------
+    def close_set(self, state: Any, why: BaseException) -> None:
+        """Fail the transfers of ``state``'s set (it is being stopped)."""
+        with self._lock:
+            for transfer in [t for t in self._active if t.state is state]:
+                self._fail(transfer, why)
+            self._departed_since.pop(id(state), None)
+            self._done_cv.notify_all()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._work_cv.notify()
+        self._thread.join(timeout=5.0)
+
+
+_mover: Optional[_Mover] = None
+_mover_lock = threading.Lock()
+
+
+def _get_mover() -> _Mover:
+    global _mover
+    if _mover is None and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise InvalidArgumentError("point-to-point transfers need MPI initialized with MPI_THREAD_MULTIPLE (they "
+                                   "run beside the engine thread); leave mpi4py.rc.thread_level at its default")
+    with _mover_lock:
+        if _mover is None:
+            _mover = _Mover()
+        return _mover
+
+
+def close_set(state: Any) -> None:
+    """The set's engine is stopping on this rank: its transfers in flight end."""
+    mover = _mover
+    if mover is not None:
+        mover.close_set(state, ShutdownError("mtrain shut down on this rank while this transfer was in flight"))
+
+
+def stop() -> None:
+    """Every set is stopping (``shutdown()``): end the mover thread, before MPI goes."""
+    global _mover
+    with _mover_lock:
+        mover, _mover = _mover, None
+    if mover is not None:
+        mover.stop()
+
+
+# -- checks and entry points ---------------------------------------------------------
+
+def check_peer(state: Any, peer: Any, what: str, this_rank: int) -> int:
+    """``peer`` (a global rank) as an int, refused with a clear error when it cannot be one."""
+    if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):
+        raise InvalidArgumentError(f"{what} must be an integer rank, got {peer!r}")
+    peer = int(peer)
+    if peer == this_rank:
+        raise InvalidArgumentError(f"{what} {peer} is this rank: a rank cannot send to or receive from itself")
+    if peer not in state.ranks:
+        where = "the job" if state.id == 0 else f"process set {state.id}"
+        raise InvalidArgumentError(f"{what} {peer} is not a rank of {where} (ranks {_ranks_text(state.ranks)}); "
+                                   "give a global rank of the set")
+    return peer
+
+
+def _ranks_text(ranks: "list[int]") -> str:
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 3:
+        return f"{ranks[0]}..{ranks[-1]}"
+    return str(ranks)
+
+
+_tag_ub: Optional[int] = None
+
+
+def _tag_upper_bound() -> int:
+    """MPI's largest tag (an attribute of COMM_WORLD alone; communicators split from it lack it)."""
+    global _tag_ub
+    if _tag_ub is None:
+        _tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
+    return _tag_ub
+
+
+def check_tag(tag: Any) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise InvalidArgumentError(f"tag must be an integer, got {tag!r}")
+    upper = _tag_upper_bound()
+    if not 0 <= int(tag) <= (upper - 1) // 2:
+        raise InvalidArgumentError(f"tag {int(tag)} is out of range: tags go from 0 to {(upper - 1) // 2}")
+    return int(tag)
+
+
+def _host_array(array: Any, what: str) -> np.ndarray:
+    if is_device_array(array):
+        raise TypeError(f"{what} takes NumPy arrays; point-to-point transfers of device (CuPy) arrays are not "
+                        "supported yet: copy it to the host (cupy.asnumpy) and back")
+    if isinstance(array, np.generic):
+        array = np.asarray(array)
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{what} takes a numpy.ndarray, got {type(array).__name__}")
+    if array.dtype.hasobject:
+        raise TypeError(f"{what} cannot move an array of Python objects; use broadcast_object/allgather_object")
+    return array
+
+
+def start_send(state: Any, array: Any, dest: Any, tag: Any = 0) -> Transfer:
+    """Start sending ``array`` to global rank ``dest`` of the set whose state is ``state``."""
+    array = _host_array(array, "send")
+    dest = check_peer(state, dest, "send: dest", state.global_rank)
+    tag = check_tag(tag)
+    buffer = np.ascontiguousarray(array)  # a copy only when it is not contiguous already
+    transfer = Transfer("send", state, dest, tag, array, _get_mover())
+    transfer._buffer = buffer
+    return transfer._mover.start(transfer)
+
+
+def start_recv(state: Any, array: Any, source: Any, tag: Any = 0) -> Transfer:
+    """Start receiving into ``array`` from global rank ``source``."""
+    array = _host_array(array, "recv")
+    if not array.flags.writeable:
+        raise InvalidArgumentError("recv writes into its array, which is read-only; pass a writable array")
+    source = check_peer(state, source, "recv: source", state.global_rank)
+    tag = check_tag(tag)
+    transfer = Transfer("recv", state, source, tag, array, _get_mover())
+    if not array.flags.c_contiguous:
+        transfer._buffer = np.empty(array.shape, array.dtype)
+        transfer._land = True
+    return transfer._mover.start(transfer)
