@@ -30,8 +30,8 @@ from .mpi_ops import (  # noqa: F401
     allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
     broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
     grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-    grouped_reducescatter, grouped_reducescatter_async, join, reducescatter, reducescatter_async,
-    sparse_allreduce_async,
+    grouped_reducescatter, grouped_reducescatter_async, join, recv, recv_async, reducescatter, reducescatter_async,
+    send, send_async, sparse_allreduce_async,
 )
 from .optimizer import DistributedOptimizer  # noqa: F401
 from .sync_batch_norm import SyncBatchNorm  # noqa: F401
@@ -47,8 +47,8 @@ __all__ = [
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "local_rank", "local_size",
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
-    "reducescatter_async", "rocm_built", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "recv", "recv_async",
+    "reducescatter", "reducescatter_async", "rocm_built", "send", "send_async", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
     "sycl_built",
     "SyncBatchNorm",
     "stop_timeline", "synchronize",

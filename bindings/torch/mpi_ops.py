@@ -26,7 +26,8 @@ __all__ = [
     "alltoall", "alltoall_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "check_tensor", "check_tensors", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
-    "grouped_reducescatter_async", "join", "reducescatter", "reducescatter_async", "sparse_allreduce_async",
+    "grouped_reducescatter_async", "join", "recv", "recv_async", "reducescatter", "reducescatter_async", "send",
+    "send_async", "sparse_allreduce_async",
 ]
 
 
@@ -305,6 +306,47 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
         process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In place: ``tensor`` takes ``root_rank``'s values and is returned."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# -- point-to-point (mtrain's own; Horovod has none) ------------------------------------
+# Ranks are global ranks, as root_rank is; the k-th send from a rank to another with a tag
+# meets the k-th recv there (within ``process_set``). CPU tensors.
+
+def _p2p_tensor(tensor: Any, what: str) -> torch.Tensor:
+    tensor = check_tensor(tensor, what)
+    if not tensor.is_cpu:
+        raise NotImplementedError(f"{what} is on {tensor.device}: send/recv move CPU tensors; call .cpu() first")
+    return tensor
+
+
+def send_async(tensor: torch.Tensor, dest: int, tag: int = 0,
+               process_set: ProcessSet = global_process_set) -> Handle:
+    """Start sending ``tensor`` to rank ``dest``; ``synchronize`` returns once it may be changed."""
+    view = numpy_view(_p2p_tensor(tensor, "send tensor").contiguous())
+    return Handle(rr.send_async(view, dest, tag, process_set), lambda _: None)
+
+
+def recv_async(tensor: torch.Tensor, source: int, tag: int = 0,
+               process_set: ProcessSet = global_process_set) -> Handle:
+    """Start receiving rank ``source``'s send into ``tensor`` (same dtype and number of
+    elements); ``synchronize`` returns ``tensor``."""
+    buffer, land = inplace_buffer(_p2p_tensor(tensor, "recv tensor"))
+
+    def finish(result: Any) -> torch.Tensor:
+        land(result)
+        return tensor
+    return Handle(rr.recv_async(buffer, source, tag, process_set), finish)
+
+
+def send(tensor: torch.Tensor, dest: int, tag: int = 0, process_set: ProcessSet = global_process_set) -> None:
+    """Send ``tensor`` to rank ``dest`` (blocks until it may be changed)."""
+    synchronize(send_async(tensor, dest, tag, process_set))
+
+
+def recv(tensor: torch.Tensor, source: int, tag: int = 0,
+         process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Receive rank ``source``'s send into ``tensor`` and return it."""
+    return synchronize(recv_async(tensor, source, tag, process_set))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,

@@ -236,3 +236,39 @@ def test_join_stands_in_on_every_set_the_rank_belongs_to():
     if pair.included():
         got = hvd.allreduce(torch.full((2,), float(me)), op=hvd.Sum, name="pair.after", process_set=pair)
         assert torch.equal(got, torch.full((2,), 2.0))
+
+
+# -- point-to-point (mtrain's own) ------------------------------------------------------------
+
+@mpi_test(nps=(2, 3))
+def test_send_and_recv_of_tensors_along_a_pipeline_of_ranks():
+    """Activations down a chain of ranks and gradients back up, as pipeline stages pass them,
+    with hvd.send/recv (async too): each rank adds its own part, so a misrouted tensor shows."""
+    import mtrain.torch as hvd
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    for dtype, shape in ((torch.float32, (3, 5)), (torch.bfloat16, (7,)), (torch.int64, (0, 4))):
+        activation = torch.zeros(shape, dtype=dtype)
+        if me > 0:
+            assert hvd.recv(activation, me - 1, tag=1) is activation
+        activation += _data(me, shape, dtype)
+        if me < size - 1:
+            hvd.synchronize(hvd.send_async(activation, me + 1, tag=1))
+        want = torch.zeros(shape, dtype=dtype)
+        for r in range(me + 1):  # the same additions, in the same order and dtype
+            want += _data(r, shape, dtype)
+        assert torch.equal(activation, want), f"{dtype} on rank {me}"
+    # Backwards into a non-contiguous view (a transposed buffer's column).
+    grad = torch.zeros(4, 6)
+    pending = hvd.recv_async(grad.t()[2], me + 1) if me < size - 1 else None
+    if me > 0:
+        hvd.send(torch.arange(4.0) * (me + 1), me - 1)
+    if pending is not None:
+        assert hvd.synchronize(pending) is not None
+        assert torch.equal(grad[:, 2], torch.arange(4.0) * (me + 2)) and grad.sum() == grad[:, 2].sum()
+    try:
+        hvd.send(torch.zeros(2), me)
+        raise AssertionError("a send to this rank itself was taken")
+    except ValueError as error:
+        assert "is this rank" in str(error)
+    hvd.barrier()
