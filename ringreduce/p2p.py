@@ -42,7 +42,7 @@ import collections
 import struct
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -79,7 +79,7 @@ class Transfer:
     """One send or recv in flight: its handle too (``poll``/``synchronize`` take it)."""
 
     __slots__ = ("kind", "state", "peer", "tag", "array", "_buffer", "_land", "_requests", "_scratch",
-                 "_phase", "_error", "_channel", "_mover", "__weakref__")
+                 "_phase", "_error", "_channel", "_mover", "_callbacks", "__weakref__")
 
     def __init__(self, kind: str, state: Any, peer: int, tag: int, array: np.ndarray, mover: "_Mover") -> None:
         self.kind, self.state, self.peer, self.tag, self.array = kind, state, peer, tag, array
@@ -91,6 +91,7 @@ class Transfer:
         self._error: Optional[BaseException] = None
         self._channel: Optional[Deque["Transfer"]] = None
         self._mover = mover
+        self._callbacks: Optional[List[Callable[["Transfer"], None]]] = None
 
     def __repr__(self) -> str:
         return f"<mtrain {self.describe()}: {self._phase}>"
@@ -110,6 +111,15 @@ class Transfer:
             raise self._error
         return self.array if self.kind == "recv" else None
 
+    def error(self) -> Optional[BaseException]:
+        """The transfer's error once it is done (None: it succeeded, or is not done)."""
+        return self._error
+
+    def add_done_callback(self, callback: Callable[["Transfer"], None]) -> None:
+        """Call ``callback(transfer)`` once it is done (now, if it is), outside the mover's lock,
+        on whichever thread finished it: keep it short (completing a future, say)."""
+        self._mover.add_callback(self, callback)
+
     # -- driven under the mover's lock ---------------------------------------------
     def _finish(self, error: Optional[BaseException] = None) -> None:
         if error is not None and self._error is None:
@@ -118,6 +128,8 @@ class Transfer:
             self.array[...] = self._buffer.reshape(self.array.shape)
         self._phase = "done"
         self._requests, self._scratch = [], None
+        if self._callbacks:
+            self._mover.ready.append(self)
 
     def _advance(self, may_post_payload: bool) -> bool:
         """Move on if the MPI requests of this phase are complete; True when anything changed."""
@@ -196,6 +208,7 @@ class _Mover:
         self._sleepers = 0          # of those, the ones asleep on _done_cv
         self._mover_idle = False    # the mover thread sleeps on _work_cv
         self.eager = _eager_bytes()
+        self.ready: List[Transfer] = []  # done transfers whose callbacks are due (run outside the lock)
         self._thread = threading.Thread(target=self._run, name="mtrain-p2p", daemon=True)
         self._thread.start()
 
@@ -232,6 +245,23 @@ class _Mover:
             if self._mover_idle:
                 self._work_cv.notify()
         return transfer
+
+    def add_callback(self, transfer: Transfer, callback: Callable[[Transfer], None]) -> None:
+        with self._lock:
+            if not transfer.done():
+                transfer._callbacks = (transfer._callbacks or []) + [callback]
+                return
+        callback(transfer)
+
+    def _run_callbacks(self) -> None:
+        if not self.ready:
+            return
+        with self._lock:
+            due, self.ready = self.ready, []
+        for transfer in due:
+            for callback in transfer._callbacks or ():
+                callback(transfer)
+            transfer._callbacks = None
 
     # -- progress (under the lock) --------------------------------------------------
     def _progress(self) -> bool:
@@ -303,6 +333,7 @@ class _Mover:
                 self._waiters -= 1
                 if not self._waiters and self._active and self._mover_idle:
                     self._work_cv.notify()  # transfers still in flight: the mover takes them on
+            self._run_callbacks()
 
     def _run(self) -> None:
         delay = 0.0
@@ -315,6 +346,7 @@ class _Mover:
                 if self._closing:
                     return
                 moved = self._progress()
+            self._run_callbacks()
             if moved:
                 delay = 0.0
                 time.sleep(0)
@@ -330,6 +362,7 @@ class _Mover:
                 self._fail(transfer, why)
             self._departed_since.pop(id(state), None)
             self._done_cv.notify_all()
+        self._run_callbacks()
 
     def stop(self) -> None:
         with self._lock:
