@@ -54,6 +54,10 @@ from .settings import env_number
 # dtype name (padded), element count, whether the payload follows in a message of its own.
 _HEADER = struct.Struct("<16sqq")
 EAGER_BYTES = 64 * 1024
+# A large payload moves in chunks of this size, at most WINDOW of them in flight per transfer: a
+# rank's other messages (the engine's collectives) get through between chunks.
+CHUNK_BYTES = 1 << 20
+WINDOW = 4
 # After the set's engine says a peer left, transfers in flight still get this long to finish
 # (their last messages may still be on the way), then fail.
 _DEPARTED_GRACE_SECONDS = 1.0
@@ -78,16 +82,21 @@ def _header(buffer: np.ndarray, separate: bool) -> bytes:
 class Transfer:
     """One send or recv in flight: its handle too (``poll``/``synchronize`` take it)."""
 
-    __slots__ = ("kind", "state", "peer", "tag", "array", "_buffer", "_land", "_requests", "_scratch",
-                 "_phase", "_error", "_channel", "_mover", "_callbacks", "__weakref__")
+    __slots__ = ("kind", "state", "peer", "tag", "array", "_buffer", "_land", "_first", "_scratch", "_payload",
+                 "_posted", "_inflight", "_phase", "_error", "_channel", "_mover", "_callbacks", "__weakref__")
 
     def __init__(self, kind: str, state: Any, peer: int, tag: int, array: np.ndarray, mover: "_Mover") -> None:
         self.kind, self.state, self.peer, self.tag, self.array = kind, state, peer, tag, array
         self._buffer: np.ndarray = array
         self._land = False          # a recv into a non-contiguous array copies back at the end
-        self._requests: List[MPI.Request] = []
-        self._scratch: Optional[np.ndarray] = None
-        self._phase = "posted"      # recv: "header" -> "payload" -> "done"; send: "posted" -> "done"
+        self._first: Optional[MPI.Request] = None   # the header's (or small transfer's) message
+        self._scratch: Optional[np.ndarray] = None  # that message's bytes
+        self._payload: Optional[np.ndarray] = None  # a large transfer's payload bytes (uint8)
+        self._posted = 0                            # of which this many are posted, in chunks
+        self._inflight: Deque[MPI.Request] = collections.deque()
+        # send: "payload" (until every message is out) -> "done"
+        # recv: "header" -> "payload" (large only) -> "done"
+        self._phase = "header" if kind == "recv" else "payload"
         self._error: Optional[BaseException] = None
         self._channel: Optional[Deque["Transfer"]] = None
         self._mover = mover
@@ -102,6 +111,9 @@ class Transfer:
 
     # -- what poll / synchronize call ----------------------------------------------
     def done(self) -> bool:
+        """Whether the transfer has ended (driving its progress once, if nobody else is)."""
+        if self._phase != "done":
+            self._mover.poll()
         return self._phase == "done"
 
     def wait(self) -> Any:
@@ -127,20 +139,45 @@ class Transfer:
         if self._land and self._error is None:
             self.array[...] = self._buffer.reshape(self.array.shape)
         self._phase = "done"
-        self._requests, self._scratch = [], None
+        self._first, self._scratch, self._payload = None, None, None
         if self._callbacks:
             self._mover.ready.append(self)
 
-    def _advance(self, may_post_payload: bool) -> bool:
-        """Move on if the MPI requests of this phase are complete; True when anything changed."""
-        if self._requests and not MPI.Request.Testall(self._requests):
-            return False
-        if self.kind == "send" or self._phase == "payload":
+    def _advance(self, head: bool, chunk: int, window: int) -> bool:
+        """Move on as far as MPI allows; True when anything changed. ``head``: this transfer is the
+        first of its channel, the one whose payload chunks may be posted now."""
+        changed = False
+        if self._first is not None and (self._phase != "header" or head):
+            if self._first.Test():
+                self._first = None
+                changed = True
+                if self._phase == "header":
+                    self._read_header()
+                    if self._phase == "done":
+                        return True
+            elif self._phase == "header":
+                return False
+        if self._phase != "payload":
+            return changed
+        while self._inflight and self._inflight[0].Test():  # chunks complete in the order posted
+            self._inflight.popleft()
+            changed = True
+        payload = self._payload
+        if payload is not None and head and self._posted < payload.nbytes:
+            comm, peer = self.state.comms.p2p, self.state.set_rank_of(self.peer)
+            post = comm.Isend if self.kind == "send" else comm.Irecv
+            while self._posted < payload.nbytes and len(self._inflight) < window:
+                piece = payload[self._posted:self._posted + chunk]
+                self._inflight.append(post([piece, MPI.BYTE], peer, 2 * self.tag + 1))
+                self._posted += piece.nbytes
+            changed = True
+        if self._first is None and not self._inflight and (payload is None or self._posted >= payload.nbytes):
             self._finish()
             return True
-        # A recv whose header (and, if small, payload) has come.
-        if not may_post_payload:
-            return False
+        return changed
+
+    def _read_header(self) -> None:
+        """A recv's first message has come: check it against this buffer; a small transfer is complete."""
         assert self._scratch is not None
         name, count, separate = _HEADER.unpack_from(self._scratch)
         sent_dtype = name.rstrip(b"\0").decode("ascii", "replace")
@@ -155,17 +192,22 @@ class Transfer:
                 payload = self._scratch[_HEADER.size:_HEADER.size + self._buffer.nbytes]
                 self._buffer.reshape(-1).view(np.uint8)[...] = payload
             self._finish(problem)
-            return True
+            return
         self._phase = "payload"
         if problem is None:
-            target = self._buffer
+            self._payload = _bytes_of(self._buffer)
         else:  # drained into scratch, so that the sender's transfer ends too
             self._error = problem
-            target = np.empty(_sent_nbytes(sent_dtype, count), np.uint8)
-        self._scratch = target if problem is not None else None
-        comm, source = self.state.comms.p2p, self.state.set_rank_of(self.peer)
-        self._requests = [comm.Irecv([_bytes_of(target), MPI.BYTE], source, 2 * self.tag + 1)]
-        return True
+            self._payload = np.empty(_sent_nbytes(sent_dtype, count), np.uint8)
+        self._scratch = None
+
+    def _out_of_channel(self) -> bool:
+        """Whether this transfer no longer holds up the next one of its channel."""
+        if self._phase == "done":
+            return True
+        if self._phase == "header":
+            return False
+        return self._payload is None or self._posted >= self._payload.nbytes
 
 
 def _sent_nbytes(dtype_name: str, count: int) -> int:
@@ -201,54 +243,60 @@ class _Mover:
         self._done_cv = threading.Condition(self._lock)
         self._work_cv = threading.Condition(self._lock)
         self._active: List[Transfer] = []
-        self._channels: Dict[Tuple[int, int, int], Deque[Transfer]] = {}
+        # Transfers whose payloads share a (communicator, direction, peer, tag) queue: only the first
+        # posts its chunks, so that chunks of consecutive transfers never interleave on the wire.
+        self._channels: Dict[Tuple[int, str, int, int], Deque[Transfer]] = {}
         self._departed_since: Dict[int, float] = {}
         self._closing = False
         self._waiters = 0           # threads in wait_for: they drive progress, the mover stands aside
         self._sleepers = 0          # of those, the ones asleep on _done_cv
         self._mover_idle = False    # the mover thread sleeps on _work_cv
         self.eager = _eager_bytes()
+        self.chunk = max(4096, int(env_number("MTRAIN_P2P_CHUNK_BYTES", CHUNK_BYTES)))
+        self.window = max(1, int(env_number("MTRAIN_P2P_WINDOW", WINDOW)))
         self.ready: List[Transfer] = []  # done transfers whose callbacks are due (run outside the lock)
         self._thread = threading.Thread(target=self._run, name="mtrain-p2p", daemon=True)
         self._thread.start()
 
     # -- submitting (caller's thread) ---------------------------------------------
-    def start(self, transfer: Transfer) -> Transfer:
+    def start(self, transfer: Transfer, wake: bool) -> Transfer:
+        """Post ``transfer``'s first message. ``wake``: the mover thread takes it on (an async
+        transfer); the caller of a blocking send or recv drives it itself."""
         state, comm = transfer.state, transfer.state.comms.p2p
         peer = state.set_rank_of(transfer.peer)
         buffer, eager = transfer._buffer, self.eager
-        header = transfer.kind == "send" and _header(buffer, buffer.nbytes > eager)
+        large = transfer.kind == "send" and buffer.nbytes > eager
+        if transfer.kind == "send":
+            header = np.frombuffer(_header(buffer, large), np.uint8)
+            if large:
+                transfer._scratch = header
+                transfer._payload = _bytes_of(buffer)
+            else:
+                transfer._scratch = np.empty(_HEADER.size + buffer.nbytes, np.uint8)
+                transfer._scratch[:_HEADER.size] = header
+                transfer._scratch[_HEADER.size:] = _bytes_of(buffer)
+        else:
+            transfer._scratch = np.empty(_HEADER.size + eager, np.uint8)
         with self._lock:
             if self._closing:
                 raise ShutdownError("mtrain was shut down; call init() again before sending")
-            if transfer.kind == "send":
-                assert isinstance(header, bytes)
-                if buffer.nbytes > eager:
-                    transfer._requests = [comm.Isend([np.frombuffer(header, np.uint8), MPI.BYTE], peer, 2 * transfer.tag),
-                                          comm.Isend([_bytes_of(buffer), MPI.BYTE], peer, 2 * transfer.tag + 1)]
-                else:
-                    packed = np.empty(_HEADER.size + buffer.nbytes, np.uint8)
-                    packed[:_HEADER.size] = np.frombuffer(header, np.uint8)
-                    packed[_HEADER.size:] = _bytes_of(buffer)
-                    transfer._scratch = packed
-                    transfer._requests = [comm.Isend([packed, MPI.BYTE], peer, 2 * transfer.tag)]
-            else:
-                transfer._scratch = np.empty(_HEADER.size + eager, np.uint8)
-                transfer._requests = [comm.Irecv([transfer._scratch, MPI.BYTE], peer, 2 * transfer.tag)]
-                key = (id(comm), peer, transfer.tag)
+            post = comm.Isend if transfer.kind == "send" else comm.Irecv
+            transfer._first = post([transfer._scratch, MPI.BYTE], peer, 2 * transfer.tag)
+            if transfer.kind == "recv" or large:
+                key = (id(comm), transfer.kind, peer, transfer.tag)
                 channel = self._channels.get(key)
                 if channel is None:
                     channel = self._channels[key] = collections.deque()
                 channel.append(transfer)
                 transfer._channel = channel
             self._active.append(transfer)
-            if self._mover_idle:
+            if wake and self._mover_idle:
                 self._work_cv.notify()
         return transfer
 
     def add_callback(self, transfer: Transfer, callback: Callable[[Transfer], None]) -> None:
         with self._lock:
-            if not transfer.done():
+            if transfer._phase != "done":
                 transfer._callbacks = (transfer._callbacks or []) + [callback]
                 return
         callback(transfer)
@@ -267,14 +315,16 @@ class _Mover:
     def _progress(self) -> bool:
         changed = False
         now = None
+        chunk, window = self.chunk, self.window
         for transfer in list(self._active):
             channel = transfer._channel
-            head = channel is None or transfer._phase != "posted" or channel[0] is transfer
-            if transfer._advance(head):
+            head = channel is None or channel[0] is transfer
+            if transfer._advance(head, chunk, window):
                 changed = True
-                if channel is not None and transfer._phase != "posted" and channel and channel[0] is transfer:
-                    channel.popleft()
-            if transfer.done():
+            if head and channel is not None and transfer._out_of_channel():
+                channel.popleft()
+                transfer._channel = None
+            if transfer._phase == "done":
                 self._active.remove(transfer)
                 continue
             engine = transfer.state.engine
@@ -292,18 +342,30 @@ class _Mover:
     def _fail(self, transfer: Transfer, why: BaseException) -> None:
         peers = getattr(why, "peers", [])
         error = ShutdownError(f"{transfer.describe()} cannot finish: {why}", peers=peers)
-        for request in transfer._requests:
-            if transfer.kind == "recv":
-                try:
-                    request.Cancel()
-                except MPI.Exception:
-                    pass
+        if transfer.kind == "recv":  # a send cannot be taken back; its requests are let go
+            for request in [transfer._first, *transfer._inflight]:
+                if request is not None:
+                    try:
+                        request.Cancel()
+                    except MPI.Exception:
+                        pass
+        transfer._inflight.clear()
         transfer._finish(error)
         if transfer in self._active:
             self._active.remove(transfer)
         channel = transfer._channel
         if channel is not None and transfer in channel:
             channel.remove(transfer)
+        transfer._channel = None
+
+    def poll(self) -> None:
+        """One round of progress, unless another thread is making it right now."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._progress()
+            finally:
+                self._lock.release()
+            self._run_callbacks()
 
     def wait_for(self, transfer: Transfer) -> None:
         """Drive progress until ``transfer`` is done: spinning for a moment (a reply usually comes
@@ -314,7 +376,7 @@ class _Mover:
         try:
             while True:
                 with self._lock:
-                    if transfer.done():
+                    if transfer._phase == "done":
                         return
                     if self._progress():
                         spin_end, delay = None, 0.0
@@ -457,7 +519,7 @@ def _host_array(array: Any, what: str) -> np.ndarray:
     return array
 
 
-def start_send(state: Any, array: Any, dest: Any, tag: Any = 0) -> Transfer:
+def start_send(state: Any, array: Any, dest: Any, tag: Any = 0, wake: bool = True) -> Transfer:
     """Start sending ``array`` to global rank ``dest`` of the set whose state is ``state``."""
     array = _host_array(array, "send")
     dest = check_peer(state, dest, "send: dest", state.global_rank)
@@ -465,10 +527,10 @@ def start_send(state: Any, array: Any, dest: Any, tag: Any = 0) -> Transfer:
     buffer = np.ascontiguousarray(array)  # a copy only when it is not contiguous already
     transfer = Transfer("send", state, dest, tag, array, _get_mover())
     transfer._buffer = buffer
-    return transfer._mover.start(transfer)
+    return transfer._mover.start(transfer, wake)
 
 
-def start_recv(state: Any, array: Any, source: Any, tag: Any = 0) -> Transfer:
+def start_recv(state: Any, array: Any, source: Any, tag: Any = 0, wake: bool = True) -> Transfer:
     """Start receiving into ``array`` from global rank ``source``."""
     array = _host_array(array, "recv")
     if not array.flags.writeable:
@@ -479,4 +541,4 @@ def start_recv(state: Any, array: Any, source: Any, tag: Any = 0) -> Transfer:
     if not array.flags.c_contiguous:
         transfer._buffer = np.empty(array.shape, array.dtype)
         transfer._land = True
-    return transfer._mover.start(transfer)
+    return transfer._mover.start(transfer, wake)

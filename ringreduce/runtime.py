@@ -642,12 +642,15 @@ def recv_async(array: np.ndarray, source: int, tag: int = 0, process_set: Proces
 
 def send(array: np.ndarray, dest: int, tag: int = 0, process_set: ProcessSet = global_process_set) -> None:
     """Send ``array`` to rank ``dest`` and wait until it may be reused."""
-    synchronize(send_async(array, dest, tag, process_set))
+    exits.forget_status()
+    # The caller waits, so it drives the transfer itself: the mover thread is not woken.
+    synchronize(p2p.start_send(_rt().member(process_set), array, dest, tag, wake=False))
 
 
 def recv(array: np.ndarray, source: int, tag: int = 0, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Receive rank ``source``'s send into ``array``; returns ``array``."""
-    return synchronize(recv_async(array, source, tag, process_set))
+    exits.forget_status()
+    return synchronize(p2p.start_recv(_rt().member(process_set), array, source, tag, wake=False))
 
 
 def join() -> int:

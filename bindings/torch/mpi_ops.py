@@ -340,13 +340,15 @@ def recv_async(tensor: torch.Tensor, source: int, tag: int = 0,
 
 def send(tensor: torch.Tensor, dest: int, tag: int = 0, process_set: ProcessSet = global_process_set) -> None:
     """Send ``tensor`` to rank ``dest`` (blocks until it may be changed)."""
-    synchronize(send_async(tensor, dest, tag, process_set))
+    rr.send(numpy_view(_p2p_tensor(tensor, "send tensor").contiguous()), dest, tag, process_set)
 
 
 def recv(tensor: torch.Tensor, source: int, tag: int = 0,
          process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Receive rank ``source``'s send into ``tensor`` and return it."""
-    return synchronize(recv_async(tensor, source, tag, process_set))
+    buffer, land = inplace_buffer(_p2p_tensor(tensor, "recv tensor"))
+    land(rr.recv(buffer, source, tag, process_set))
+    return tensor
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,

@@ -3,6 +3,7 @@
 Every body runs on every rank; values differ per rank, per element and per message, so a
 transfer that lands in the wrong recv, or a wrong part of one, shows.
 """
+import os
 import time
 
 import numpy as np
@@ -68,14 +69,19 @@ def test_ring_exchange_of_every_size_and_dtype():
 
 @mpi_test(nps=(2, 3))
 def test_transfers_match_in_order_per_source_and_tag():
-    """The k-th send of a (source, dest, tag) meets the k-th recv, large and small mixed; other
-    tags are their own queues, whatever order their recvs are posted in."""
+    """The k-th send of a (source, dest, tag) meets the k-th recv, large (several chunks) and small
+    mixed; other tags are their own queues, whatever order their recvs are posted in."""
     rank, size = rr.rank(), rr.size()
+    # Each rank its own window (read when its first transfer starts): the wire order of chunks must
+    # not depend on both ends posting alike.
+    os.environ["MTRAIN_P2P_WINDOW"] = str(3 if rank == 0 else 1)
     if rank >= 2:  # rank 2 of 3 sits this one out (others' traffic must not reach it)
         rr.barrier()
         return
     peer = 1 - rank
-    counts = [3, EDGE + 11, 1, 0, 2 * EDGE, 5, EDGE + 11, 4]
+    # Large ones of several chunks (1 MiB each, a window of 4), back to back on one tag: their
+    # chunks must not interleave on the wire.
+    counts = [3, EDGE + 11, 1_100_003, 300_001, 1, 0, 2 * EDGE, 5, 1_100_003, EDGE + 11, 4]
     if rank == 0:
         sends = [rr.send_async(_message(0, i, (n,), np.float32), peer, tag=5) for i, n in enumerate(counts)]
         sends += [rr.send_async(_message(0, 50 + t, (t + 2,), np.int32), peer, tag=t) for t in range(4)]
