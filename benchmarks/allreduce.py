@@ -53,6 +53,19 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
+def mpi_library() -> str:
+    """The first line of MPI's library version (Open MPI pads it with NULs)."""
+    return MPI.Get_library_version().replace("\0", "").splitlines()[0].strip().rstrip(",")
+
+
+def cluster_spec(text: str) -> str:
+    """An argparse type for ``--cluster HOSTSxRANKS`` (e.g. 2x2): refused in one line, not a traceback."""
+    hosts, _, ranks = text.lower().partition("x")
+    if not (hosts.isdigit() and ranks.isdigit() and int(hosts) >= 1 and int(ranks) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOSTSxRANKS, e.g. 2x2")
+    return text
+
+
 def timed(comm: MPI.Comm, fn: Callable[[], None], nbytes: int, budget_s: float, min_iters: int) -> float:
     """Median over iterations of the slowest rank's time for one call of ``fn``."""
     for _ in range(2):  # warm-up: page in buffers, fill caches and MPI's free lists
@@ -98,19 +111,28 @@ def timed_side_by_side(comm: MPI.Comm, fns: "dict[str, Callable[[], None]]", nby
 
 
 def gloo_group(comm: MPI.Comm):
+    """torch.distributed's gloo group over ``comm``'s ranks, or (None, None) without torch.
+
+    The rendezvous listens on rank 0's address on the job's network: ``MASTER_ADDR`` where
+    the launcher sets it (``mtrain run`` and torchrun do: rank 0's address on the
+    ``--network-interface`` subnet, and GLOO_SOCKET_IFNAME for gloo's own connections),
+    127.0.0.1 when every rank is on one host, else rank 0's hostname."""
     try:
         import torch
         import torch.distributed as dist
     except ImportError:
         return None, None
-    port = None
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    one_host = local.Get_size() == comm.Get_size()
+    local.Free()
+    address = None
     if comm.Get_rank() == 0:
+        host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_host else socket.gethostname())
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.Get_rank(), world_size=comm.Get_size())
+            s.bind((host, 0))  # a free port on that address
+            address = f"tcp://{host}:{s.getsockname()[1]}"
+    address = comm.bcast(address, root=0)
+    dist.init_process_group("gloo", init_method=address, rank=comm.Get_rank(), world_size=comm.Get_size())
     return torch, dist
 
 
@@ -123,7 +145,7 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated implementations to run (default: all)")
     parser.add_argument("--no-gloo", action="store_true")
     parser.add_argument("--plot", help="write busbw vs size to this PNG")
-    parser.add_argument("--cluster", metavar="HOSTSxRANKS",
+    parser.add_argument("--cluster", metavar="HOSTSxRANKS", type=cluster_spec,
                         help="build the namespace test cluster (root) and run there, e.g. 2x2")
     parser.add_argument("--cupy", action="store_true",
                         help="CuPy device buffers (ringreduce staged or CUDA-aware per MTRAIN_CUDA_AWARE; "
@@ -196,7 +218,7 @@ def main() -> None:
 
     if me == 0:
         print_table([f"all-reduce, float32, {n} ranks on {hosts} host(s), "
-                     f"Open MPI via mpi4py {MPI.Get_library_version().splitlines()[0]}",
+                     f"{mpi_library()} via mpi4py",
                      "busbw = algbw * 2(n-1)/n; memcpy row: every rank copies its buffer at once (busbw = its rate); "
                      "bound = busbw / memcpy's busbw"],
                     rows)
@@ -257,15 +279,16 @@ def print_traffic(rows: list) -> None:
     sys.stdout.flush()
 
 
-def run_on_cluster(spec: str, argv: "list[str]") -> int:
-    """Build the namespace cluster (HOSTSxRANKS) and run this benchmark on it through mtrain run."""
+def run_on_cluster(spec: str, argv: "list[str]", script: str = __file__) -> int:
+    """Build the namespace cluster (HOSTSxRANKS) and run ``script`` (this benchmark by default)
+    on it through mtrain run, with ``argv`` less its --cluster."""
     cluster_tools = netcluster()
     SUBNET, prerequisites_missing, running_cluster = (
         cluster_tools.SUBNET, cluster_tools.prerequisites_missing, cluster_tools.running_cluster)
     host_count, ranks = (int(x) for x in spec.lower().split("x"))
     missing = prerequisites_missing()
     if missing:
-        print(f"benchmarks/allreduce.py: cannot build the test cluster: {missing}", file=sys.stderr)
+        print(f"benchmarks/{os.path.basename(script)}: cannot build the test cluster: {missing}", file=sys.stderr)
         return 2
     passed = []
     skip = False
@@ -279,8 +302,6 @@ def run_on_cluster(spec: str, argv: "list[str]") -> int:
         if arg.startswith("--cluster="):
             continue
         passed.append(arg)
-    if "--no-gloo" not in passed:
-        passed.append("--no-gloo")  # gloo's rendezvous here listens on 127.0.0.1 only
     with running_cluster(host_count) as cluster:
         env = cluster.env()
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
@@ -289,7 +310,7 @@ def run_on_cluster(spec: str, argv: "list[str]") -> int:
         # ranks on an oversubscribed machine starve the ones doing the work).
         cmd = [sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", str(host_count * ranks), "-H", spec_hosts,
                "--network-interface", SUBNET, "-x", "OMPI_MCA_mpi_yield_when_idle=1",
-               sys.executable, os.path.abspath(__file__), *passed]
+               sys.executable, os.path.abspath(script), *passed]
         return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 
