@@ -57,7 +57,7 @@ EAGER_BYTES = 64 * 1024
 # A large payload moves in chunks of this size, at most WINDOW of them in flight per transfer: a
 # rank's other messages (the engine's collectives) get through between chunks.
 CHUNK_BYTES = 1 << 20
-WINDOW = 4
+WINDOW = 2
 # After the set's engine says a peer left, transfers in flight still get this long to finish
 # (their last messages may still be on the way), then fail.
 _DEPARTED_GRACE_SECONDS = 1.0

@@ -1,8 +1,10 @@
-"""examples/hybrid_parallel.py on two hosts: 2 pipeline stages (one per host) x 2 data-parallel
-replicas, Horovod-style and as plain torch.distributed on backend "mtrain"; each ends equal to one
-process training the whole model on the whole batch."""
+"""Model and hybrid parallelism on two hosts: examples/hybrid_parallel.py (2 pipeline stages, one
+per host, x 2 data-parallel replicas; Horovod-style and as plain torch.distributed on backend
+"mtrain"), and torch's own pipelining schedules on backend mtrain, each equal to one process
+training the whole model (and to gloo)."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,7 +16,8 @@ from tests.cluster.conftest import PYTHON, run_mtrain
 require("torch", "pip install '.[torch]'")
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hybrid_parallel.py"
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parents[1] / "examples" / "hybrid_parallel.py"
 
 
 @pytest.mark.parametrize("api", [["--api", "hvd"], ["--api", "torch"], ["--api", "torch", "--schedule", "1f1b"]],
@@ -30,3 +33,35 @@ def test_hybrid_example_on_two_hosts_equals_one_process(cluster, tmp_path, api):
     steps = re.findall(r"step (\d): loss ([0-9.]+), \d+ samples/s", done.stdout)
     assert [int(s) for s, _ in steps] == list(range(5)), done.stdout
     assert float(steps[-1][1]) < float(steps[0][1]), "the loss goes down"
+
+
+def _json_lines(stdout: str) -> dict:
+    found = {}
+    for line in stdout.splitlines():
+        _, _, rest = line.partition(">:")
+        if rest.startswith("{"):
+            data = json.loads(rest)
+            found[data["rank"]] = data
+    return found
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_torch_pipelining_on_two_hosts_equals_gloo_and_one_process(cluster, tmp_path, schedule):
+    """A PipelineStage per rank (4 stages, 2 per host), unchanged torch code, on backend mtrain."""
+    done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "pipeline_plain.py"), schedule,
+                      cwd=tmp_path, timeout=200)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    ranks = _json_lines(done.stdout)
+    assert sorted(ranks) == [0, 1, 2, 3], done.stdout
+    for rank, data in ranks.items():
+        assert data["host"] == ("mtr-a" if rank < 2 else "mtr-b")
+        assert data["losses"] == (8 if rank == 3 else 0), data  # 2 steps x 4 microbatches, on the last stage
+        assert data["vs_gloo"] <= 1e-6 and data["vs_one_process"] <= 1e-5, data
+
+
+def test_a_stage_whose_input_does_not_fit_fails_saying_what_was_sent(cluster, tmp_path):
+    done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "pipeline_plain.py"), "gpipe",
+                      "mismatch", cwd=tmp_path, timeout=200)
+    assert done.returncode != 0, done.stdout
+    assert re.search(r"rank 2 sent float32\[12\], but this buffer holds float32\[14\]", done.stderr), done.stderr[-3000:]
+    assert "rank 3" in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]

@@ -79,7 +79,7 @@ def test_transfers_match_in_order_per_source_and_tag():
         rr.barrier()
         return
     peer = 1 - rank
-    # Large ones of several chunks (1 MiB each, a window of 4), back to back on one tag: their
+    # Large ones of several chunks (1 MiB each), back to back on one tag: their
     # chunks must not interleave on the wire.
     counts = [3, EDGE + 11, 1_100_003, 300_001, 1, 0, 2 * EDGE, 5, 1_100_003, EDGE + 11, 4]
     if rank == 0:
