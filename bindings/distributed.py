@@ -15,9 +15,12 @@ be written in Python; its collectives are called with the tensors and an
 options object and return a ``Work``. Each collective here hands NumPy views of
 the tensors to the runtime's async API and returns a Work made from a
 ``torch.futures.Future``. The runtime's handles have no completion callback,
-so one daemon thread per process (``_Completer``) waits on them in
-submission order and completes the futures; DDP's chained callbacks (the
-division by world size) then run on that thread. The group also registers
+so one daemon thread per group (``_Completer``) waits on them in submission
+order and completes the futures; DDP's chained callbacks (the division by world
+size) then run on that thread. One thread per group, not per process: ranks
+issue one group's ops in the same order, but not two groups' ops, and a Work of
+one group must not wait behind an op of another that needs a later call of this
+rank. A Work's ``wait()`` raises its collective's error. The group also registers
 itself for the ``cpu`` device type: DDP's parameter check looks the backend
 up by device and fails with "No backend type associated with device type
 cpu" otherwise.
@@ -45,7 +48,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 import mtrain.ringreduce as rr
 
@@ -115,7 +117,7 @@ def _rows(result: np.ndarray, count: int) -> List[np.ndarray]:
 # -- completing torch futures ----------------------------------------------------
 
 class _Completer:
-    """One daemon thread that waits on runtime handles and completes the torch futures."""
+    """A daemon thread that waits on one group's runtime handles and completes the torch futures."""
 
     def __init__(self) -> None:
         self._queue: "queue.SimpleQueue[Tuple[List[Any], Callable[[], Any], torch.futures.Future]]" = \
@@ -133,6 +135,10 @@ class _Completer:
         self._queue.put(None)
         self._thread.join(timeout=2.0)
 
+    def finish_and_stop(self) -> None:
+        """End the thread once the ops queued so far are completed (their Works still complete)."""
+        self._queue.put(None)
+
     def add(self, handles: List[Any], finish: Callable[[], Any], future: torch.futures.Future) -> None:
         self._queue.put((handles, finish, future))
 
@@ -140,7 +146,7 @@ class _Completer:
         while True:
             item = self._queue.get()
             if item is None or self._closing:
-                return
+                return  # (a None after the last item: finish_and_stop)
             handles, finish, future = item
             try:
                 for handle in handles:
@@ -156,22 +162,34 @@ class _Completer:
                 future.set_result(value)
 
 
-_completer: Optional[_Completer] = None
-_completer_lock = threading.Lock()
+class _Work(dist.Work):
+    """A collective's Work: its future, which the group's completer completes. ``wait()`` raises the
+    op's error. (torch's ``_create_work_from_future`` makes a Work whose ``wait()`` returns True on a
+    failed future: the error would be lost.) torch's Python ProcessGroup trampoline forwards
+    ``wait``/``get_future`` to these methods when C++ (DDP's reducer) holds the Work."""
 
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
 
-def _get_completer() -> _Completer:
-    global _completer
-    with _completer_lock:
-        if _completer is None:
-            _completer = _Completer()
-        return _completer
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()  # raises the op's error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        return self._future.wait()
 
 
 def _finished_work(value: Any) -> Any:
     future = torch.futures.Future()
     future.set_result(value)
-    return _create_work_from_future(future)
+    return _Work(future)
 
 
 # -- the process group -------------------------------------------------------------
@@ -184,6 +202,8 @@ class ProcessGroupMtrain(dist.ProcessGroup):
         self._prefix = f"torch.distributed[{group_name}]"
         self._issued: Dict[tuple, int] = {}
         self._last: Dict[str, List[Any]] = {}  # name -> handles of the op that last used it
+        self._completer: Optional[_Completer] = None
+        self._completer_lock = threading.Lock()
         # DDP (and other device-dispatched calls) look the backend up by device type.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, None)
 
@@ -206,11 +226,21 @@ class ProcessGroupMtrain(dist.ProcessGroup):
                     pass
         return name
 
+    def shutdown(self) -> None:
+        """Called by ``destroy_process_group``: the group's completer ends after the ops queued so far."""
+        with self._completer_lock:
+            if self._completer is not None:
+                self._completer.finish_and_stop()
+                self._completer = None
+
     def _issue(self, name: str, handles: List[Any], finish: Callable[[], Any]) -> Any:
         self._last[name] = handles
+        with self._completer_lock:
+            if self._completer is None:
+                self._completer = _Completer()
         future = torch.futures.Future()
-        _get_completer().add(handles, finish, future)
-        return _create_work_from_future(future)
+        self._completer.add(handles, finish, future)
+        return _Work(future)
 
     # -- collectives -----------------------------------------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
