@@ -3,24 +3,54 @@
     import mtrain.distributed                      # registers the backend
     torch.distributed.init_process_group("mtrain")  # or mtrain.distributed.init_process_group()
     model = torch.nn.parallel.DistributedDataParallel(model)
+    dp = torch.distributed.new_group([0, 2])       # a subgroup, on the mtrain backend too
 
-Ranks are started by ``mpirun`` / ``mtrain run``; the group's rank and size
-must be the runtime's (``rr.rank()``, ``rr.size()``). Collectives on CPU
-tensors: allreduce (SUM, AVG, MIN, MAX, PRODUCT), allreduce_coalesced,
-broadcast, allgather, all_gather_into_tensor, barrier; ``async_op=True``
-returns a Work whose future DDP's comm hooks chain on.
+Ranks are started by ``mpirun`` / ``mtrain run``; torch's global rank and world
+size must be the runtime's (``rr.rank()``, ``rr.size()``). Collectives on CPU
+tensors, with gloo's semantics: all_reduce and all_reduce_coalesced, reduce
+(the result on the destination; the other ranks' tensors are left as they
+were), broadcast, all_gather, all_gather_into_tensor, reduce_scatter (tensor
+lists, sizes may differ per rank) and reduce_scatter_tensor, all_to_all and
+all_to_all_single (with or without split sizes), barrier; so also
+all_gather_object and broadcast_object_list, which torch builds on them.
+ReduceOp SUM, AVG, MIN, MAX, PRODUCT run on the runtime's all-reduce; BAND, BOR
+and BXOR (integer and bool tensors) gather every rank's tensor and fold it with
+NumPy (correct, not fast). PREMUL_SUM is refused (gloo has none either).
+``async_op=True`` returns a Work whose future DDP's comm hooks chain on.
+Point-to-point (send, recv) and gather/scatter are not implemented here.
+
+Subgroups: ``new_group(ranks)`` with backend mtrain makes a *private process
+set* of the runtime (``rr.private_process_set``): torch calls our creator on
+the member ranks only, in the same order on each, and the members alone make
+the set's communicators and its own engine. A group of every rank runs on the
+global set. torch hands collectives group ranks (``opts.rootRank``); the
+runtime takes global ranks (Horovod's convention), so the group translates.
+``destroy_process_group(group)`` on the members releases the set.
+
+``monitored_barrier``: torch's ``dist.monitored_barrier`` refuses every backend
+but gloo before it reaches the group (a ValueError in distributed_c10d.py), so
+call ``mtrain.distributed.monitored_barrier(group, timeout, wait_all_ranks)``:
+the same semantics on an mtrain group (rank 0 of the group raises a
+RuntimeError naming the rank that did not arrive within the timeout, or all of
+them with ``wait_all_ranks``; the others raise too, and nothing waits past the
+timeout), and torch's own function for any other group. It meets on the
+group's torch store (the rendezvous store torch gives each group), not on the
+engine: a runtime op cannot be taken back once its timeout has passed, and the
+engine does not say which ranks are missing.
 
 How it is built (pure Python, no C++): torch lets a ``ProcessGroup`` subclass
 be written in Python; its collectives are called with the tensors and an
 options object and return a ``Work``. Each collective here hands NumPy views of
 the tensors to the runtime's async API and returns a Work made from a
 ``torch.futures.Future``. The runtime's handles have no completion callback,
-so one daemon thread per process (``_Completer``) waits on them in
-submission order and completes the futures; DDP's chained callbacks (the
-division by world size) then run on that thread. The group also registers
-itself for the ``cpu`` device type: DDP's parameter check looks the backend
-up by device and fails with "No backend type associated with device type
-cpu" otherwise.
+so one daemon thread per group (``_Completer``) waits on them in submission
+order and completes the futures; DDP's chained callbacks (the division by world
+size) then run on that thread. One thread per group, not per process: ranks
+issue one group's ops in the same order, but not two groups' ops, and a Work of
+one group must not wait behind an op of another that needs a later call of this
+rank. The group also registers itself for the ``cpu`` device type: DDP's
+parameter check looks the backend up by device and fails with "No backend type
+associated with device type cpu" otherwise.
 
 Names: the runtime matches ops across ranks by name and caches names it has
 seen (the response cache, a fixed number of bits). torch issues a group's
@@ -28,30 +58,32 @@ collectives in the same order on every rank, so an op's name is built from its
 signature (kind, dtype, shape, op, root) and how many ops of that signature the
 group has issued, modulo ``_SLOTS``: identical on every rank, and repeating
 from one training step to the next, so DDP's bucket all-reduces hit the cache.
-Before a name is reused, its previous op is waited for (it was issued by every
-rank already, so the wait ends).
+(Shapes that may differ between ranks, as an all_to_all's, stay out of the
+name.) Before a name is reused, its previous op is waited for (it was issued by
+every rank already, so the wait ends).
 """
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import queue
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 import mtrain.ringreduce as rr
 
 from .torch.bridge import real_view, to_tensor
 
-__all__ = ["BACKEND", "ProcessGroupMtrain", "init_process_group", "register"]
+__all__ = ["BACKEND", "ArgumentError", "ProcessGroupMtrain", "init_process_group", "monitored_barrier", "register"]
 
 BACKEND = "mtrain"
 
@@ -66,14 +98,64 @@ _REDUCE_OPS = {
     dist.ReduceOp.PRODUCT: rr.Product,
 }
 
+# Folded from every rank's tensor (gathered): the runtime's all-reduce has no bitwise ops.
+_BITWISE_OPS = {
+    dist.ReduceOp.BAND: np.bitwise_and,
+    dist.ReduceOp.BOR: np.bitwise_or,
+    dist.ReduceOp.BXOR: np.bitwise_xor,
+}
 
-def _reduce_op(torch_op: Any) -> rr.ReduceOp:
+
+class ArgumentError(ValueError, RuntimeError):
+    """A collective's arguments were refused: a ValueError, and a RuntimeError as gloo raises
+    (its checks are ``TORCH_CHECK``s), so code written for either keeps catching it."""
+
+
+class _Reduction(NamedTuple):
+    """A torch ReduceOp as this backend runs it: on the runtime's all-reduce (``op``), or gathered
+    and folded with a NumPy ufunc (``fold``)."""
+
+    name: str
+    op: Optional[rr.ReduceOp]
+    fold: Optional[np.ufunc]
+
+
+def _reduction(torch_op: Any, tensors: Sequence[torch.Tensor], what: str) -> _Reduction:
+    """``torch_op`` checked against the tensors it reduces; a one-line error says what to use instead."""
+    reduction = None
     for key, op in _REDUCE_OPS.items():
         if torch_op == key:
-            return op
-    supported = ", ".join(f"ReduceOp.{k.name}" for k in _REDUCE_OPS)
-    raise ValueError(f"the mtrain backend does not support {torch_op!r}; use one of {supported} "
-                     "(or a gloo process group for bitwise and pre-multiplied sums)")
+            reduction = _Reduction(key.name, op, None)
+    for key, fold in _BITWISE_OPS.items():
+        if torch_op == key:
+            reduction = _Reduction(key.name, None, fold)
+    if reduction is None:
+        if torch_op == dist.ReduceOp.PREMUL_SUM:
+            raise ArgumentError(f"{what}: ReduceOp.PREMUL_SUM is not supported by the mtrain backend (nor by "
+                                "gloo): multiply the tensor by the factor, then reduce with ReduceOp.SUM")
+        supported = ", ".join(f"ReduceOp.{k.name}" for k in list(_REDUCE_OPS) + list(_BITWISE_OPS))
+        raise ArgumentError(f"{what}: the mtrain backend does not support {torch_op!r}; use one of "
+                            f"{supported}, or a gloo process group")
+    for i, tensor in enumerate(tensors):
+        if tensor.is_complex() and reduction.op not in (rr.Sum, rr.Average):
+            raise ArgumentError(f"{what}: tensor {i} is complex: only ReduceOp.SUM and ReduceOp.AVG are defined "
+                                "for complex tensors")
+        if reduction.fold is not None and (tensor.is_floating_point() or tensor.is_complex()):
+            raise ArgumentError(f"{what}: cannot use ReduceOp.{reduction.name} with non-integral dtype "
+                                f"{tensor.dtype}; bitwise ops take integer and bool tensors")
+    return reduction
+
+
+def _timeout_seconds(timeout: Any, what: str) -> float:
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)  # torch takes seconds as a float here too (with a warning)
+    else:
+        raise ArgumentError(f"{what}: timeout must be a datetime.timedelta, got {timeout!r}")
+    if not seconds > 0:
+        raise ArgumentError(f"{what}: timeout must be positive, got {timeout!r}")
+    return seconds
 
 
 # -- tensors <-> NumPy (through the bridge mtrain.torch crosses too) ----------------
@@ -115,7 +197,7 @@ def _rows(result: np.ndarray, count: int) -> List[np.ndarray]:
 # -- completing torch futures ----------------------------------------------------
 
 class _Completer:
-    """One daemon thread that waits on runtime handles and completes the torch futures."""
+    """A daemon thread that waits on one group's runtime handles and completes the torch futures."""
 
     def __init__(self) -> None:
         self._queue: "queue.SimpleQueue[Tuple[List[Any], Callable[[], Any], torch.futures.Future]]" = \
@@ -133,6 +215,10 @@ class _Completer:
         self._queue.put(None)
         self._thread.join(timeout=2.0)
 
+    def finish_and_stop(self) -> None:
+        """End the thread once the ops queued so far are completed (their Works still complete)."""
+        self._queue.put(None)
+
     def add(self, handles: List[Any], finish: Callable[[], Any], future: torch.futures.Future) -> None:
         self._queue.put((handles, finish, future))
 
@@ -140,7 +226,7 @@ class _Completer:
         while True:
             item = self._queue.get()
             if item is None or self._closing:
-                return
+                return  # (a None after the last item: finish_and_stop)
             handles, finish, future = item
             try:
                 for handle in handles:
@@ -156,42 +242,96 @@ class _Completer:
                 future.set_result(value)
 
 
-_completer: Optional[_Completer] = None
-_completer_lock = threading.Lock()
+class _Work(dist.Work):
+    """A collective's Work: its future, which the group's completer completes. ``wait()`` raises the
+    op's error. (torch's ``_create_work_from_future`` makes a Work whose ``wait()`` returns True on a
+    failed future: the error would be lost.) torch's Python ProcessGroup trampoline forwards
+    ``wait``/``get_future`` to these methods when C++ (DDP's reducer) holds the Work."""
 
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
 
-def _get_completer() -> _Completer:
-    global _completer
-    with _completer_lock:
-        if _completer is None:
-            _completer = _Completer()
-        return _completer
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()  # raises the op's error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        return self._future.wait()
 
 
 def _finished_work(value: Any) -> Any:
     future = torch.futures.Future()
     future.set_result(value)
-    return _create_work_from_future(future)
+    return _Work(future)
+
+
+def _options_op(opts: Any) -> Any:
+    return dist.ReduceOp.SUM if opts is None else opts.reduceOp
+
+
+def _signature(array: np.ndarray) -> str:
+    return f"{array.dtype}{list(array.shape)}"
 
 
 # -- the process group -------------------------------------------------------------
 
 class ProcessGroupMtrain(dist.ProcessGroup):
-    """A torch ``ProcessGroup`` whose collectives run on mtrain's runtime (all ranks of the job)."""
+    """A torch ``ProcessGroup`` whose collectives run on mtrain's runtime: on the global process set
+    for a group of every rank, on a private set (``rr.private_process_set``) for a subgroup."""
 
-    def __init__(self, rank: int, size: int, group_name: str = "") -> None:
+    def __init__(self, rank: int, size: int, group_name: str = "",
+                 process_set: rr.ProcessSet = rr.global_process_set, members: Optional[Sequence[int]] = None,
+                 store: Any = None, timeout: Optional[timedelta] = None) -> None:
         super().__init__(rank, size)
         self._prefix = f"torch.distributed[{group_name}]"
+        self._group_name = group_name
+        self._set = process_set
+        self._members = list(members) if members else list(range(size))  # the global rank of each group rank
+        self._store = store  # torch's store for this group: monitored_barrier meets there
+        self._timeout = timeout
+        self._monitored = 0  # monitored barriers so far (the same count on every member)
         self._issued: Dict[tuple, int] = {}
         self._last: Dict[str, List[Any]] = {}  # name -> handles of the op that last used it
+        self._completer: Optional[_Completer] = None
+        self._completer_lock = threading.Lock()
         # DDP (and other device-dispatched calls) look the backend up by device type.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, None)
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's method name)
         return BACKEND
 
+    # torch keeps a group's name on its C++ backend objects, and this group has none (it is its own
+    # backend): ``pg.group_name`` would raise "ProcessGroup name not set", and with it
+    # ``destroy_process_group(group)``. The name is kept here.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
     def __repr__(self) -> str:
-        return f"ProcessGroupMtrain(rank={self.rank()}, size={self.size()})"
+        ranks = "" if self._set is rr.global_process_set else f", ranks={self._members}"
+        return f"ProcessGroupMtrain(rank={self.rank()}, size={self.size()}{ranks})"
+
+    def shutdown(self) -> None:
+        """Called by ``destroy_process_group``: a subgroup's private set is released (its engine stops)."""
+        if self._set is not rr.global_process_set and self._set.process_set_id is not None and rr.is_initialized():
+            try:
+                rr.remove_process_set(self._set)  # ops still in flight fail, on every member
+            except rr.InvalidArgumentError:
+                pass  # gone already: the runtime was shut down and started again
+        with self._completer_lock:
+            if self._completer is not None:
+                self._completer.finish_and_stop()
+                self._completer = None
 
     # -- issuing -------------------------------------------------------------
     def _name(self, *signature: Any) -> str:
@@ -206,76 +346,188 @@ class ProcessGroupMtrain(dist.ProcessGroup):
                     pass
         return name
 
-    def _issue(self, name: str, handles: List[Any], finish: Callable[[], Any]) -> Any:
-        self._last[name] = handles
+    def _issue(self, names: List[str], handles: List[Any], finish: Callable[[], Any]) -> Any:
+        for name in names:
+            self._last[name] = handles
+        with self._completer_lock:
+            if self._completer is None:
+                self._completer = _Completer()
         future = torch.futures.Future()
-        _get_completer().add(handles, finish, future)
-        return _create_work_from_future(future)
+        self._completer.add(handles, finish, future)
+        return _Work(future)
 
-    # -- collectives -----------------------------------------------------------
+    def _root(self, group_rank: int, what: str) -> int:
+        """A group rank (as torch passes roots) as the global rank the runtime takes."""
+        if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not 0 <= group_rank < self.size():
+            raise ArgumentError(f"{what}: invalid root rank {group_rank!r}: this group has ranks "
+                                f"0..{self.size() - 1}")
+        return self._members[group_rank]
+
+    def _reduce_arrays(self, arrays: List[np.ndarray], reduction: _Reduction, name: str,
+                       in_place: bool) -> Tuple[Any, Callable[[], List[np.ndarray]]]:
+        """Submit the reduction of ``arrays`` over the group; returns the handle and how to get the
+        reduced arrays once it is done (``arrays`` themselves when reduced in place on the runtime)."""
+        if reduction.fold is not None:  # every rank's values, one row per rank, folded here
+            fold = reduction.fold
+            handle = rr.grouped_allgather_async([a.reshape(1, -1) for a in arrays], name=name,
+                                                process_set=self._set)
+            return handle, lambda: [fold.reduce(rows, axis=0).reshape(a.shape)
+                                    for rows, a in zip(rr.synchronize(handle), arrays)]
+        if len(arrays) == 1:
+            start = rr.allreduce_async_ if in_place else rr.allreduce_async
+            handle = start(arrays[0], op=reduction.op, name=name, process_set=self._set)
+            return handle, lambda: [rr.synchronize(handle)]
+        start = rr.grouped_allreduce_async_ if in_place else rr.grouped_allreduce_async
+        handle = start(arrays, op=reduction.op, name=name, process_set=self._set)
+        return handle, lambda: list(rr.synchronize(handle))
+
+    # -- reductions ------------------------------------------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
-        op = _reduce_op(dist.ReduceOp.SUM if opts is None else opts.reduceOp)
-        return self._allreduce(list(tensors), op, "allreduce")
+        return self._allreduce(list(tensors), _options_op(opts), "allreduce")
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
-        op = _reduce_op(dist.ReduceOp.SUM if opts is None else opts.reduceOp)
-        return self._allreduce(list(tensors), op, "allreduce_coalesced")
+        return self._allreduce(list(tensors), _options_op(opts), "allreduce_coalesced")
 
-    def _allreduce(self, tensors: List[torch.Tensor], op: rr.ReduceOp, kind: str) -> Any:
+    def _allreduce(self, tensors: List[torch.Tensor], torch_op: Any, kind: str) -> Any:
+        reduction = _reduction(torch_op, tensors, kind)
         if not tensors:
             return _finished_work([])
         pairs = [_inplace_array(t, f"{kind} tensors[{i}]") for i, t in enumerate(tensors)]
-        for i, t in enumerate(tensors):
-            if t.is_complex() and op not in (rr.Sum, rr.Average):
-                raise ValueError(f"{kind} tensors[{i}] is complex: only ReduceOp.SUM and ReduceOp.AVG "
-                                 "are defined for complex tensors")
         arrays = [array for array, _ in pairs]
-        name = self._name(kind, op.name.lower(), *[f"{a.dtype}{list(a.shape)}" for a in arrays])
-        if len(arrays) == 1:
-            handle = rr.allreduce_async_(arrays[0], op=op, name=name)
-        else:
-            handle = rr.grouped_allreduce_async_(arrays, op=op, name=name)
+        name = self._name(kind, reduction.name.lower(), *[_signature(a) for a in arrays])
+        handle, results = self._reduce_arrays(arrays, reduction, name, in_place=True)
 
         def finish() -> List[torch.Tensor]:
-            for _, land in pairs:
+            for (array, land), result in zip(pairs, results()):
+                if result is not array:
+                    array[...] = result
                 land()
             return tensors
-        return self._issue(name, [handle], finish)
+        return self._issue([name], [handle], finish)
 
+    def reduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
+        """The reduction lands on the root only; the other ranks' tensors are left as they were
+        (gloo leaves partial sums in them; torch documents nothing there)."""
+        tensors = list(tensors)
+        reduction = _reduction(_options_op(opts), tensors, "reduce")
+        root = self._root(0 if opts is None else opts.rootRank, "reduce")
+        if not tensors:
+            return _finished_work([])
+        on_root = rr.rank() == root
+        # Every rank reduces a flat copy (the same shapes, so the same name, everywhere); the root lands
+        # the result in its tensors.
+        pairs = [_inplace_array(t, f"reduce tensors[{i}]") for i, t in enumerate(tensors)] if on_root else []
+        arrays = [_input_array(t, f"reduce tensors[{i}]") for i, t in enumerate(tensors)]
+        name = self._name("reduce", reduction.name.lower(), f"root{root}", *[_signature(a) for a in arrays])
+        handle, results = self._reduce_arrays(arrays, reduction, name, in_place=False)
+
+        def finish() -> List[torch.Tensor]:
+            reduced = results()
+            for (destination, land), result in zip(pairs, reduced):
+                destination.reshape(-1)[...] = result.reshape(-1)
+                land()
+            return tensors
+        return self._issue([name], [handle], finish)
+
+    def reduce_scatter(self, output_tensors: Sequence[torch.Tensor],
+                       input_tensors: Sequence[Sequence[torch.Tensor]], opts: Any = None) -> Any:
+        """``reduce_scatter``: rank r gets the reduction of every rank's ``input_list[r]`` (sizes may
+        differ from rank to rank, as on gloo)."""
+        outputs, inputs = list(output_tensors), [list(parts) for parts in input_tensors]
+        if len(outputs) != 1 or len(inputs) != 1:
+            raise ArgumentError(f"reduce_scatter takes one output tensor and one input list, got {len(outputs)} and "
+                                f"{len(inputs)}")
+        (output,), (parts,) = outputs, inputs
+        _check_tensor(output, "reduce_scatter output")
+        if len(parts) != self.size():
+            raise ArgumentError(f"reduce_scatter: the input list has {len(parts)} tensors; it needs one per rank of "
+                                f"the group ({self.size()})")
+        for r, part in enumerate(parts):
+            _check_tensor(part, f"reduce_scatter input[{r}]")
+            if part.dtype != output.dtype:
+                raise ArgumentError(f"reduce_scatter: input[{r}] is {part.dtype}, the output {output.dtype}; they "
+                                    "must match")
+        if parts[self.rank()].numel() != output.numel():
+            raise ArgumentError(f"reduce_scatter: input[{self.rank()}] has {parts[self.rank()].numel()} elements, "
+                                f"this rank's output {output.numel()}; they must match")
+        arrays = [_input_array(part, f"reduce_scatter input[{r}]") for r, part in enumerate(parts)]
+        # Counted in array elements: a complex tensor's are (real, imaginary) pairs.
+        return self._reduce_scatter(output, np.concatenate(arrays), [a.size for a in arrays], _options_op(opts),
+                                    "reduce_scatter")
+
+    def reduce_scatter_single(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                              opts: Any = None) -> Any:
+        """``reduce_scatter_tensor``: reduce the input over ranks; rank r keeps part r in the output."""
+        _check_tensor(output_tensor, "reduce_scatter_tensor output")
+        flat = _input_array(input_tensor, "reduce_scatter_tensor input")
+        if input_tensor.numel() != self.size() * output_tensor.numel() or output_tensor.dtype != input_tensor.dtype:
+            raise ArgumentError(f"reduce_scatter_tensor: the input ({input_tensor.dtype}"
+                                f"{list(input_tensor.shape)}) must hold group size ({self.size()}) times the "
+                                f"output ({output_tensor.dtype}{list(output_tensor.shape)})")
+        return self._reduce_scatter(output_tensor, flat, [flat.size // self.size()] * self.size(),
+                                    _options_op(opts), "reduce_scatter_tensor")
+
+    _reduce_scatter_base = reduce_scatter_single  # older torch's name for reduce_scatter_tensor
+
+    def _reduce_scatter(self, output: torch.Tensor, flat: np.ndarray, counts: List[int], torch_op: Any,
+                        kind: str) -> Any:
+        """Reduce ``flat`` (every rank's parts, ``counts[r]`` elements for rank r) over the group; this
+        rank's part of the result lands in ``output``."""
+        reduction = _reduction(torch_op, [output], kind)
+        destination, land = _inplace_array(output, f"{kind} output")
+        if reduction.op is not None and len(set(counts)) == 1 and counts[0] > 0:
+            # Equal parts: the runtime's reduce-scatter (row r of the stacked parts to rank r).
+            rows = flat.reshape(self.size(), -1)
+            name = self._name(kind, reduction.name.lower(), _signature(rows))
+            handle = rr.reducescatter_async(rows, op=reduction.op, name=name, process_set=self._set)
+
+            def mine() -> np.ndarray:
+                return rr.synchronize(handle)
+        else:  # unequal parts, or a bitwise op: reduce it all, keep this rank's part
+            name = self._name(kind, reduction.name.lower(), str(flat.dtype), *counts)
+            handle, results = self._reduce_arrays([flat], reduction, name, in_place=False)
+            start = sum(counts[:self.rank()])
+
+            def mine() -> np.ndarray:
+                return results()[0][start:start + counts[self.rank()]]
+
+        def finish() -> List[torch.Tensor]:
+            destination.reshape(-1)[...] = mine().reshape(-1)
+            land()
+            return [output]
+        return self._issue([name], [handle], finish)
+
+    # -- data movement ---------------------------------------------------------
     def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
         tensors = list(tensors)
-        root = 0 if opts is None else opts.rootRank
-        if not 0 <= root < self.size():
-            raise ValueError(f"broadcast root rank {root} is not a rank of this group (size {self.size()})")
+        root = self._root(0 if opts is None else opts.rootRank, "broadcast")
         pairs = [_inplace_array(t, f"broadcast tensors[{i}]") for i, t in enumerate(tensors)]
         handles, names = [], []
         for array, _ in pairs:
-            names.append(self._name("broadcast", f"root{root}", f"{array.dtype}{list(array.shape)}"))
-            handles.append(rr.broadcast_async_(array, root, name=names[-1]))
+            names.append(self._name("broadcast", f"root{root}", _signature(array)))
+            handles.append(rr.broadcast_async_(array, root, name=names[-1], process_set=self._set))
 
         def finish() -> List[torch.Tensor]:
             for _, land in pairs:
                 land()
             return tensors
-        for name in names[:-1]:
-            self._last[name] = handles
-        return self._issue(names[-1], handles, finish) if names else _finished_work(tensors)
+        return self._issue(names, handles, finish) if names else _finished_work(tensors)
 
     def allgather(self, output_tensors: Sequence[Sequence[torch.Tensor]],
                   input_tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
         if len(output_tensors) != len(input_tensors):
-            raise ValueError(f"allgather: {len(output_tensors)} output lists for {len(input_tensors)} inputs; "
-                             "pass one list of world-size tensors per input tensor")
+            raise ArgumentError(f"allgather: {len(output_tensors)} output lists for {len(input_tensors)} inputs; "
+                                "pass one list of group-size tensors per input tensor")
         outputs = [list(outs) for outs in output_tensors]
         for i, (outs, tensor) in enumerate(zip(outputs, input_tensors)):
             if len(outs) != self.size():
-                raise ValueError(f"allgather: output list {i} has {len(outs)} tensors; it needs one per rank "
-                                 f"({self.size()})")
+                raise ArgumentError(f"allgather: output list {i} has {len(outs)} tensors; it needs one per rank "
+                                    f"of the group ({self.size()})")
             for r, out in enumerate(outs):
                 _check_tensor(out, f"allgather output_tensors[{i}][{r}]")
                 if out.numel() != tensor.numel() or out.dtype != tensor.dtype:
-                    raise ValueError(f"allgather: output_tensors[{i}][{r}] is {out.dtype}{list(out.shape)}, "
-                                     f"the input is {tensor.dtype}{list(tensor.shape)}; they must match")
+                    raise ArgumentError(f"allgather: output_tensors[{i}][{r}] is {out.dtype}{list(out.shape)}, "
+                                        f"the input is {tensor.dtype}{list(tensor.shape)}; they must match")
         return self._gather([(t, outs) for t, outs in zip(input_tensors, outputs)],
                             [outs for outs in output_tensors])
 
@@ -283,45 +535,174 @@ class ProcessGroupMtrain(dist.ProcessGroup):
         """``all_gather_into_tensor``: every rank's input, in rank order, into one output tensor."""
         _check_tensor(output_tensor, "all_gather_into_tensor output")
         if not output_tensor.is_contiguous():
-            raise ValueError("all_gather_into_tensor: the output tensor must be contiguous")
+            raise ArgumentError("all_gather_into_tensor: the output tensor must be contiguous")
         if output_tensor.numel() != self.size() * input_tensor.numel() or output_tensor.dtype != input_tensor.dtype:
-            raise ValueError(f"all_gather_into_tensor: the output ({output_tensor.dtype}"
-                             f"{list(output_tensor.shape)}) must hold world size ({self.size()}) times the "
-                             f"input ({input_tensor.dtype}{list(input_tensor.shape)})")
+            raise ArgumentError(f"all_gather_into_tensor: the output ({output_tensor.dtype}"
+                                f"{list(output_tensor.shape)}) must hold group size ({self.size()}) times the "
+                                f"input ({input_tensor.dtype}{list(input_tensor.shape)})")
         parts = list(torch.tensor_split(output_tensor.view(-1), self.size()))
         return self._gather([(input_tensor, parts)], [output_tensor])
 
     all_gather_single = _allgather_base  # torch 2.13's name for all_gather_into_tensor
 
-    def reduce_scatter_single(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                              opts: Any = None) -> Any:
-        """``reduce_scatter_tensor``: reduce the input over ranks; rank r keeps part r in the output."""
-        op = _reduce_op(dist.ReduceOp.SUM if opts is None else opts.reduceOp)
-        if input_tensor.numel() != self.size() * output_tensor.numel() or output_tensor.dtype != input_tensor.dtype:
-            raise ValueError(f"reduce_scatter_tensor: the input ({input_tensor.dtype}{list(input_tensor.shape)}) "
-                             f"must hold world size ({self.size()}) times the output "
-                             f"({output_tensor.dtype}{list(output_tensor.shape)})")
-        if input_tensor.is_complex() and op not in (rr.Sum, rr.Average):
-            raise ValueError("reduce_scatter_tensor: only ReduceOp.SUM and ReduceOp.AVG are defined for "
-                             "complex tensors")
-        array = _input_array(input_tensor, "reduce_scatter_tensor input").reshape(self.size(), -1)
-        destination, land = _inplace_array(output_tensor, "reduce_scatter_tensor output")
-        name = self._name("reduce_scatter", op.name.lower(), f"{array.dtype}{list(array.shape)}")
-        handle = rr.reducescatter_async(array, op=op, name=name)
+    def _gather(self, pairs: List[Tuple[torch.Tensor, List[torch.Tensor]]], value: Any) -> Any:
+        handles, names = [], []
+        for i, (tensor, _) in enumerate(pairs):
+            array = _input_array(tensor, f"allgather input_tensors[{i}]")
+            names.append(self._name("allgather", _signature(array)))
+            handles.append(rr.allgather_async(array, name=names[-1], process_set=self._set))
 
-        def finish() -> List[torch.Tensor]:
-            destination.reshape(-1)[...] = rr.synchronize(handle).reshape(-1)
+        def finish() -> Any:
+            for handle, (tensor, outs) in zip(handles, pairs):
+                for out, row in zip(outs, _rows(rr.synchronize(handle), self.size())):
+                    out.detach().copy_(to_tensor(row, tensor.dtype).view(out.shape))
+            return value
+        return self._issue(names, handles, finish) if names else _finished_work(value)
+
+    def alltoall(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor],
+                 opts: Any = None) -> Any:
+        """``all_to_all``: input_tensors[r] goes to rank r; output_tensors[r] receives rank r's."""
+        outputs, inputs = list(output_tensors), list(input_tensors)
+        for what, tensors in (("input", inputs), ("output", outputs)):
+            if len(tensors) != self.size():
+                raise ArgumentError(f"all_to_all: the {what} tensor list has {len(tensors)} tensors; it needs one "
+                                    f"per rank of the group ({self.size()})")
+            for r, tensor in enumerate(tensors):
+                _check_tensor(tensor, f"all_to_all {what}[{r}]")
+        dtype = inputs[0].dtype
+        if any(t.dtype != dtype for t in inputs + outputs):
+            raise ArgumentError("all_to_all: every input and output tensor must have the same dtype")
+        flat = np.concatenate([_input_array(t, "all_to_all input") for t in inputs])
+        receive = [o.numel() for o in outputs]
+
+        def place(received: np.ndarray) -> None:
+            for out, part in zip(outputs, np.split(received, np.cumsum(receive)[:-1])):
+                out.detach().copy_(to_tensor(part, out.dtype).view(out.shape))
+        return self._alltoall(flat, [t.numel() for t in inputs], receive, place, outputs, "all_to_all")
+
+    def all_to_all_single(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                          output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
+                          opts: Any = None) -> Any:
+        """``all_to_all_single``: dim 0 of the input is split among the ranks (equally, or by
+        ``input_split_sizes``); rank r's part lands in the output's part r (``output_split_sizes``)."""
+        _check_tensor(output_tensor, "all_to_all_single output")
+        _check_tensor(input_tensor, "all_to_all_single input")
+        if input_tensor.dim() == 0 or output_tensor.dim() == 0:
+            raise ArgumentError("all_to_all_single: the tensors need at least one dimension to split")
+        if output_tensor.dtype != input_tensor.dtype:
+            raise ArgumentError(f"all_to_all_single: the output is {output_tensor.dtype}, the input "
+                                f"{input_tensor.dtype}; they must match")
+        row = math.prod(input_tensor.shape[1:])
+        if math.prod(output_tensor.shape[1:]) != row:
+            raise ArgumentError(f"all_to_all_single: a row of the output ({list(output_tensor.shape[1:])}) and of "
+                                f"the input ({list(input_tensor.shape[1:])}) must hold as many elements")
+        send = self._splits(input_split_sizes, input_tensor.shape[0], "input")
+        receive = self._splits(output_split_sizes, output_tensor.shape[0], "output")
+        flat = _input_array(input_tensor, "all_to_all_single input")
+        destination, land = _inplace_array(output_tensor, "all_to_all_single output")
+
+        def place(received: np.ndarray) -> None:
+            destination.reshape(-1)[...] = received
             land()
-            return [output_tensor]
-        return self._issue(name, [handle], finish)
+        return self._alltoall(flat, [n * row for n in send], [n * row for n in receive], place, [output_tensor],
+                              "all_to_all_single", *input_tensor.shape[1:])
 
-    _reduce_scatter_base = reduce_scatter_single  # older torch's name for reduce_scatter_tensor
+    alltoall_base = all_to_all_single  # older torch's name
 
+    def _splits(self, sizes: Sequence[int], first: int, what: str) -> List[int]:
+        """Rows to send to (or receive from) each rank: ``sizes``, or equal shares when empty."""
+        sizes = list(sizes or [])
+        if not sizes:
+            if first % self.size():
+                raise ArgumentError(f"all_to_all_single: the {what}'s dim 0 ({first}) does not divide equally "
+                                    f"across the group size ({self.size()}); pass {what}_split_sizes")
+            return [first // self.size()] * self.size()
+        if len(sizes) != self.size():
+            raise ArgumentError(f"all_to_all_single: {len(sizes)} {what} split sizes; the number of splits must "
+                                f"equal the group size ({self.size()})")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes) or sum(sizes) != first:
+            raise ArgumentError(f"all_to_all_single: {what} split sizes {sizes} must be non-negative integers "
+                                f"summing to the {what}'s dim 0 ({first})")
+        return sizes
+
+    def _alltoall(self, flat: np.ndarray, send: List[int], receive: List[int],
+                  place: Callable[[np.ndarray], None], value: Any, kind: str, *shared: Any) -> Any:
+        """Send ``send[r]`` elements of ``flat`` to group rank r; what arrives (``receive[r]`` elements
+        from rank r, checked) goes to ``place`` as one flat array. ``shared``: what the ranks' calls have
+        in common besides the dtype (sizes may differ from rank to rank, so they stay out of the name)."""
+        name = self._name(kind, str(flat.dtype), *shared)
+        handle = rr.alltoall_async(flat, splits=send, name=name, process_set=self._set)
+
+        def finish() -> Any:
+            received, received_splits = rr.synchronize(handle)
+            got = [int(n) for n in np.asarray(received_splits).reshape(-1)]
+            if got != receive:
+                raise ArgumentError(f"{kind}: rank {self.rank()} of the group expected {receive} elements from the "
+                                    f"ranks of the group, but they sent {got}: the split sizes of the ranks "
+                                    "must agree")
+            place(received.reshape(-1))
+            return value
+        return self._issue([name], [handle], finish)
+
+    # -- synchronization ---------------------------------------------------------
+    def barrier(self, opts: Any = None) -> Any:
+        # The runtime's barrier() blocks; a one-byte all-reduce is a barrier that can be awaited later.
+        name = self._name("barrier")
+        handle = rr.allreduce_async_(np.zeros(1, dtype=np.uint8), op=rr.Sum, name=name, process_set=self._set)
+        return self._issue([name], [handle], lambda: [])
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier, on the group's torch store: every rank announces its arrival; rank 0
+        waits for the others until ``timeout`` (default: the group's), then releases them, or raises
+        naming the first missing rank (every missing rank with ``wait_all_ranks``) and tells the others
+        so. Every rank raises RuntimeError by its own deadline; nothing waits longer."""
+        seconds = _timeout_seconds(self._timeout if timeout is None else timeout, "monitored_barrier")
+        if self._store is None:
+            raise RuntimeError("monitored_barrier needs the group's torch store; this group was made without one")
+        deadline = time.monotonic() + seconds
+        key = f"mtrain.monitored_barrier.{self._monitored}"
+        self._monitored += 1
+        me, size, store = self.rank(), self.size(), self._store
+        store.set(f"{key}.arrived.{me}", b"1")
+        if me == 0:
+            waiting = list(range(1, size))
+            while True:
+                waiting = [r for r in waiting if not store.check([f"{key}.arrived.{r}"])]
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    break
+                time.sleep(min(0.005, left))
+            if waiting:
+                missing = waiting if wait_all_ranks else waiting[:1]
+                names = ", ".join(self._describe(r) for r in missing)
+                text = f"rank{'s' if len(missing) > 1 else ''} {names} of the group did not arrive within {seconds:g} s"
+                store.set(f"{key}.released", ("failed: " + text).encode())
+                raise RuntimeError(f"monitored_barrier: {text}")
+            store.set(f"{key}.released", b"ok")
+            return
+        while not store.check([f"{key}.released"]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"monitored_barrier: rank {self._describe(me)} arrived, but group rank 0 "
+                                   f"({self._describe(0)}) did not release it within {seconds:g} s: rank 0 did not "
+                                   "arrive, or failed; check its log")
+            time.sleep(min(0.005, left))
+        released = bytes(store.get(f"{key}.released")).decode()
+        if released != "ok":
+            raise RuntimeError(f"monitored_barrier: rank {self._describe(me)} arrived, but group rank 0 reports: "
+                               f"{released.removeprefix('failed: ')}")
+
+    def _describe(self, group_rank: int) -> str:
+        global_rank = self._members[group_rank]
+        return str(group_rank) if global_rank == group_rank else f"{group_rank} (global rank {global_rank})"
+
+    # -- not here ------------------------------------------------------------------
     def _unsupported(self, what: str) -> Any:
         raise NotImplementedError(
-            f"the mtrain torch.distributed backend does not implement {what}; it has all_reduce, "
-            "broadcast, all_gather, all_gather_into_tensor, reduce_scatter_tensor and barrier. Run other "
-            "collectives on a gloo group: torch.distributed.new_group(backend='gloo')")
+            f"the mtrain torch.distributed backend does not implement {what}; it has all_reduce, reduce, "
+            "broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, all_to_all, "
+            "all_to_all_single, barrier and mtrain.distributed.monitored_barrier. Run other collectives on a "
+            "gloo group: torch.distributed.new_group(backend='gloo')")
 
     def allgather_coalesced(self, *args: Any) -> Any:
         return self._unsupported("all_gather_coalesced")
@@ -329,26 +710,14 @@ class ProcessGroupMtrain(dist.ProcessGroup):
     def all_gather_single_coalesced(self, *args: Any) -> Any:
         return self._unsupported("all_gather_into_tensor_coalesced")
 
-    def all_to_all_single(self, *args: Any) -> Any:
-        return self._unsupported("all_to_all_single")
-
-    def alltoall(self, *args: Any) -> Any:
-        return self._unsupported("all_to_all")
+    def reduce_scatter_single_coalesced(self, *args: Any) -> Any:
+        return self._unsupported("reduce_scatter_tensor_coalesced")
 
     def gather(self, *args: Any) -> Any:
         return self._unsupported("gather")
 
     def scatter(self, *args: Any) -> Any:
         return self._unsupported("scatter")
-
-    def reduce(self, *args: Any) -> Any:
-        return self._unsupported("reduce (use all_reduce)")
-
-    def reduce_scatter(self, *args: Any) -> Any:
-        return self._unsupported("reduce_scatter on tensor lists (use reduce_scatter_tensor)")
-
-    def reduce_scatter_single_coalesced(self, *args: Any) -> Any:
-        return self._unsupported("reduce_scatter_tensor_coalesced")
 
     def send(self, *args: Any) -> Any:
         return self._unsupported("send (point-to-point)")
@@ -359,48 +728,55 @@ class ProcessGroupMtrain(dist.ProcessGroup):
     def recv_anysource(self, *args: Any) -> Any:
         return self._unsupported("recv (point-to-point)")
 
-    def _gather(self, pairs: List[Tuple[torch.Tensor, List[torch.Tensor]]], value: Any) -> Any:
-        handles, names = [], []
-        for i, (tensor, _) in enumerate(pairs):
-            array = _input_array(tensor, f"allgather input_tensors[{i}]")
-            names.append(self._name("allgather", f"{array.dtype}{list(array.shape)}"))
-            handles.append(rr.allgather_async(array, name=names[-1]))
 
-        def finish() -> Any:
-            for handle, (tensor, outs) in zip(handles, pairs):
-                for out, row in zip(outs, _rows(rr.synchronize(handle), self.size())):
-                    out.detach().copy_(to_tensor(row, tensor.dtype).view(out.shape))
-            return value
-        if not names:
-            return _finished_work(value)
-        for name in names[:-1]:
-            self._last[name] = handles
-        return self._issue(names[-1], handles, finish)
-
-    def barrier(self, opts: Any = None) -> Any:
-        # The runtime's barrier() blocks; a one-byte all-reduce is a barrier that can be awaited later.
-        name = self._name("barrier")
-        handle = rr.allreduce_async_(np.zeros(1, dtype=np.uint8), op=rr.Sum, name=name)
-        return self._issue(name, [handle], lambda: [])
+def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+    """``torch.distributed.monitored_barrier`` for mtrain groups (torch's own refuses every backend but
+    gloo): a barrier that raises RuntimeError naming the rank(s) that did not arrive within ``timeout``
+    (a ``timedelta``; default the group's). Any other group goes to torch's function."""
+    if group is None:
+        group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None  # as torch: a rank outside the group does nothing
+    if isinstance(group, ProcessGroupMtrain):
+        return group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+    return dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
 # -- creating groups ----------------------------------------------------------------
 
 def _create(options: Any, backend_options: Any = None) -> ProcessGroupMtrain:
-    """The creator torch calls for ``init_process_group("mtrain")`` and ``new_group(backend="mtrain")``."""
-    if not rr.is_initialized():
-        rr.init()
+    """The creator torch calls for ``init_process_group("mtrain")`` and ``new_group(backend="mtrain")``,
+    on the group's members only (torch returns NON_GROUP_MEMBER on the others before it gets here)."""
     rank, size = options.group_rank, options.group_size
-    members = list(options.global_ranks_in_group or [])
-    if members and members != list(range(rr.size())):
-        raise RuntimeError(f"the mtrain backend runs collectives over every rank of the mtrain job; "
-                           f"group {options.group_id!r} has ranks {members} of {rr.size()}. Create subgroups "
-                           "with backend='gloo'")
-    if (rank, size) != (rr.rank(), rr.size()):
-        raise RuntimeError(f"torch.distributed says rank {rank} of {size}, but this process is mtrain rank "
-                           f"{rr.rank()} of {rr.size()}: set RANK and WORLD_SIZE to the MPI rank and size "
-                           "(or call mtrain.distributed.init_process_group(), which does)")
-    return ProcessGroupMtrain(rank, size, str(options.group_id))
+    members = [int(r) for r in (options.global_ranks_in_group or [])]
+    if not rr.is_initialized():
+        if members and len(members) < dist.get_world_size():
+            # init() takes every rank of the job, and torch calls us on the members only.
+            raise RuntimeError(f"an mtrain subgroup (ranks {members}) needs mtrain's runtime started on every "
+                               "rank first: call mtrain.ringreduce.init() (or hvd.init()) on every rank before "
+                               "new_group(backend='mtrain'), or make the default group mtrain")
+        rr.init()
+    process_set = rr.global_process_set
+    if not members:  # the default group
+        if (rank, size) != (rr.rank(), rr.size()):
+            raise RuntimeError(f"torch.distributed says rank {rank} of {size}, but this process is mtrain rank "
+                               f"{rr.rank()} of {rr.size()}: set RANK and WORLD_SIZE to the MPI rank and size "
+                               "(or call mtrain.distributed.init_process_group(), which does)")
+    else:
+        if len(set(members)) != len(members) or any(not 0 <= r < rr.size() for r in members):
+            raise RuntimeError(f"group {options.group_id!r} has ranks {members}; the mtrain job has distinct ranks "
+                               f"0..{rr.size() - 1}")
+        if len(members) != size or not 0 <= rank < size or members[rank] != rr.rank():
+            raise RuntimeError(f"torch.distributed says this process is rank {rank} of group {options.group_id!r} "
+                               f"(global ranks {members}), but it is mtrain rank {rr.rank()}: torch's global ranks "
+                               "must be the MPI ranks (set RANK to the MPI rank)")
+        if members != sorted(members):
+            raise RuntimeError(f"group {options.group_id!r} lists its ranks out of order ({members}); the mtrain "
+                               "backend orders a group's ranks as their global ranks (as new_group does)")
+        if len(members) < rr.size():
+            process_set = rr.private_process_set(members)
+    return ProcessGroupMtrain(rank, size, str(options.group_id), process_set, members, options.store,
+                              options.timeout)
 
 
 def register() -> None:

@@ -63,6 +63,7 @@ from .runtime import (
     local_size,
     mpi_threads_supported,
     poll,
+    private_process_set,
     process_set_by_id,
     rank,
     recv,
@@ -88,6 +89,6 @@ __all__ = [
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "is_homogeneous", "start_timeline", "stop_timeline",
     "ProcessSet", "add_process_set", "global_process_set", "remove_process_set",
-    "init", "is_initialized", "join", "local_rank", "local_size", "mpi_threads_supported", "poll", "process_set_by_id", "rank",
+    "init", "is_initialized", "join", "local_rank", "local_size", "mpi_threads_supported", "poll", "private_process_set", "process_set_by_id", "rank",
     "recv", "recv_async", "reducescatter", "reducescatter_async", "send", "send_async", "shutdown", "size", "submit_allreduce", "synchronize",
 ]

@@ -12,14 +12,20 @@ Ops take ``process_set=``; a ``root_rank`` stays a global rank (as in Horovod),
 while results such as an allgather's are ordered by rank within the set
 (``ProcessSet.rank()``).
 
+A *private* set (``Registry.private_set``) is made by its members alone, for a
+binding that runs its own groups on the runtime (the torch.distributed backend's
+``new_group``). It has its communicators and engine like a registered set, but no
+id that ``process_set_by_id`` finds, and ``join()`` does not join it.
+
 ``Registry`` is this rank's runtime state behind ``runtime.py``: the job's
-communicators, the global engine, and the registered sets (``SetState``).
+communicators, the global engine, and the registered and private sets (``SetState``).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 import weakref
+import zlib
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from mpi4py import MPI
@@ -142,7 +148,8 @@ class Registry:
     """This rank's runtime: the job's communicators, the global set's engine, and every registered
     process set (set 0 is every rank, on that engine). One per ``init()``."""
 
-    def __init__(self, comms: comm_module.Communicators, engine: Engine, make_engine: Any, admin: MPI.Comm) -> None:
+    def __init__(self, comms: comm_module.Communicators, engine: Engine, make_engine: Any, admin: MPI.Comm,
+                 private_parent: "MPI.Comm | None" = None) -> None:
         self.comms = comms
         self.engine = engine
         # Cached so that user threads never call into MPI while the engine thread does.
@@ -157,6 +164,11 @@ class Registry:
         self._make_engine = make_engine
         # Set management runs in user threads, on its own communicator: never the engines'.
         self.admin = admin
+        # Private sets: negative ids, local to this rank (only members make them), made on their own
+        # communicator, so that their members-only creation never meets the admin calls of all ranks.
+        self.private: "dict[int, SetState]" = {}
+        self.next_private_id = -1
+        self.private_parent = private_parent
 
     # -- admin calls: every rank makes them, from its own thread ----------------
     def gate(self) -> None:
@@ -185,7 +197,8 @@ class Registry:
     def state(self, process_set: ProcessSet) -> SetState:
         if not isinstance(process_set, ProcessSet):
             raise InvalidArgumentError(f"process_set must be an mtrain ProcessSet, got {type(process_set).__name__}")
-        state = self.sets.get(process_set.process_set_id) if process_set.process_set_id is not None else None
+        set_id = process_set.process_set_id
+        state = None if set_id is None else self.private.get(set_id) if set_id < 0 else self.sets.get(set_id)
         if state is not None and state.id != 0 and process_set.ranks != state.ranks:
             state = None  # registered before a shutdown(): its id now names another set
         if state is None:
@@ -281,7 +294,57 @@ class Registry:
             result.append(state)
         return result
 
+    def private_set(self, ranks: "Sequence[int]") -> SetState:
+        """Make a private set of ``ranks`` (global ranks; this rank among them). Only the members call
+        it, each with the same ranks, in the same order as the other members make their private sets
+        (ranks outside take no part). Blocks until every member has come.
+
+        The set is kept out of the registered sets (``self.sets``): its id is negative and local to
+        this rank; ``state()`` finds it, ``stop_all()`` stops it, ``drop_private()`` releases it."""
+        ranks = list(ranks)
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks) or len(set(ranks)) != len(ranks):
+            raise InvalidArgumentError(f"a private process set takes distinct integer ranks, got {ranks!r}")
+        ranks = sorted(ranks)
+        bad = [r for r in ranks if not 0 <= r < self.size]
+        if bad:
+            raise InvalidArgumentError(f"ranks {bad} are out of range: the job has ranks 0..{self.size - 1}")
+        if self.rank not in ranks:
+            raise InvalidArgumentError(f"rank {self.rank} is not in the private process set {ranks}: only its "
+                                       "members make it")
+        if self.private_parent is None:  # pragma: no cover - init() always passes one
+            raise InvalidArgumentError("this runtime makes no private process sets")
+        if len(ranks) < self.size and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise InvalidArgumentError("process sets need MPI initialized with MPI_THREAD_MULTIPLE (each set runs "
+                                       "its own engine thread); leave mpi4py.rc.thread_level at its default")
+        group = self.private_parent.Get_group()
+        members = group.Incl(ranks)
+        group.Free()
+        # MPI_Comm_create_group is collective over the members only. Concurrent creations on
+        # overlapping member lists are told apart by their tag (the same on every member).
+        tag = zlib.crc32(repr(ranks).encode()) % 32768  # MPI_TAG_UB is at least 32767
+        try:
+            subcomm = self.private_parent.Create_group(members, tag)
+        finally:
+            members.Free()
+        state = SetState(self.next_private_id, ranks, self.rank)
+        self.next_private_id -= 1
+        state.comms = comm_module.create(subcomm)
+        subcomm.Free()
+        state.engine = self._make_engine(state.comms)
+        self.private[state.id] = state
+        return state
+
+    def drop_private(self, state: SetState) -> None:
+        """Stop a private set's engine (ops in flight fail on every member) and forget the set."""
+        if self.private.pop(state.id, None) is None:
+            return
+        state.stop()
+        for process_set in list(state.holders):
+            process_set._invalidate()
+
     def stop_all(self) -> None:
+        for state in list(self.private.values()):
+            self.drop_private(state)
         for set_id in sorted(self.sets, reverse=True):
             if set_id != 0:
                 self.sets[set_id].stop()
@@ -293,4 +356,6 @@ class Registry:
         if not self.engine.alive():
             self.engine.executor.close()
             self.admin.Free()
+            if self.private_parent is not None:
+                self.private_parent.Free()
             self.comms.free()

@@ -87,8 +87,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         return Engine(executor, set_comms.world.Dup(), set_config, members)
 
     admin = comms.world.Dup()  # made before any engine thread calls MPI
+    private_parent = comms.world.Dup()  # where members alone make private sets (Registry.private_set)
     engine = make_engine(comms, world_ranks)
-    _runtime = _ps.Registry(comms, engine, make_engine, admin)
+    _runtime = _ps.Registry(comms, engine, make_engine, admin, private_parent)
     _runtime.homogeneous = homogeneous
     global_process_set.ranks = world_ranks  # as Horovod fills in hvd.global_process_set.ranks
     comm_module.install_abort_on_exception()
@@ -175,13 +176,35 @@ def add_process_set(process_set: "ProcessSet | Sequence[int]") -> ProcessSet:
     return process_set
 
 
+def private_process_set(ranks: Sequence[int]) -> ProcessSet:
+    """A process set that its members alone make: each rank in ``ranks`` (global ranks) calls this,
+    in the same order as the other members make theirs; the other ranks take no part. Blocks until
+    every member has come.
+
+    For a binding that runs groups of its own on the runtime (the torch.distributed backend's
+    ``new_group``, which torch creates on the members only). Ops take it as ``process_set=`` like
+    a registered set; it has no ``process_set_id`` that ``process_set_by_id`` finds, and ``join()``
+    does not join it. ``remove_process_set`` on its members releases it; ``shutdown()`` does too."""
+    runtime = _rt()
+    state = runtime.private_set(ranks)
+    process_set = ProcessSet(list(state.ranks))
+    process_set.process_set_id = state.id
+    state.holders.add(process_set)
+    return process_set
+
+
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister ``process_set`` (every rank makes the same call). Its ops still in flight
-    end with an error. Returns False for the global set, which stays."""
+    """Unregister ``process_set`` (every rank makes the same call; for a private set,
+    ``private_process_set``, its members alone). Its ops still in flight end with an error.
+    Returns False for the global set, which stays."""
     runtime = _rt()
     state = runtime.state(process_set)
     if state.id == 0:
         return False
+    if state.id < 0:  # a private set: nothing to agree on with the ranks outside it
+        runtime.drop_private(state)
+        process_set._invalidate()
+        return True
     runtime.gate()  # every rank agrees before the members stop the set's engine
     state.stop()
     del runtime.sets[state.id]

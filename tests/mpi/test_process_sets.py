@@ -680,3 +680,45 @@ def test_sets_need_thread_multiple_and_say_so_on_every_rank():
     result = launch(2, [sys.executable, "-c", THREAD_LEVEL_SCRIPT], timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("refused") == 2, result.stdout + result.stderr
+
+
+@mpi_test(nps=(3,))
+def test_private_sets_are_made_by_their_members_alone_and_kept_apart():
+    n, me = rr.size(), rr.rank()
+    # Overlapping sets, made while the ranks outside each do something else: rank 1 makes
+    # [0, 1] then [1, 2]; rank 2 comes to [1, 2] while rank 1 is still making [0, 1].
+    low = rr.private_process_set([1, 0]) if me in (0, 1) else None
+    high = rr.private_process_set([1, 2]) if me in (1, 2) else None
+    alone = rr.private_process_set([me])
+    for ps in (low, high, alone):
+        if ps is not None:
+            assert ps.included() and ps.process_set_id < 0 and ps.rank() == ps.ranks.index(me), ps
+    assert low is None or low.ranks == [0, 1]
+    pending = rr.allreduce_async(values(me, (5,), np.float64), op=rr.Sum, name="global.meanwhile")
+    if low is not None:
+        got = _wait(rr.allreduce_async(values(me, (7,), np.float64), op=rr.Sum, name="x", process_set=low))
+        assert np.array_equal(got, values(0, (7,), np.float64) + values(1, (7,), np.float64))
+        assert rr.broadcast_object(("from", 1), root_rank=1, process_set=low) == ("from", 1)
+    if high is not None:
+        got = _wait(rr.allgather_async(values(me, (3,), np.int64), name="x", process_set=high))
+        assert np.array_equal(got, np.concatenate([values(r, (3,), np.int64) for r in (1, 2)]))
+    assert rr.allgather_object(me, process_set=alone) == [me]
+    assert np.array_equal(_wait(pending), sum(values(r, (5,), np.float64) for r in range(n)))
+    # Kept apart from Horovod's sets: no id that process_set_by_id finds, and registered ids unchanged.
+    _raises(lambda: rr.process_set_by_id(alone.process_set_id), rr.InvalidArgumentError, "no process set")
+    registered = rr.add_process_set([0, 2])
+    assert registered.process_set_id == 1
+    # Released by its members alone; then it is gone, and the other sets still work.
+    if low is not None:
+        assert rr.remove_process_set(low)
+        _raises(lambda: rr.allreduce(np.ones(2), process_set=low), rr.InvalidArgumentError, "not registered")
+    if high is not None:
+        assert rr.allreduce(np.ones(2), op=rr.Sum, process_set=high).tolist() == [2, 2]
+    if registered.included():
+        assert rr.allreduce(np.ones(2), op=rr.Sum, process_set=registered).tolist() == [2, 2]
+    MPI.COMM_WORLD.Barrier()  # every rank is done with its sets before any shuts down
+    assert _engine_threads() == 1 + (high is not None) + 1 + registered.included()
+    rr.shutdown()  # stops the private sets' engines too
+    assert _engine_threads() == 0
+    assert alone.process_set_id is None and (high is None or high.process_set_id is None)
+    rr.init()
