@@ -17,7 +17,12 @@ ReduceOp SUM, AVG, MIN, MAX, PRODUCT run on the runtime's all-reduce; BAND, BOR
 and BXOR (integer and bool tensors) gather every rank's tensor and fold it with
 NumPy (correct, not fast). PREMUL_SUM is refused (gloo has none either).
 ``async_op=True`` returns a Work whose future DDP's comm hooks chain on.
-Point-to-point (send, recv) and gather/scatter are not implemented here.
+gather and scatter are all-to-alls in which one rank receives (sends) alone.
+Point-to-point: send, recv, isend, irecv and batch_isend_irecv (so torch's
+pipelining) on the runtime's transfers (``mtrain.ringreduce.p2p``), matched in
+order per (source, destination, tag) within the group; their Work waits on the
+transfer itself. A recv whose tensor does not fit what was sent (dtype or
+number of elements) raises a MismatchError saying what was sent.
 
 Subgroups: ``new_group(ranks)`` with backend mtrain makes a *private process
 set* of the runtime (``rr.private_process_set``): torch calls our creator on
@@ -270,6 +275,55 @@ def _finished_work(value: Any) -> Any:
     future = torch.futures.Future()
     future.set_result(value)
     return _Work(future)
+
+
+class _TransferWork(dist.Work):
+    """A send's or recv's Work: waits on the runtime's transfer itself (point-to-point ops of
+    several groups and directions complete in any order, so they take no completer thread; a
+    recv waited for first must not hold up a send issued before it). The future, if asked for,
+    is completed by whichever thread finishes the transfer."""
+
+    def __init__(self, transfer: Any, finish: Callable[[], Any]) -> None:
+        super().__init__()
+        self._transfer, self._finish = transfer, finish
+        self._lock = threading.Lock()
+        self._landed = False
+        self._value: Any = None
+
+    def _land(self) -> Any:
+        with self._lock:
+            if not self._landed:
+                self._value, self._landed = self._finish(), True
+            return self._value
+
+    def wait(self, timeout: Any = None) -> bool:
+        rr.synchronize(self._transfer)  # raises the transfer's error
+        self._land()
+        return True
+
+    def is_completed(self) -> bool:
+        return rr.poll(self._transfer)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._transfer.error() is None
+
+    def exception(self) -> Any:
+        return self._transfer.error()
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+    def get_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+
+        def complete(transfer: Any) -> None:
+            if transfer.error() is not None:
+                future.set_exception(transfer.error())
+            else:
+                future.set_result(self._land())
+        self._transfer.add_done_callback(complete)
+        return future
 
 
 def _options_op(opts: Any) -> Any:
@@ -644,6 +698,94 @@ class ProcessGroupMtrain(dist.ProcessGroup):
             return value
         return self._issue([name], [handle], finish)
 
+    # -- gather and scatter (all-to-alls with one root) --------------------------------
+    def gather(self, output_tensors: Sequence[Sequence[torch.Tensor]], input_tensors: Sequence[torch.Tensor],
+               opts: Any = None) -> Any:
+        """``gather``: every rank's tensor, in rank order, into the root's list. An all-to-all in
+        which each rank sends to the root alone."""
+        root = self._root(0 if opts is None else opts.rootRank, "gather")
+        group_root = self._members.index(root)
+        tensor = self._one(input_tensors, "gather")
+        outputs = list(output_tensors[0]) if output_tensors else []
+        if self.rank() == group_root:
+            if len(output_tensors) != 1 or len(outputs) != self.size():
+                raise ArgumentError(f"gather: the root needs one list of {self.size()} output tensors (one per rank "
+                                    "of the group)")
+            for r, out in enumerate(outputs):
+                _check_tensor(out, f"gather output[{r}]")
+                if out.numel() != tensor.numel() or out.dtype != tensor.dtype:
+                    raise ArgumentError(f"gather: output[{r}] is {out.dtype}{list(out.shape)}, the input "
+                                        f"{tensor.dtype}{list(tensor.shape)}; they must match")
+        elif outputs:
+            raise ArgumentError("gather: only the root (dst) passes output tensors")
+        flat = _input_array(tensor, "gather input")
+        send = [flat.size if r == group_root else 0 for r in range(self.size())]
+        receive = [o.numel() for o in outputs] if self.rank() == group_root else [0] * self.size()
+
+        def place(received: np.ndarray) -> None:
+            for out, part in zip(outputs, np.split(received, np.cumsum(receive)[:-1])):
+                out.detach().copy_(to_tensor(part, out.dtype).view(out.shape))
+        return self._alltoall(flat, send, receive, place, [outputs], "gather", f"root{root}")
+
+    def scatter(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[Sequence[torch.Tensor]],
+                opts: Any = None) -> Any:
+        """``scatter``: the root's i-th tensor to group rank i. An all-to-all in which the root alone
+        sends."""
+        root = self._root(0 if opts is None else opts.rootRank, "scatter")
+        group_root = self._members.index(root)
+        output = self._one(output_tensors, "scatter")
+        inputs = list(input_tensors[0]) if input_tensors else []
+        if self.rank() == group_root:
+            if len(input_tensors) != 1 or len(inputs) != self.size():
+                raise ArgumentError(f"scatter: the root needs one list of {self.size()} input tensors (one per rank "
+                                    "of the group)")
+            for r, tensor in enumerate(inputs):
+                _check_tensor(tensor, f"scatter input[{r}]")
+                if tensor.numel() != output.numel() or tensor.dtype != output.dtype:
+                    raise ArgumentError(f"scatter: input[{r}] is {tensor.dtype}{list(tensor.shape)}, the output "
+                                        f"{output.dtype}{list(output.shape)}; they must match")
+            flat = np.concatenate([_input_array(t, "scatter input") for t in inputs])
+            send = [t.numel() for t in inputs]
+        elif inputs:
+            raise ArgumentError("scatter: only the root (src) passes input tensors")
+        else:
+            flat, send = _input_array(output, "scatter output")[:0], [0] * self.size()
+        receive = [output.numel() if r == group_root else 0 for r in range(self.size())]
+        destination, land = _inplace_array(output, "scatter output")
+
+        def place(received: np.ndarray) -> None:
+            destination.reshape(-1)[...] = received
+            land()
+        return self._alltoall(flat, send, receive, place, [output], "scatter", f"root{root}")
+
+    # -- point-to-point (the runtime's send/recv; group ranks as torch passes them) ---------------
+    def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+        tensors = list(tensors)
+        if len(tensors) != 1:
+            raise ArgumentError(f"{what} takes one tensor, got {len(tensors)}")
+        return _check_tensor(tensors[0], f"{what} tensor")
+
+    def _peer(self, group_rank: int, what: str) -> int:
+        if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not 0 <= group_rank < self.size():
+            raise ArgumentError(f"{what}: invalid peer rank {group_rank!r}: this group has ranks 0..{self.size() - 1}")
+        return self._members[group_rank]
+
+    def send(self, tensors: Sequence[torch.Tensor], dstRank: int, tag: int = 0) -> Any:  # noqa: N803
+        tensor = self._one(tensors, "send")
+        array = real_view(tensor.detach().contiguous())
+        transfer = rr.send_async(array, self._peer(dstRank, "send"), tag, process_set=self._set)
+        return _TransferWork(transfer, lambda: [tensor])
+
+    def recv(self, tensors: Sequence[torch.Tensor], srcRank: int, tag: int = 0) -> Any:  # noqa: N803
+        tensor = self._one(tensors, "recv")
+        array, land = _inplace_array(tensor, "recv tensor")
+        transfer = rr.recv_async(array, self._peer(srcRank, "recv"), tag, process_set=self._set)
+
+        def finish() -> List[torch.Tensor]:
+            land()
+            return [tensor]
+        return _TransferWork(transfer, finish)
+
     # -- synchronization ---------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
         # The runtime's barrier() blocks; a one-byte all-reduce is a barrier that can be awaited later.
@@ -700,9 +842,10 @@ class ProcessGroupMtrain(dist.ProcessGroup):
     def _unsupported(self, what: str) -> Any:
         raise NotImplementedError(
             f"the mtrain torch.distributed backend does not implement {what}; it has all_reduce, reduce, "
-            "broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, all_to_all, "
-            "all_to_all_single, barrier and mtrain.distributed.monitored_barrier. Run other collectives on a "
-            "gloo group: torch.distributed.new_group(backend='gloo')")
+            "broadcast, all_gather, all_gather_into_tensor, gather, scatter, reduce_scatter, "
+            "reduce_scatter_tensor, all_to_all, all_to_all_single, send, recv, barrier and "
+            "mtrain.distributed.monitored_barrier. Run other collectives on a gloo group: "
+            "torch.distributed.new_group(backend='gloo')")
 
     def allgather_coalesced(self, *args: Any) -> Any:
         return self._unsupported("all_gather_coalesced")
@@ -713,20 +856,8 @@ class ProcessGroupMtrain(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, *args: Any) -> Any:
         return self._unsupported("reduce_scatter_tensor_coalesced")
 
-    def gather(self, *args: Any) -> Any:
-        return self._unsupported("gather")
-
-    def scatter(self, *args: Any) -> Any:
-        return self._unsupported("scatter")
-
-    def send(self, *args: Any) -> Any:
-        return self._unsupported("send (point-to-point)")
-
-    def recv(self, *args: Any) -> Any:
-        return self._unsupported("recv (point-to-point)")
-
     def recv_anysource(self, *args: Any) -> Any:
-        return self._unsupported("recv (point-to-point)")
+        return self._unsupported("recv from any source (name the source rank)")
 
 
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:

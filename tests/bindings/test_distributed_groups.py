@@ -1,5 +1,6 @@
 """mtrain.distributed: subgroups (new_group on backend mtrain), reduce, all_to_all, reduce_scatter,
-bitwise ops, object collectives and monitored_barrier, against NumPy references and gloo.
+bitwise ops, object collectives, point-to-point, gather, scatter and monitored_barrier, against
+NumPy references and gloo.
 
 Each body runs inside every rank of a real ``mpirun`` job (``ddp_test``). Groups at np3 are
 [0, 2] and [1] (np2: [0] and [1]); the checks run on the whole job, then on each rank's own
@@ -204,6 +205,60 @@ def test_collectives_on_the_job_and_on_subgroups_match_numpy():
     work_group.wait()
     assert torch.equal(t, torch.full((4,), float(sum(ranks)))) and torch.equal(everyone, torch.full((4,), float(n)))
     dist.destroy_process_group(group)  # releases the group's set on its members
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@ddp_test(nps=(2, 3))
+def test_send_recv_gather_and_scatter_on_the_job_and_a_subgroup():
+    """Point-to-point (blocking, isend/irecv, batch_isend_irecv, a future) around a ring of the
+    group's ranks, then gather and scatter to and from every root, on the job and on [0, n-1]."""
+    me, n = _init_mtrain()
+    pair = dist.new_group([0, n - 1])
+    with pytest.raises(NotImplementedError, match="any source"):
+        dist.recv(torch.zeros(1))  # torch's recv from whichever rank sends
+    for group, members in ((None, list(range(n))), (pair, [0, n - 1])):
+        if me not in members:
+            continue
+        mine, size = members.index(me), len(members)
+        after, before = members[(mine + 1) % size], members[(mine - 1) % size]  # global ranks, as torch takes
+        where = f"group {members}, rank {me}"
+        for dtype, count in ((torch.float32, 7), (torch.int64, 0), (torch.complex64, 5), (torch.bfloat16, 300_001)):
+            def made(src: int, dst: int) -> torch.Tensor:
+                values = _sent(src, dst, count)
+                return torch.complex(values, -values).to(dtype) if dtype.is_complex else values.to(dtype)
+            work = dist.isend(made(me, after), after, group=group, tag=count % 3)
+            got = torch.empty(count, dtype=dtype)
+            dist.recv(got, before, group=group, tag=count % 3)
+            work.wait()
+            assert torch.equal(got, made(before, me)), f"{dtype}[{count}] from {before}, {where}"
+        # batch_isend_irecv (what pipelining uses), into a non-contiguous column.
+        column = torch.zeros(9, 3)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, _sent(me, after, 9).float(), after, group),
+                                        dist.P2POp(dist.irecv, column[:, 1], before, group)])
+        for work in works:
+            work.wait()
+        assert torch.equal(column[:, 1], _sent(before, me, 9).float()) and not column[:, 0].any(), where
+        # A future, completed when the transfer lands.
+        landing = torch.zeros(6, dtype=torch.float64)
+        future = dist.irecv(landing, before, group=group, tag=5).get_future()
+        dist.send(_sent(me, after, 6), after, group=group, tag=5)
+        assert torch.equal(future.wait()[0], _sent(before, me, 6)) and torch.equal(landing, _sent(before, me, 6))
+        # A recv that does not fit what was sent says so; both ends go on.
+        work = dist.isend(torch.ones(5), after, group=group, tag=7)
+        with pytest.raises(RuntimeError, match=r"sent float32\[5\], but this buffer holds float32\[4\]"):
+            dist.recv(torch.zeros(4), before, group=group, tag=7)
+        work.wait()
+        for root in members:
+            outputs = [torch.zeros(4, dtype=torch.float64) for _ in members] if me == root else None
+            dist.gather(_sent(me, root, 4), outputs, dst=root, group=group)
+            if me == root:
+                for member, out in zip(members, outputs):
+                    assert torch.equal(out, _sent(member, root, 4)), f"gather to {root} from {member}, {where}"
+            inputs = [_sent(root, member, 4) for member in members] if me == root else None
+            into = torch.zeros(4, dtype=torch.float64)
+            dist.scatter(into, inputs, src=root, group=group)
+            assert torch.equal(into, _sent(root, me, 4)), f"scatter from {root}, {where}"
     dist.barrier()
     dist.destroy_process_group()
 
