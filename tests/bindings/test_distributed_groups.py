@@ -273,10 +273,41 @@ def _flat(model: torch.nn.Module) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 
+def _zero_equals_one_process(group, ranks: "list[int]", me: int, steps: int) -> None:
+    """ZeroRedundancyOptimizer (Adam) with DDP over ``group`` (global ranks ``ranks``) ends where one
+    process does on the group's mean gradient, and each rank holds only its shard of Adam's state."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    reference = _model(ranks[0])
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for step in range(steps):
+        optimizer.zero_grad()
+        for r in ranks:
+            x, y = _batches(r, steps)[step]
+            (torch.nn.functional.mse_loss(reference(x), y) / len(ranks)).backward()
+        optimizer.step()
+    model = DDP(_model(me), process_group=group)
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, process_group=group, lr=0.01)
+    for x, y in _batches(me, steps):
+        zero.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        zero.step()
+    got, want = _flat(model.module), _flat(reference)
+    where = f"rank {me}, ZeRO over {ranks}"
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5), f"{where}: differs by {np.abs(got - want).max()}"
+    held = {id(p) for p in zero.optim.state}
+    shard = {id(p) for p in zero.optim.param_groups[0]["params"]}
+    every = {id(p) for p in model.parameters()}
+    assert held == shard and 0 < len(held) < len(every), f"{where}: holds state of {len(held)}/{len(every)}"
+    everyone = [None] * len(ranks)
+    dist.all_gather_object(everyone, sorted(i for i, p in enumerate(model.parameters()) if id(p) in held), group=group)
+    assert sorted(sum(everyone, [])) == list(range(len(every))), f"{where}: shards {everyone} do not partition"
+
+
 @ddp_test(nps=(4,), timeout=300)
 def test_ddp_and_zero_on_disjoint_subgroups_equal_gloo_and_one_process():
-    """Data parallel over [0, 1] and [2, 3] (mtrain), a model-parallel layout [0, 2], [1, 3] too."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    """Data parallel over [0, 1] and [2, 3] (mtrain), a model-parallel layout [0, 2], [1, 3] too; ZeRO
+    over a data-parallel subgroup and over the job."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     me, n = _init_mtrain()
     dp, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])  # this rank's group, and all of them
@@ -308,31 +339,9 @@ def test_ddp_and_zero_on_disjoint_subgroups_equal_gloo_and_one_process():
     assert np.allclose(results["mtrain"], results["gloo"], rtol=1e-12, atol=1e-12), \
         f"rank {me}: DDP on mtrain differs from gloo by {np.abs(results['mtrain'] - results['gloo']).max()}"
 
-    # One process: the pair's mean gradient (both halves of the batch), Adam on the whole model.
-    reference = _model(dp_ranks[0])
-    optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
-    for step in range(steps):
-        optimizer.zero_grad()
-        for r in dp_ranks:
-            x, y = _batches(r, steps)[step]
-            (torch.nn.functional.mse_loss(reference(x), y) / len(dp_ranks)).backward()
-        optimizer.step()
-    # ZeRO over the mtrain subgroup: the same parameters, each rank holding its shard of Adam's state.
-    model = DDP(_model(me), process_group=dp)
-    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, process_group=dp, lr=0.01)
-    for x, y in _batches(me, steps):
-        zero.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        zero.step()
-    got, want = _flat(model.module), _flat(reference)
-    assert np.allclose(got, want, rtol=1e-5, atol=1e-5), f"rank {me}: ZeRO differs by {np.abs(got - want).max()}"
-    held = {id(p) for p in zero.optim.state}
-    shard = {id(p) for p in zero.optim.param_groups[0]["params"]}
-    every = {id(p) for p in model.parameters()}
-    assert held == shard and 0 < len(held) < len(every), f"rank {me}: holds state of {len(held)}/{len(every)}"
-    everyone = [None] * len(dp_ranks)
-    dist.all_gather_object(everyone, sorted(i for i, p in enumerate(model.parameters()) if id(p) in held), group=dp)
-    assert sorted(sum(everyone, [])) == list(range(len(every))), f"rank {me}: shards {everyone} do not partition"
+    # ZeRO over the mtrain subgroup, then over the whole job (what already ran on backend mtrain).
+    _zero_equals_one_process(dp, dp_ranks, me, steps)
+    _zero_equals_one_process(None, list(range(n)), me, steps)
     dist.barrier()
     dist.destroy_process_group()
 
