@@ -289,6 +289,8 @@ class _Mover:
                     channel = self._channels[key] = collections.deque()
                 channel.append(transfer)
                 transfer._channel = channel
+                if large and channel[0] is transfer:  # its first chunks go now, with the header
+                    transfer._advance(True, self.chunk, self.window)
             self._active.append(transfer)
             if wake and self._mover_idle:
                 self._work_cv.notify()
