@@ -31,8 +31,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import mtrain.distributed as mdist
-
-KiB, MiB = 1 << 10, 1 << 20
+from allreduce import KiB, MiB, mpi_library
 
 
 def timed_side_by_side(comm: MPI.Comm, fns: Dict[str, Callable[[], None]], iters: int) -> Dict[str, float]:
@@ -138,7 +137,7 @@ def main() -> int:
     rank, size = dist.get_rank(), dist.get_world_size()
     groups = {"mtrain": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     header = (f"{size} ranks, torch {torch.__version__}, width {args.width}, batch {args.batch}, "
-              f"{args.iters} iterations, {MPI.Get_library_version().splitlines()[0]}")
+              f"{args.iters} iterations, {mpi_library()}")
     if args.only in (None, "pipeline"):
         if size < 2:
             print("# pipeline: needs at least 2 ranks (one stage each); skipped", flush=True)
