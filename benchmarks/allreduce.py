@@ -84,16 +84,19 @@ def timed(comm: MPI.Comm, fn: Callable[[], None], nbytes: int, budget_s: float, 
 
 
 def timed_side_by_side(comm: MPI.Comm, fns: "dict[str, Callable[[], None]]", nbytes: int,
-                       budget_s: float, min_iters: int) -> "dict[str, float]":
+                       budget_s: float, min_iters: int, iters: "int | None" = None) -> "dict[str, float]":
     """``timed`` for several variants at once, interleaved: round i runs every variant
-    once, so a machine whose speed drifts (a shared VM) biases none of them."""
+    once, so a machine whose speed drifts (a shared VM) biases none of them. ``iters``:
+    that many rounds (after one warm-up call each), instead of as many as fit the budget."""
     round_s = 0.0
     for fn in fns.values():
         fn()  # warm-up, then one timed call to size the rounds to the budget
-        start = time.perf_counter()
-        fn()
-        round_s += time.perf_counter() - start
-    iters = max(min_iters, min(200, int(budget_s / max(round_s, 1e-6))))
+        if iters is None:
+            start = time.perf_counter()
+            fn()
+            round_s += time.perf_counter() - start
+    if iters is None:
+        iters = max(min_iters, min(200, int(budget_s / max(round_s, 1e-6))))
     iters = comm.bcast(iters, root=0)
     samples = {label: np.empty(iters) for label in fns}
     for i in range(iters):

@@ -20,38 +20,15 @@ Every variant runs on its own process group: the default group on backend "mtrai
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from typing import Callable, Dict
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
 import mtrain.distributed as mdist
-from allreduce import KiB, MiB, mpi_library
-
-
-def timed_side_by_side(comm: MPI.Comm, fns: Dict[str, Callable[[], None]], iters: int) -> Dict[str, float]:
-    """Median over ``iters`` rounds of the slowest rank's time for each variant; round i runs
-    every variant once, after a barrier."""
-    for fn in fns.values():
-        fn()  # warm-up: first-step allocations, the pipeline's shape inference, optimizer state
-    samples = {label: np.empty(iters) for label in fns}
-    for i in range(iters):
-        for label, fn in fns.items():
-            comm.Barrier()
-            start = time.perf_counter()
-            fn()
-            samples[label][i] = time.perf_counter() - start
-    out = {}
-    for label, mine in samples.items():
-        slowest = np.empty_like(mine)
-        comm.Allreduce(mine, slowest, op=MPI.MAX)
-        out[label] = float(statistics.median(slowest))
-    return out
+from allreduce import KiB, MiB, mpi_library, timed_side_by_side
 
 
 def mlp(width: int, depth: int, seed: int = 0) -> torch.nn.Sequential:
@@ -142,8 +119,8 @@ def main() -> int:
         if size < 2:
             print("# pipeline: needs at least 2 ranks (one stage each); skipped", flush=True)
         else:
-            times = timed_side_by_side(comm, pipeline_variants(rank, size, groups, args.width, args.batch,
-                                                               args.microbatches), args.iters)
+            variants = pipeline_variants(rank, size, groups, args.width, args.batch, args.microbatches)
+            times = timed_side_by_side(comm, variants, 0, 0.0, 0, iters=args.iters)
             activation = args.batch // args.microbatches * args.width * 4
             if rank == 0:
                 print(f"# pipeline step: {size} stages (Linear {args.width}x{args.width} + ReLU each), ScheduleGPipe, "
@@ -154,7 +131,7 @@ def main() -> int:
                 sys.stdout.flush()
     if args.only in (None, "zero"):
         variants, optimizers = zero_variants(rank, groups, args.width, args.zero_depth, args.batch)
-        times = timed_side_by_side(comm, variants, args.iters)
+        times = timed_side_by_side(comm, variants, 0, 0.0, 0, iters=args.iters)
         memory = {name: comm.allreduce(state_bytes(opt), op=MPI.MAX) for name, opt in optimizers.items()}
         if rank == 0:
             params = sum(p.numel() for p in mlp(args.width, args.zero_depth).parameters())

@@ -706,18 +706,7 @@ class ProcessGroupMtrain(dist.ProcessGroup):
         root = self._root(0 if opts is None else opts.rootRank, "gather")
         group_root = self._members.index(root)
         tensor = self._one(input_tensors, "gather")
-        outputs = list(output_tensors[0]) if output_tensors else []
-        if self.rank() == group_root:
-            if len(output_tensors) != 1 or len(outputs) != self.size():
-                raise ArgumentError(f"gather: the root needs one list of {self.size()} output tensors (one per rank "
-                                    "of the group)")
-            for r, out in enumerate(outputs):
-                _check_tensor(out, f"gather output[{r}]")
-                if out.numel() != tensor.numel() or out.dtype != tensor.dtype:
-                    raise ArgumentError(f"gather: output[{r}] is {out.dtype}{list(out.shape)}, the input "
-                                        f"{tensor.dtype}{list(tensor.shape)}; they must match")
-        elif outputs:
-            raise ArgumentError("gather: only the root (dst) passes output tensors")
+        outputs = self._root_list(output_tensors, tensor, group_root, "gather", "output")
         flat = _input_array(tensor, "gather input")
         send = [flat.size if r == group_root else 0 for r in range(self.size())]
         receive = [o.numel() for o in outputs] if self.rank() == group_root else [0] * self.size()
@@ -734,20 +723,10 @@ class ProcessGroupMtrain(dist.ProcessGroup):
         root = self._root(0 if opts is None else opts.rootRank, "scatter")
         group_root = self._members.index(root)
         output = self._one(output_tensors, "scatter")
-        inputs = list(input_tensors[0]) if input_tensors else []
+        inputs = self._root_list(input_tensors, output, group_root, "scatter", "input")
         if self.rank() == group_root:
-            if len(input_tensors) != 1 or len(inputs) != self.size():
-                raise ArgumentError(f"scatter: the root needs one list of {self.size()} input tensors (one per rank "
-                                    "of the group)")
-            for r, tensor in enumerate(inputs):
-                _check_tensor(tensor, f"scatter input[{r}]")
-                if tensor.numel() != output.numel() or tensor.dtype != output.dtype:
-                    raise ArgumentError(f"scatter: input[{r}] is {tensor.dtype}{list(tensor.shape)}, the output "
-                                        f"{output.dtype}{list(output.shape)}; they must match")
             flat = np.concatenate([_input_array(t, "scatter input") for t in inputs])
             send = [t.numel() for t in inputs]
-        elif inputs:
-            raise ArgumentError("scatter: only the root (src) passes input tensors")
         else:
             flat, send = _input_array(output, "scatter output")[:0], [0] * self.size()
         receive = [output.numel() if r == group_root else 0 for r in range(self.size())]
@@ -757,6 +736,25 @@ class ProcessGroupMtrain(dist.ProcessGroup):
             destination.reshape(-1)[...] = received
             land()
         return self._alltoall(flat, send, receive, place, [output], "scatter", f"root{root}")
+
+    def _root_list(self, lists: Sequence[Sequence[torch.Tensor]], like: torch.Tensor, group_root: int, kind: str,
+                   role: str) -> List[torch.Tensor]:
+        """The root's one list of a tensor per group rank, each with ``like``'s dtype and number of
+        elements (an empty list elsewhere, where torch passes none)."""
+        tensors = list(lists[0]) if lists else []
+        if self.rank() != group_root:
+            if tensors:
+                raise ArgumentError(f"{kind}: only the root passes {role} tensors")
+            return tensors
+        if len(lists) != 1 or len(tensors) != self.size():
+            raise ArgumentError(f"{kind}: the root needs one list of {self.size()} {role} tensors (one per rank of "
+                                "the group)")
+        for r, tensor in enumerate(tensors):
+            _check_tensor(tensor, f"{kind} {role}[{r}]")
+            if tensor.numel() != like.numel() or tensor.dtype != like.dtype:
+                raise ArgumentError(f"{kind}: {role}[{r}] is {tensor.dtype}{list(tensor.shape)}, this rank's tensor "
+                                    f"{like.dtype}{list(like.shape)}; they must match")
+        return tensors
 
     # -- point-to-point (the runtime's send/recv; group ranks as torch passes them) ---------------
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:

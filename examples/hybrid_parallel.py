@@ -86,9 +86,12 @@ def layout(rank: int, size: int) -> "tuple[int, int, int]":
     return rank // replicas, rank % replicas, replicas
 
 
-def rows_of(replica: int, replicas: int) -> slice:
+def replica_batch(step: int, replica: int, replicas: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    """This replica's share of the global batch of ``step``."""
     share = BATCH // replicas
-    return slice(replica * share, (replica + 1) * share)
+    rows = slice(replica * share, (replica + 1) * share)
+    inputs, targets = batch(step)
+    return inputs[rows], targets[rows]
 
 
 # -- Horovod-style: mtrain.torch ------------------------------------------------------------
@@ -109,9 +112,9 @@ def train_hvd(args: argparse.Namespace) -> "tuple[torch.nn.Module, int, int, int
     micro = local // args.microbatches
     for step in range(args.steps):
         started = time.perf_counter()
-        inputs, targets = (t[rows_of(replica, replicas)] for t in batch(step))
+        inputs, targets = replica_batch(step, replica, replicas)
         optimizer.zero_grad()
-        total = torch.zeros(1)
+        total = torch.zeros(1)  # the stage's loss (the last stage's)
         if stage == 0:
             outputs, sends = [], []
             for i in range(args.microbatches):  # every forward; the next stage starts on the first
@@ -164,7 +167,7 @@ def train_torch(args: argparse.Namespace) -> "tuple[torch.nn.Module, int, int, i
     optimizer = torch.optim.SGD(part.parameters(), lr=args.lr)
     for step in range(args.steps):
         started = time.perf_counter()
-        inputs, targets = (t[rows_of(replica, replicas)] for t in batch(step))
+        inputs, targets = replica_batch(step, replica, replicas)
         optimizer.zero_grad()
         total = torch.zeros(1)
         if stage == 0:

@@ -4,7 +4,6 @@ per host, x 2 data-parallel replicas; Horovod-style and as plain torch.distribut
 training the whole model (and to gloo)."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from tests.bindings.requires import require
 from tests.cluster.conftest import PYTHON, run_mtrain
+from tests.cluster.test_launch_styles import json_lines
 
 require("torch", "pip install '.[torch]'")
 
@@ -35,23 +35,13 @@ def test_hybrid_example_on_two_hosts_equals_one_process(cluster, tmp_path, api):
     assert float(steps[-1][1]) < float(steps[0][1]), "the loss goes down"
 
 
-def _json_lines(stdout: str) -> dict:
-    found = {}
-    for line in stdout.splitlines():
-        _, _, rest = line.partition(">:")
-        if rest.startswith("{"):
-            data = json.loads(rest)
-            found[data["rank"]] = data
-    return found
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_torch_pipelining_on_two_hosts_equals_gloo_and_one_process(cluster, tmp_path, schedule):
     """A PipelineStage per rank (4 stages, 2 per host), unchanged torch code, on backend mtrain."""
     done = run_mtrain(cluster, "-np", "4", "-H", "mtr-a:2,mtr-b:2", PYTHON, str(HERE / "pipeline_plain.py"), schedule,
                       cwd=tmp_path, timeout=200)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    ranks = _json_lines(done.stdout)
+    ranks = json_lines(done.stdout, "rank")
     assert sorted(ranks) == [0, 1, 2, 3], done.stdout
     for rank, data in ranks.items():
         assert data["host"] == ("mtr-a" if rank < 2 else "mtr-b")
