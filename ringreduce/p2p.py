@@ -84,6 +84,8 @@ class Transfer:
 
     __slots__ = ("kind", "state", "peer", "tag", "array", "_buffer", "_land", "_first", "_scratch", "_payload",
                  "_posted", "_inflight", "_phase", "_error", "_channel", "_mover", "_callbacks", "__weakref__")
+    # ``array``: the caller's array (NumPy, or CuPy: then ``_buffer`` is its host copy, and a recv
+    # lands there first, ``_land``)
 
     def __init__(self, kind: str, state: Any, peer: int, tag: int, array: np.ndarray, mover: "_Mover") -> None:
         self.kind, self.state, self.peer, self.tag, self.array = kind, state, peer, tag, array
@@ -137,7 +139,13 @@ class Transfer:
         if error is not None and self._error is None:
             self._error = error
         if self._land and self._error is None:
-            self.array[...] = self._buffer.reshape(self.array.shape)
+            try:
+                if isinstance(self.array, np.ndarray):
+                    self.array[...] = self._buffer.reshape(self.array.shape)
+                else:
+                    _host_to_device(self.array, self._buffer)
+            except Exception as failure:  # a device copy that failed: the transfer's error
+                self._error = failure
         self._phase = "done"
         self._first, self._scratch, self._payload = None, None, None
         if self._callbacks:
@@ -508,39 +516,61 @@ def check_tag(tag: Any) -> int:
     return int(tag)
 
 
-def _host_array(array: Any, what: str) -> np.ndarray:
+def _checked_array(array: Any, what: str) -> Any:
+    """``array`` if a transfer takes it: a NumPy array, or a CuPy one (staged through the host)."""
     if is_device_array(array):
-        raise TypeError(f"{what} takes NumPy arrays; point-to-point transfers of device (CuPy) arrays are not "
-                        "supported yet: copy it to the host (cupy.asnumpy) and back")
+        return array
     if isinstance(array, np.generic):
         array = np.asarray(array)
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"{what} takes a numpy.ndarray, got {type(array).__name__}")
+        raise TypeError(f"{what} takes a numpy.ndarray (or a cupy.ndarray), got {type(array).__name__}")
     if array.dtype.hasobject:
         raise TypeError(f"{what} cannot move an array of Python objects; use broadcast_object/allgather_object")
     return array
 
 
+def _device_to_host(array: Any) -> np.ndarray:
+    """A device array's values in host memory, once the work queued before on the legacy default
+    stream (where the runtime's device work goes, and the framework bridges order theirs) is done."""
+    import cupy
+    with cupy.cuda.Device(array.device.id):
+        return array.get(stream=cupy.cuda.Stream.null)
+
+
+def _host_to_device(array: Any, host: np.ndarray) -> None:
+    """``host``'s values into a device array, on the legacy default stream (blocking: done when it returns)."""
+    import cupy
+    with cupy.cuda.Device(array.device.id):
+        null = cupy.cuda.Stream.null
+        if array.flags.c_contiguous:
+            array.set(host.reshape(array.shape), stream=null)
+        else:
+            with null:
+                array[...] = cupy.asarray(host.reshape(array.shape))
+        null.synchronize()
+
+
 def start_send(state: Any, array: Any, dest: Any, tag: Any = 0, wake: bool = True) -> Transfer:
-    """Start sending ``array`` to global rank ``dest`` of the set whose state is ``state``."""
-    array = _host_array(array, "send")
+    """Start sending ``array`` to global rank ``dest`` of the set whose state is ``state``. A CuPy
+    array is copied to the host first (here, before this returns: it may be changed at once)."""
+    array = _checked_array(array, "send")
     dest = check_peer(state, dest, "send: dest", state.global_rank)
     tag = check_tag(tag)
-    buffer = np.ascontiguousarray(array)  # a copy only when it is not contiguous already
     transfer = Transfer("send", state, dest, tag, array, _get_mover())
-    transfer._buffer = buffer
+    # A copy only when it is not contiguous host memory already.
+    transfer._buffer = np.ascontiguousarray(array) if isinstance(array, np.ndarray) else _device_to_host(array)
     return transfer._mover.start(transfer, wake)
 
 
 def start_recv(state: Any, array: Any, source: Any, tag: Any = 0, wake: bool = True) -> Transfer:
-    """Start receiving into ``array`` from global rank ``source``."""
-    array = _host_array(array, "recv")
-    if not array.flags.writeable:
+    """Start receiving into ``array`` from global rank ``source`` (a CuPy array through a host buffer)."""
+    array = _checked_array(array, "recv")
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
         raise InvalidArgumentError("recv writes into its array, which is read-only; pass a writable array")
     source = check_peer(state, source, "recv: source", state.global_rank)
     tag = check_tag(tag)
     transfer = Transfer("recv", state, source, tag, array, _get_mover())
-    if not array.flags.c_contiguous:
+    if not (isinstance(array, np.ndarray) and array.flags.c_contiguous):
         transfer._buffer = np.empty(array.shape, array.dtype)
         transfer._land = True
     return transfer._mover.start(transfer, wake)

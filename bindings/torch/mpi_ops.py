@@ -310,13 +310,11 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 # -- point-to-point (mtrain's own; Horovod has none) ------------------------------------
 # Ranks are global ranks, as root_rank is; the k-th send from a rank to another with a tag
-# meets the k-th recv there (within ``process_set``). CPU tensors.
+# meets the k-th recv there (within ``process_set``). CPU tensors, and CUDA tensors staged
+# through host memory.
 
 def _p2p_tensor(tensor: Any, what: str) -> torch.Tensor:
-    tensor = check_tensor(tensor, what)
-    if not tensor.is_cpu:
-        raise NotImplementedError(f"{what} is on {tensor.device}: send/recv move CPU tensors; call .cpu() first")
-    return tensor
+    return check_tensor(tensor, what)
 
 
 def send_async(tensor: torch.Tensor, dest: int, tag: int = 0,

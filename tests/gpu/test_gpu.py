@@ -199,3 +199,44 @@ def test_torch_cuda_side_stream_and_other_collectives():
     mine = [opt.state[p][k].cpu() for p in net.parameters() for k in ("exp_avg", "exp_avg_sq")]
     root = hvd.broadcast_object(mine, root_rank=0, name="root_state")
     assert all(torch.equal(a, b) for a, b in zip(mine, root)), "optimizer state differs from root's"
+
+
+@needs_torch
+@mpi_test(nps=(2,), env=STAGED, timeout=300)
+def test_point_to_point_of_device_arrays_and_cuda_tensors():
+    """rr.send/recv of CuPy arrays and hvd.send/recv of CUDA tensors (staged through host memory):
+    small, several chunks, non-contiguous targets, and a tensor produced on a torch side stream."""
+    import cupy
+    import torch
+
+    import mtrain.ringreduce as rr
+    import mtrain.torch as hvd
+    from tests.mpi.data import values
+    rank = rr.rank()
+    peer = 1 - rank
+    for count in (0, 7, 3_000_001):
+        sent = values(rank, (count,), np.float32)
+        into = cupy.zeros(count, dtype=cupy.float32)
+        pending = rr.recv_async(into, peer, tag=1)
+        rr.send(cupy.asarray(sent), peer, tag=1)
+        assert rr.synchronize(pending) is into
+        assert np.array_equal(cupy.asnumpy(into), values(peer, (count,), np.float32)), f"cupy float32[{count}]"
+    grid = cupy.zeros((5, 4), dtype=cupy.float64)
+    pending = rr.recv_async(grid[:, 2], peer)  # a non-contiguous column on the device
+    rr.send(cupy.arange(5, dtype=cupy.float64) + 10 * rank, peer)
+    rr.synchronize(pending)
+    assert np.array_equal(cupy.asnumpy(grid[:, 2]), np.arange(5.0) + 10 * peer) and float(grid.sum()) == \
+        float(grid[:, 2].sum()), "a strided device recv"
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        produced = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        sleep = getattr(torch.cuda, "_sleep", None)
+        if sleep is not None:
+            sleep(20_000_000)  # a send that did not wait for the side stream would read too early
+        produced.mul_(rank + 2)
+        target = torch.zeros(1 << 20, dtype=torch.float32, device="cuda")
+        handle = hvd.recv_async(target, peer, tag=3)
+        hvd.send(produced, peer, tag=3)
+        assert hvd.synchronize(handle) is target
+        got = target.cpu()
+    assert torch.equal(got, torch.arange(1 << 20, dtype=torch.float32) * (peer + 2)), "CUDA tensor send/recv"
