@@ -55,7 +55,8 @@ _installed = False
 def install_abort_on_exception() -> None:
     """An uncaught exception in any rank aborts the whole job instead of hanging the rest.
 
-    The traceback is printed first, with the rank, so the report names the culprit.
+    The traceback is printed first, then a line naming the rank (and, for a failure caused by
+    ranks that left first, those ranks), so the report names the culprit.
     """
     global _installed
     if _installed:
@@ -80,7 +81,10 @@ def install_abort_on_exception() -> None:
         stream = sys.__stderr__ or sys.stderr
         why = (f" because rank(s) {sorted(peers)} left or failed first (the job's report names the first failure)"
                if peers else "")
-        stream.write(f"mtrain: rank {rank} raised an uncaught exception{why}; aborting the job\n{text}")
+        # The traceback first, this rank's verdict on it last, where one reads first (and where a
+        # line is not lost: the first line of this burst, right after the runner's ENDED note,
+        # sometimes does not reach the job's output on a loaded machine; cause not yet found).
+        stream.write(f"{text}mtrain: rank {rank} raised the uncaught exception above{why}; aborting the job\n")
         stream.flush()
         MPI.COMM_WORLD.Abort(1)
 

@@ -248,8 +248,8 @@ def test_rank_leaving_mid_job_is_named_not_the_ranks_it_strands(status):
     else:
         assert done.returncode != 0 and "left the job" in done.stderr, done.stderr
         # Rank 0's own traceback says it is a consequence, not the cause.
-        assert ("[0]<stderr>:mtrain: rank 0 raised an uncaught exception because rank(s) [1] left or failed "
-                "first") in done.stderr, done.stderr
+        assert ("[0]<stderr>:mtrain: rank 0 raised the uncaught exception above because rank(s) [1] left or "
+                "failed first") in done.stderr, done.stderr
     # Where rank 1 left: the line of its sys.exit, in the program given with -c.
     assert re.search(r"first failure: rank 1 on .* at <string>:6 in <module>\n", done.stderr), done.stderr
     assert_only_mtrain_output(done.stderr)

@@ -252,5 +252,5 @@ rr.allreduce(np.ones(10))  # the other ranks wait here for rank 1, which never c
 def test_uncaught_exception_in_one_rank_aborts_the_job(nprocs):
     result = launch(nprocs, [sys.executable, "-c", ABORT_SCRIPT], timeout=60)
     assert result.returncode != 0
-    assert "rank 1 raised an uncaught exception" in result.stderr
+    assert "rank 1 raised the uncaught exception above" in result.stderr
     assert "boom from the test" in result.stderr
