@@ -13,24 +13,31 @@ else), a transfer is
 
 * a small one (payload up to ``MTRAIN_P2P_EAGER_BYTES``, 64 KiB): one message on MPI
   tag ``2*tag`` holding a header (dtype, element count) and the payload;
-* a large one: the header alone on tag ``2*tag``, then the payload on tag ``2*tag+1``,
+* a large one: the header alone on tag ``2*tag``, then the payload on tag ``2*tag+1`` in
+  chunks of ``MTRAIN_P2P_CHUNK_BYTES`` (1 MiB), at most ``MTRAIN_P2P_WINDOW`` (2) in flight,
   sent straight from the caller's array and received straight into the receiver's.
 
 The header is what lets a receiver refuse, with an error that says so, a send of another
 dtype or size (MPI itself would truncate silently or fail without saying whose the data
 was); a refused payload is still received, into scratch, so the sender never waits on it.
 MPI's non-overtaking rule per (communicator, source, tag) keeps headers and payloads in
-order; a receiver posts payload receives in the order its headers came (one FIFO per
-source and tag).
+order; within one (communicator, peer, tag) queue only the first transfer posts chunks,
+so chunks of consecutive transfers never interleave (each end keeps one FIFO per queue).
 
 Which thread moves the bytes: never the engine thread. The caller posts the first
-messages (so transfers start in program order, without a thread hop); after that, one
-daemon thread per process (``mtrain-p2p``), and any thread waiting on a transfer's
-handle, drive MPI's progress for the transfers in flight: they post the payload
-receives as headers arrive and complete the handles. The engine thread only runs
-collectives, on other communicators, so a 64 MiB transfer does not hold up a gradient
-all-reduce on the same rank (``benchmarks/p2p.py`` measures both). The mover thread polls with
-short, growing sleeps while transfers are in flight and sleeps on a condition when none are.
+messages (the header, and a large send's first chunks; so transfers start in program
+order, without a thread hop); after that, one daemon thread per process (``mtrain-p2p``),
+and any thread waiting on a transfer's handle, drive MPI's progress for the transfers in
+flight: they post further chunks and the payload receives as headers arrive, and complete
+the handles. A blocking send/recv drives its own transfer and leaves the mover thread
+asleep. The engine thread runs collectives on other communicators; since MPI's progress is
+shared by every thread of a rank, the chunks are what lets its messages through while a
+large transfer is in flight (``benchmarks/p2p.py`` measures an all-reduce beside one). The
+mover thread polls with short, growing sleeps while transfers are in flight and sleeps on
+a condition when none are.
+
+CuPy arrays are staged through host memory, on the legacy default stream: a send copies
+its array to the host before it returns; a recv lands in a host buffer, then on the device.
 
 A transfer whose peer has left the job ends with the ``ShutdownError`` that names it (the
 set's engine hears of the leaving rank within a cycle), never a hang; this rank's own
