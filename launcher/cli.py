@@ -19,7 +19,7 @@ import click
 import mtrain
 from mtrain.launcher import hosts as hostlib
 from mtrain.launcher import tuning
-from mtrain.launcher.config import ElasticSettings, LaunchConfig, SshOptions, check_env_item
+from mtrain.launcher.config import ElasticSettings, LaunchConfig, SshOptions, StepSettings, check_env_item
 
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
 
@@ -131,6 +131,17 @@ _NONNEGATIVE = click.IntRange(min=0)
 @click.option("--blacklist-cooldown-range", "cooldown", type=click.IntRange(min=0), nargs=2, default=None,
               help="Elastic: a failed host returns after MIN·n seconds for its n-th failure, at most MAX "
                    "(default: never).")
+@click.option("--straggler-report", "straggler_every", type=click.IntRange(min=0), default=0,
+              envvar="MTRAIN_STRAGGLER_EVERY", metavar="N",
+              help="Print the straggler table (each rank's compute and wait per step, who submitted last, "
+                   "the slow ranks) every N training steps too, not only at exit ($MTRAIN_STRAGGLER_EVERY).")
+@click.option("--no-straggler-report", is_flag=True,
+              help="Measure no steps and print no straggler table at exit.")
+@click.option("--progress", is_flag=True,
+              help="Show one live status line (ranks up, steps, steps/s, GB/s, the slowest rank); a plain "
+                   "line every --progress-interval seconds when stderr is not a terminal.")
+@click.option("--progress-interval", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              metavar="SECONDS", help="Seconds between --progress lines when stderr is not a terminal.")
 @click.option("--dry-run", is_flag=True,
               help="Print the host plan, the settings the ranks get and the mpirun command; run nothing.")
 @click.option("--verbose", is_flag=True, help="Log each step.")
@@ -294,7 +305,9 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
         env_pass=tuple(options["env_items"]), mpi_args=mpi_args, verbose=options["verbose"],
         master_port=options["master_port"], one_gpu_per_rank=options["one_gpu_per_rank"], elastic=elastic,
         rank_settings=rank_settings, binding_args=binding_args,
-        prefix_timestamp=bool(options["prefix_timestamp"]), notices=file_notes + notes)
+        prefix_timestamp=bool(options["prefix_timestamp"]), notices=file_notes + notes,
+        steps=StepSettings(report=not options["no_straggler_report"], every=options["straggler_every"],
+                           progress=options["progress"], progress_interval=options["progress_interval"]))
     if elastic is not None and options["dry_run"]:
         config = _first_generation(config)
     return config, bool(options["dry_run"])

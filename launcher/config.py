@@ -57,6 +57,20 @@ class ElasticSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What `mtrain run` does with the ranks' measured steps (launcher/stragglers.py)."""
+
+    report: bool = True               # the straggler table at exit (--no-straggler-report: off)
+    every: int = 0                    # --straggler-report N: the table every N steps too (0: at exit only)
+    progress: bool = False            # --progress
+    progress_interval: float = 10.0   # --progress-interval: seconds between plain progress lines
+
+    @property
+    def measured(self) -> bool:
+        return self.report or self.progress
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """One validated job: which hosts run how many ranks of which command."""
 
@@ -78,6 +92,7 @@ class LaunchConfig:
     binding_args: tuple[str, ...] | None = None  # --binding-args: instead of mpirun's default binding
     prefix_timestamp: bool = False       # --prefix-output-with-timestamp
     notices: tuple[str, ...] = ()        # one line per flag that changes nothing in mtrain
+    steps: StepSettings = StepSettings()  # the straggler report and --progress
 
     @property
     def rank_items(self) -> tuple[str, ...]:

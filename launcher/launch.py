@@ -18,20 +18,23 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import mtrain
 from mtrain.launcher import mpirun as mpilib
 from mtrain.launcher import ssh_agent
-from mtrain.launcher.config import LaunchConfig, MpiKind
+from mtrain.launcher.config import LaunchConfig, MpiKind, StepSettings
 from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_SECRET,
-                                     ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR, ENV_USER_UMASK, AgentEvent,
+                                     ENV_MPIRUN_TMPDIR, ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY,
+                                     ENV_STRAGGLER_OFF, ENV_USER_TMPDIR, ENV_USER_UMASK, AgentEvent,
                                      ElasticResume, ExitRecord, Gate, HostUpdates, JobLayout, host_path,
                                      new_job_secret, updates_file)
 
 if TYPE_CHECKING:
     from mtrain.launcher.preflight import HostReport
 
+# With --progress, ranks send their measured steps this often (seconds).
+PROGRESS_REPORT_SECONDS = 1
 # "0" turns off the shared SSH connections (each agent then connects by itself, as before).
 ENV_SHARE_SSH = "MTRAIN_SSH_SHARE"
 
@@ -84,6 +87,16 @@ def _private_mpirun_folder(environment: "dict[str, str]", scratch: str) -> None:
     if "TMPDIR" in environment:
         environment[ENV_USER_TMPDIR] = environment["TMPDIR"]
     environment["TMPDIR"] = environment[ENV_MPIRUN_TMPDIR] = scratch
+
+
+def step_environment(steps: StepSettings) -> dict[str, str]:
+    """What the ranks' step meters are told (ringreduce/steps.py): how often to send their steps."""
+    if not steps.measured:
+        return {ENV_STRAGGLER_OFF: "1"}
+    environment = {ENV_STRAGGLER_EVERY: str(steps.every)} if steps.every else {}
+    if steps.progress:
+        environment[ENV_STEP_REPORT_SECONDS] = str(PROGRESS_REPORT_SECONDS)
+    return environment
 
 
 def _agent(config: LaunchConfig, directory: str, events_path: str, gate: str, job_file: str,
@@ -192,6 +205,7 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
         job_file = job_files.template(job_id, generation.number if generation else 0)
         job_env = {ENV_JOB_FILE: job_file, ENV_JOB_SECRET: generation.secret if generation else new_job_secret(),
                    ENV_USER_UMASK: f"{_user_umask():03o}"}
+        job_env.update(step_environment(config.steps))
         agents_updates = os.path.join(scratch, "updates") if generation else None
         local_file = host_path(job_file)
         local_host = socket.gethostname()
@@ -243,7 +257,7 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                                 prefix_timestamp=config.prefix_timestamp,
                                 gate=Gate(gate) if agent else None,
                                 on_resume=generation.on_resume if generation else None,
-                                report_failures=generation is None)
+                                report_failures=generation is None, steps=config.steps)
             status = job.run()
             if generation is not None:
                 generation.size, generation.records = config.num_proc, list(job.records)

@@ -663,3 +663,57 @@ class ElasticResume:
             return ElasticResume(int(data["commit"]), int(data["size"]))
         except (ValueError, KeyError, TypeError):
             return None
+
+
+# --------------------------------------------------------------------------------------------
+# StepReport: a rank's measured training steps (launcher/stragglers.py reads them: the straggler
+# report and --progress). A marker line on the rank's stderr, removed by the supervisor; the
+# line's prefix names the rank. Sent every few steps or seconds (MTRAIN_STRAGGLER_EVERY,
+# MTRAIN_STEP_REPORT_SECONDS) and when the rank's runtime shuts down.
+
+STEP_MARKER = b"@@mtrain-steps@@ "
+ENV_STRAGGLER_EVERY = "MTRAIN_STRAGGLER_EVERY"          # a table every N steps (0: at exit only)
+ENV_STEP_REPORT_SECONDS = "MTRAIN_STEP_REPORT_SECONDS"  # send what was measured at least this often
+ENV_STRAGGLER_OFF = "MTRAIN_STRAGGLER_REPORT_DISABLE"   # 1: measure no steps (the engine has no StepMeter)
+
+
+@_record
+class StepSample:
+    """One training step of one rank (times in seconds; ``end`` on the rank's own monotonic clock)."""
+
+    step: int       # this rank's step number, from 1
+    cycle: int      # the engine cycle that ran the step's last ops: the same on every rank for the same step
+    end: float      # when the step's last op completed
+    compute: float  # from the previous step's last completion to this step's first submit
+    wait: float     # the longest any op of this step waited from its submit to running (the others' lateness)
+    nbytes: int     # bytes of the step's collectives
+
+
+@_record
+class StepReport:
+    host: str
+    samples: tuple = ()  # StepSample, oldest first
+
+    def encode(self) -> bytes:
+        rows = [[s.step, s.cycle, round(s.end, 6), round(s.compute, 6), round(s.wait, 6), s.nbytes]
+                for s in self.samples]
+        return STEP_MARKER + json.dumps({"host": self.host, "samples": rows}, separators=(",", ":")).encode() + b"\n"
+
+    @staticmethod
+    def decode(payload: bytes) -> "StepReport | None":
+        try:
+            data = json.loads(payload)
+            samples = tuple(StepSample(int(r[0]), int(r[1]), float(r[2]), float(r[3]), float(r[4]), int(r[5]))
+                            for r in data["samples"])
+            return StepReport(str(data["host"]), samples)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return None
+
+    def emit(self) -> None:
+        """Send to the supervisor, when there is one (the rank runs under mtrain run's rank wrapper)."""
+        if ENV_ERROR_FILE not in os.environ:
+            return
+        try:
+            os.write(2, self.encode())
+        except OSError:
+            pass

@@ -30,11 +30,13 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
+from mtrain.launcher.config import StepSettings
 from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_process
-from mtrain.launcher.records import (DAEMON_UMASK, EXIT_MARKER, PHASE_MARKER, RESUME_MARKER, AgentEvent, Phase,
-                                     PhaseNote, stuck_in_init, AgentEventKind, AgentEventReader,
-                            signal_name,
-                            ElasticResume, ExitRecord, Gate, StopReason)
+from mtrain.launcher.progress import ProgressDisplay, describe
+from mtrain.launcher.records import (DAEMON_UMASK, EXIT_MARKER, PHASE_MARKER, RESUME_MARKER, STEP_MARKER, AgentEvent,
+                                     Phase, PhaseNote, StepReport, stuck_in_init, AgentEventKind, AgentEventReader,
+                                     signal_name, ElasticResume, ExitRecord, Gate, StopReason)
+from mtrain.launcher.stragglers import MIN_STEPS, StepBoard, format_table, title_for
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
 LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead daemon: shorter wait
@@ -47,6 +49,19 @@ LAUNCHER_TAIL = 40         # MPI launcher lines kept to explain a failure no ran
 _PREFIX = re.compile(rb"^\[(\d+)\]<(stdout|stderr)>:")
 # A host whose connection or whose MPI daemon died: the job there is gone.
 _LOST = (AgentEventKind.HOST_LOST, AgentEventKind.DAEMON_DIED)
+
+
+def _take_marker(line: bytes, marker: bytes, take: Callable[[int, bytes], None]) -> bytes:
+    """Hand the record after ``marker`` in a rank's line to ``take``, with the rank the line's
+    prefix names; what remains of the line (b"" when nothing does)."""
+    before, _, payload = line.partition(marker)
+    prefix = _PREFIX.match(before)
+    if prefix is not None:  # the rank wrapper's prefix names the rank
+        take(int(prefix.group(1)), payload)
+        before = before[prefix.end():]
+    if not before.strip():
+        return b""
+    return (prefix.group(0) if prefix else b"") + before + b"\n"
 
 
 def first_failure(records: Sequence[ExitRecord]) -> ExitRecord | None:
@@ -75,6 +90,7 @@ class _OutputSink:
         self.files: dict[tuple[int, str], IO[bytes]] = {}
         self.launcher_log: IO[bytes] | None = None
         self.lock = threading.Lock()
+        self.display: ProgressDisplay | None = None  # --progress: the ranks' lines scroll above its line
         if output_dir is not None:
             # Every rank gets both files, even one that never prints: scripts can rely on them.
             for rank in range(ranks):
@@ -96,12 +112,22 @@ class _OutputSink:
             if match is None:
                 self._launcher_line(line)
                 return
-            stream.write(time.asctime().encode() + line if self.timestamp else line)
-            stream.flush()
+            shown = time.asctime().encode() + line if self.timestamp else line
+            if self.display is None or not self.display.write(shown, stream):
+                stream.write(shown)
+                stream.flush()
             if self.output_dir is not None:
                 handle = self._file(int(match.group(1)), match.group(2).decode())
                 handle.write(line[match.end():])
                 handle.flush()
+
+    def say(self, lines: Sequence[str]) -> None:
+        """mtrain's own lines on stderr, together, between the ranks' lines."""
+        with self.lock:
+            for line in lines:
+                if self.display is None or not self.display.write(f"{line}\n".encode()):
+                    sys.stderr.write(f"{line}\n")
+            sys.stderr.flush()
 
     def _launcher_line(self, line: bytes) -> None:
         if self.verbose:
@@ -123,7 +149,8 @@ class Job:
     def __init__(self, argv: Sequence[str], env: dict[str, str], ranks: int, output_dir: Path | None,
                  verbose: bool, events_path: str | None, preflight: Callable[[], str | None] | None = None,
                  gate: Gate | None = None, on_resume: Callable[[ElasticResume], None] | None = None,
-                 report_failures: bool = True, prefix_timestamp: bool = False) -> None:
+                 report_failures: bool = True, prefix_timestamp: bool = False,
+                 steps: StepSettings = StepSettings()) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
         self.events_path, self.preflight, self.gate = events_path, preflight, gate
         # An elastic driver hears when a generation has resumed, and reports failures itself.
@@ -140,6 +167,10 @@ class Job:
         self.in_init: dict[int, tuple] = {}
         self.ended: dict[int, int] = {}
         self.stuck: str | None = None  # why the job was stopped as one that could never go on
+        # Every rank's measured steps (records.StepReport): the straggler table and --progress.
+        self.steps, self.board = steps, StepBoard(ranks)
+        self.up: set[int] = set()  # ranks out of init(), whose program has not ended
+        self._next_table = steps.every  # --straggler-report N: the step of the next table
 
     def log(self, message: str) -> None:
         if self.verbose:
@@ -154,15 +185,11 @@ class Job:
                 if not before.strip():
                     continue
                 line = before + b"\n"
-            if is_stderr and PHASE_MARKER in line:
-                before, _, payload = line.partition(PHASE_MARKER)
-                prefix = _PREFIX.match(before)
-                if prefix is not None:  # the rank wrapper's prefix names the rank
-                    self._phase(int(prefix.group(1)), payload)
-                    before = before[prefix.end():]
-                if not before.strip():
-                    continue
-                line = (prefix.group(0) if prefix else b"") + before + b"\n"
+            for marker, take in ((PHASE_MARKER, self._phase), (STEP_MARKER, self._steps)):
+                if is_stderr and marker in line:
+                    line = _take_marker(line, marker, take)
+            if not line:
+                continue
             if is_stderr and RESUME_MARKER in line:
                 resumed = ElasticResume.decode(line.partition(RESUME_MARKER)[2])
                 if resumed is not None and self.on_resume is not None:
@@ -193,8 +220,48 @@ class Job:
                 self.in_init[rank] = note.ranks
             elif note.phase is Phase.INIT_DONE:
                 self.in_init.pop(rank, None)
+                self.up.add(rank)
             else:
                 self.ended[rank] = note.status
+                self.up.discard(rank)
+
+    def _steps(self, rank: int, payload: bytes) -> None:
+        report = StepReport.decode(payload)
+        if report is None:
+            return
+        self.board.add(rank, report)
+        every = self.steps.every
+        if every and self.report_failures:
+            done = self.board.steps_everywhere()
+            if done >= self._next_table:
+                last = done - done % every
+                self._next_table = last + every
+                self.sink.say(format_table(self.board.table(last - every + 1, last),
+                                           title_for(f"steps {last - every + 1}-{last}")))
+
+    def _say_one(self, line: str) -> None:
+        self.sink.say([line])
+
+    def _stop_progress(self) -> None:
+        with self.sink.lock:  # no line goes to the display once it is stopping
+            display, self.sink.display = self.sink.display, None
+        if display is not None:
+            display.stop()
+
+    def _progress_line(self) -> str:
+        with self.lock:
+            up = len(self.up)
+        return describe(self.board.progress(), up, self.ranks)
+
+    def print_straggler_table(self) -> None:
+        """The table over the whole job, at its end (when it measured enough steps on 2+ ranks)."""
+        if not (self.steps.report and self.report_failures):
+            return
+        if self.board.reporting_ranks() < 2 or self.board.measured_steps() < MIN_STEPS:
+            return
+        rows = self.board.table()
+        if rows:
+            self.sink.say(format_table(rows, title_for("the whole job")))
 
     def _stuck_now(self) -> str | None:
         with self.lock:
@@ -208,6 +275,7 @@ class Job:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._stop_progress()
             self.sink.close()
 
     def _on_signal(self, number: int, frame) -> None:
@@ -228,6 +296,9 @@ class Job:
                    threading.Thread(target=self._read, args=(process.stderr, sys.stderr.buffer, True), daemon=True)]
         for thread in readers:
             thread.start()
+        if self.steps.progress:
+            self.sink.display = ProgressDisplay(self._progress_line, self.steps.progress_interval, self._say_one)
+            self.sink.display.start()
         if self.preflight is not None and not self._pass_gate(process):
             if self.interrupted is not None:
                 print(f"mtrain: {signal_name(self.interrupted)} received; nothing was started", file=sys.stderr)
@@ -288,6 +359,8 @@ class Job:
             time.sleep(0.1)
             host_problems += reader.poll()
         self.host_problems = host_problems
+        self._stop_progress()
+        self.print_straggler_table()
         return self._outcome(process.returncode, host_problems)
 
     def _pass_gate(self, process: subprocess.Popen) -> bool:

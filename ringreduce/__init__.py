@@ -76,6 +76,7 @@ from .runtime import (
     size,
     start_timeline,
     stop_timeline,
+    straggler_stats,
     submit_allreduce,
     synchronize,
 )
@@ -87,7 +88,7 @@ __all__ = [
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "engine_stats",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "grouped_reducescatter", "grouped_reducescatter_async", "is_homogeneous", "start_timeline", "stop_timeline",
+    "grouped_reducescatter", "grouped_reducescatter_async", "is_homogeneous", "start_timeline", "stop_timeline", "straggler_stats",
     "ProcessSet", "add_process_set", "global_process_set", "remove_process_set",
     "init", "is_initialized", "join", "local_rank", "local_size", "mpi_threads_supported", "poll", "private_process_set", "process_set_by_id", "rank",
     "recv", "recv_async", "reducescatter", "reducescatter_async", "send", "send_async", "shutdown", "size", "submit_allreduce", "synchronize",

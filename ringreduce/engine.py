@@ -52,8 +52,9 @@ from .fusion import PLAN_CACHE_SIZE, FusionBuffers, Plan, PlanCache, Ring
 from .negotiation import (UNNAMED_PREFIX, Agreement, Control, Coordinator, Negotiator, Report, RequestState,
                           ResponseCache, SteadyBatch)
 from .ops import ReduceOp
-from .requests import AllreduceOp, Completion, Handle, Request, Signature
+from .requests import AllreduceOp, Completion, Handle, Request, Signature, data_bytes as _data_bytes
 from .settings import DEFAULT_CACHE_CAPACITY, EngineConfig
+from .steps import StepMeter
 from .timeline import Timeline
 
 # A burst of submissions is over (the engine starts its cycle) once none came for this
@@ -80,7 +81,7 @@ class EngineStats(NamedTuple):
 
 class Engine:
     def __init__(self, executor: Executor, control: MPI.Comm, config: EngineConfig,
-                 members: "list[int] | None" = None) -> None:
+                 members: "list[int] | None" = None, steps: "StepMeter | None" = None) -> None:
         self.executor = executor
         self.config = config
         self._control = control  # negotiation traffic only, apart from the data rings
@@ -138,6 +139,10 @@ class Engine:
         self._gpu = cuda.current_device()
         self._cache_capacity = config.cache_capacity or DEFAULT_CACHE_CAPACITY  # when the autotuner turns it on
         self._tuner = self._make_tuner() if config.autotune.enabled else None
+        # Per-step timings for the straggler report (steps.py; the job's engine only), and the
+        # number of cycles so far: each is one exchange, so it counts alike on every rank.
+        self.steps = steps
+        self._cycles = 0
         self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
         self._thread.start()
 
@@ -303,6 +308,10 @@ class Engine:
         except BaseException as exc:  # a bug or an MPI failure: fail loudly, never hang the user
             traceback.print_exc()
             self._fail_all(EngineError(f"mtrain's background engine failed: {exc!r}"))
+        finally:
+            if self.steps is not None:
+                self.steps.step_end()  # the last step, which no idle moment followed
+                self.steps.send()
 
     def _take_incoming(self) -> "tuple[bool, list[Request]]":
         """The ops submitted since the last cycle, and whether we are closing."""
@@ -311,6 +320,9 @@ class Engine:
             incoming, self._incoming = self._incoming, []
             self._expect_left = 0
             closing = self._closing
+        steps = self.steps
+        if steps is not None and steps.due():
+            steps.send()  # outside the lock: submitters never wait for this write
         return closing, incoming
 
     def _hold(self) -> None:
@@ -336,6 +348,8 @@ class Engine:
             if len(self._step_names) > 1:
                 self._last_batch = frozenset(self._step_names)
             self._step_names, self._step_waited = [], False
+            if self.steps is not None:
+                self.steps.step_end()
         cycle = self.config.cycle_time_s
         quiet = min(cycle, QUIET_SECONDS)
         tick = None
@@ -361,6 +375,7 @@ class Engine:
     def _cycle(self) -> bool:
         """One negotiation round and what it makes ready. False: the job is shutting down."""
         closing, incoming = self._take_incoming()
+        self._cycles += 1
         if self._join.handle is not None and not self._join.active:
             self._join.active = True  # from now on this rank stands in for every op
         if incoming and not closing and not self._pending and not self._join.active and not self._stall_check_next:
@@ -394,6 +409,7 @@ class Engine:
         layout = self._negotiator.layout(self._cache.words)
         steady = SteadyBatch.learn(incoming, self._cache.version, self._negotiator, layout)
         if steady is not None:
+            steady.nbytes = _data_bytes(incoming)
             key = (incoming[0].name, len(incoming))
             if key not in self._steady and len(self._steady) >= PLAN_CACHE_SIZE:
                 del self._steady[next(iter(self._steady))]  # the oldest
@@ -426,7 +442,7 @@ class Engine:
         else:
             self._plans.reused += 1
         self._steady_cycles += 1
-        self._execute(ready, steady.plan, steady.ready_names)
+        self._execute(ready, steady.plan, steady.ready_names, incoming[0].submitted, steady.nbytes)
         self._wake_waiters()
         return True
 
@@ -595,12 +611,20 @@ class Engine:
 
     # -- engine thread: dispatch ------------------------------------------------
     def _execute(self, ready: "list[Request]", plan: "Plan | None" = None,
-                 names: "list[str] | None" = None) -> None:
+                 names: "list[str] | None" = None, first_submit: "float | None" = None,
+                 nbytes: "int | None" = None) -> None:
         """Run the ready ops (in the agreed order) by ``plan`` (the cached one if not given);
-        ``names``: theirs, in that order, if known."""
+        ``names``: theirs, in that order, if known; ``first_submit``: the earliest submit among
+        them, and ``nbytes``: their arrays' bytes, if known."""
+        started = time.monotonic()
         timeline = self._timeline
         if timeline is not None:
-            timeline.negotiated(ready, time.monotonic(), self._mark_cycles)
+            timeline.negotiated(ready, started, self._mark_cycles)
+        steps = self.steps
+        if steps is not None:
+            if first_submit is None:
+                first_submit = min(request.submitted for request in ready)
+            steps.batch(first_submit, started, _data_bytes(ready) if nbytes is None else nbytes, self._cycles)
         if plan is None:
             plan = self._plans.plan(ready, self.config.fusion_threshold_bytes, self.config.inplace_min_bytes)
         if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
@@ -620,6 +644,8 @@ class Engine:
             # The common batch is one ring that packs every op: no list to build.
             batch = ready if ring.packs_all else list(map(take, ring.packed))
             self._run_ring(ring, batch, list(map(take, ring.alone)))
+        if steps is not None:
+            steps.done(time.monotonic())
 
     def _run_one(self, request: Request) -> None:
         # No argument checks and no error catching here: arguments were checked at submit and

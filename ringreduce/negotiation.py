@@ -442,7 +442,7 @@ class SteadyBatch:
     bits, and so the vector and the order, come from it."""
 
     __slots__ = ("names", "signatures", "bits", "order", "ready_names", "vector", "layout", "version",
-                 "expected", "head", "plan")
+                 "expected", "head", "plan", "nbytes")
 
     def __init__(self, requests: "list[Any]", version: int, negotiator: Negotiator, layout: VectorLayout) -> None:
         self.names = list(map(_NAME, requests))
@@ -459,6 +459,7 @@ class SteadyBatch:
         self.expected = self.vector[:layout.words].tobytes()
         self.head = self.vector[:layout.busy_at].tobytes()
         self.plan: Any = None  # fusion.Plan, made at its first run
+        self.nbytes = 0  # its arrays' bytes (set by the engine, which knows arrays)
 
     @staticmethod
     def learn(requests: "list[Any]", version: int, negotiator: Negotiator,

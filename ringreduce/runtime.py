@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from mtrain.launcher.records import Phase, PhaseNote
+from mtrain.launcher.records import ENV_STRAGGLER_OFF, Phase, PhaseNote, StepSample
+from mtrain.launcher.stragglers import StragglerRow, straggler_table
 
 from . import comm as comm_module
 from . import cuda, exits, log, p2p, process_sets as _ps, ring
@@ -20,6 +22,7 @@ from .errors import HorovodInternalError, InvalidArgumentError, Refusal
 from .ops import Adasum, Average, ReduceOp, check_op, check_reducible, dtype_code
 from .process_sets import ProcessSet, global_process_set
 from .settings import AutotuneConfig, EngineConfig, env_number
+from .steps import StepMeter
 
 
 class NotInitializedError(ValueError, RuntimeError):
@@ -84,7 +87,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
                 set_comms.world.Get_group(), list(range(set_comms.world.Get_size())), comms.world.Get_group())]
         executor = Executor(set_comms.world, segment, small, set_comms.local, set_comms.cross,
                             tunable=set_config.autotune.enabled)
-        return Engine(executor, set_comms.world.Dup(), set_config, members)
+        # The straggler report measures the job's steps, which the job's engine runs.
+        steps = StepMeter() if set_comms is comms and os.environ.get(ENV_STRAGGLER_OFF) != "1" else None
+        return Engine(executor, set_comms.world.Dup(), set_config, members, steps)
 
     admin = comms.world.Dup()  # made before any engine thread calls MPI
     private_parent = comms.world.Dup()  # where members alone make private sets (Registry.private_set)
@@ -292,6 +297,22 @@ def engine_stats(process_set: ProcessSet = global_process_set) -> EngineStats:
     """What this rank's engine for ``process_set`` did so far: batches planned afresh and by a
     kept plan, and cycles that ran a steady batch with no per-op work (or fell back)."""
     return _rt().member(process_set).engine.stats()
+
+
+def straggler_stats() -> "list[StragglerRow]":
+    """Which rank is slow: one row per rank over its newest measured steps (up to 4096): host,
+    steps, median compute and wait per step, the share of steps it submitted last, and whether
+    it is more than MTRAIN_STRAGGLER_THRESHOLD_PERCENT (default 20) slower than the median rank.
+
+    A collective on the job's ranks: every rank must call it (each returns the same table). With
+    MTRAIN_STRAGGLER_REPORT_DISABLE=1 (``mtrain run --no-straggler-report``) nothing is measured,
+    and the table is empty."""
+    meter = _rt().engine.steps
+    mine = (meter.host, [sample._asdict() for sample in meter.recent()]) if meter is not None else ("", [])
+    gathered = allgather_object(mine, name="mtrain.straggler_stats")
+    hosts = {rank: host for rank, (host, _) in enumerate(gathered)}
+    samples = {rank: [StepSample(**row) for row in rows] for rank, (_, rows) in enumerate(gathered)}
+    return straggler_table(samples, hosts)
 
 
 def mpi_threads_supported() -> bool:

@@ -22,7 +22,7 @@ from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet, Product,
     ReduceOp, Sum, add_process_set, cross_rank, cross_size, global_process_set, init, is_homogeneous,
     is_initialized, local_rank, local_size, mpi_threads_supported, rank, remove_process_set, shutdown, size,
-    start_timeline, stop_timeline,
+    start_timeline, stop_timeline, straggler_stats,
 )
 
 from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
@@ -47,7 +47,7 @@ __all__ = [
     "cross_rank", "cross_size", "global_process_set", "grouped_allgather", "grouped_allreduce",
     "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op",
     "local_size", "local_size_op", "mpi_threads_supported", "process_set_included_op", "rank", "rank_op",
-    "reducescatter", "remove_process_set", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
+    "reducescatter", "remove_process_set", "shutdown", "size", "size_op", "start_timeline", "stop_timeline", "straggler_stats",
     "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
     "nccl_built", "rocm_built", "sycl_built", "elastic",
 ]

@@ -17,7 +17,7 @@ from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet, Product,
     ReduceOp, Sum, add_process_set, allgather_object, barrier, broadcast_object, cross_rank, cross_size,
     global_process_set, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_threads_supported,
-    rank, remove_process_set, shutdown, size, start_timeline, stop_timeline,
+    rank, remove_process_set, shutdown, size, start_timeline, stop_timeline, straggler_stats,
 )
 
 from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
@@ -48,7 +48,7 @@ __all__ = [
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "local_rank", "local_size",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "recv", "recv_async",
-    "reducescatter", "reducescatter_async", "rocm_built", "send", "send_async", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
+    "reducescatter", "reducescatter_async", "rocm_built", "send", "send_async", "shutdown", "size", "sparse_allreduce_async", "start_timeline", "straggler_stats",
     "sycl_built",
     "SyncBatchNorm",
     "stop_timeline", "synchronize",

@@ -19,7 +19,8 @@ from .. import (  # noqa: F401  (re-exported: the Horovod API)
     broadcast_global_variables, broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size,
     cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled, grouped_allreduce, init,
     is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-    reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline, sycl_built,
+    reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline, straggler_stats,
+    sycl_built,
 )
 from ...gradient_op import check_gradient_op
 from ..gradient_tape import divided, local_refs, reduce_gradients, variable_key
@@ -33,7 +34,7 @@ __all__ = [
     "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks", "cross_rank",
     "cross_size", "global_process_set", "grouped_allreduce", "init", "is_initialized", "local_rank",
     "load_model", "local_size", "mpi_threads_supported", "rank", "reducescatter", "remove_process_set", "shutdown",
-    "size", "start_timeline", "stop_timeline",
+    "size", "start_timeline", "stop_timeline", "straggler_stats",
     "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
     "nccl_built", "rocm_built", "sycl_built", "elastic",
 ]

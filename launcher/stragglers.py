@@ -1,0 +1,212 @@
+"""Which rank is slow: the straggler table, from every rank's measured steps (records.StepSample).
+
+Each rank's runtime measures every training step (ringreduce/steps.py): its *compute* (from
+its previous step's last completion to this step's first submit: the time it spent in the
+user's code) and its *wait* (the longest any of its ops waited from submit to running: the
+time it spent waiting for the others).  A rank that is slow computes longer and waits less;
+the rank that submitted last waited least, so the step's last rank is the one with the
+smallest wait, among the ranks that measured the same step (the same engine cycle ran its
+last ops on every rank: ``StepSample.cycle``).  Clocks never need to agree across hosts.
+
+Both halves of mtrain use this module: ``mtrain run`` (a table at exit, every N steps with
+``--straggler-report N``, and the live ``--progress`` line) and ``hvd.straggler_stats()``
+in the program.  Standard library only.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+from collections import deque
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+from mtrain.launcher.records import StepReport, StepSample
+
+ENV_THRESHOLD = "MTRAIN_STRAGGLER_THRESHOLD_PERCENT"
+DEFAULT_THRESHOLD_PERCENT = 20.0
+# A rank is flagged only when it is also this much slower than the median in absolute terms:
+# steps of a few hundred microseconds differ by more than 20% from scheduling noise alone.
+MIN_EXCESS_SECONDS = 0.002
+MIN_STEPS = 10          # the table at exit needs at least this many measured steps
+ROWS_SHOWN = 32         # larger jobs: the flagged ranks and the fastest and slowest others
+KEPT_PER_RANK = 100_000  # the launcher's memory of each rank's steps
+
+
+class StragglerRow(NamedTuple):
+    """One rank's line of the straggler table."""
+
+    rank: int
+    host: str
+    steps: int
+    compute: float      # median compute time per step, seconds
+    wait: float         # median wait per step, seconds
+    last_share: float   # the share of measured steps (seen by every rank) in which it submitted last
+    slow: bool          # more than the threshold slower than the median rank
+    ratio: float        # its median compute over the median rank's (the lower median for an even count)
+
+
+def threshold_percent(environ: Mapping[str, str] = os.environ) -> float:
+    try:
+        value = float(environ.get(ENV_THRESHOLD, DEFAULT_THRESHOLD_PERCENT))
+    except ValueError:
+        return DEFAULT_THRESHOLD_PERCENT
+    return value if value >= 0 else DEFAULT_THRESHOLD_PERCENT
+
+
+def straggler_table(samples: Mapping[int, Sequence[StepSample]], hosts: Mapping[int, str],
+                    threshold: "float | None" = None) -> "list[StragglerRow]":
+    """One row per rank that measured at least one step, in rank order."""
+    measured = {rank: list(rows) for rank, rows in samples.items() if rows}
+    if not measured:
+        return []
+    threshold = threshold_percent() if threshold is None else threshold
+    last = _last_counts(measured)
+    aligned = max(sum(last.values()), 1)
+    medians = {rank: (statistics.median(s.compute for s in rows), statistics.median(s.wait for s in rows))
+               for rank, rows in measured.items()}
+    # The lower median for an even count: half the ranks being slow (a throttled host of two)
+    # must not pull the reference up to their own speed.
+    typical = statistics.median_low(compute for compute, _ in medians.values())
+    table = []
+    for rank in sorted(measured):
+        compute, wait = medians[rank]
+        slow = (len(measured) > 1 and compute > typical * (1 + threshold / 100)
+                and compute - typical > MIN_EXCESS_SECONDS)
+        table.append(StragglerRow(rank, hosts.get(rank, "?"), len(measured[rank]), compute, wait,
+                                  last.get(rank, 0) / aligned, slow, compute / typical if typical > 0 else 1.0))
+    return table
+
+
+def _last_counts(measured: Mapping[int, Sequence[StepSample]]) -> "dict[int, int]":
+    """How often each rank submitted last, over the steps every rank measured (by engine cycle)."""
+    by_cycle: "dict[int, dict[int, float]]" = {}
+    for rank, rows in measured.items():
+        for sample in rows:
+            by_cycle.setdefault(sample.cycle, {})[rank] = sample.wait
+    counts: "dict[int, int]" = {}
+    everyone = len(measured)
+    for waits in by_cycle.values():
+        if len(waits) == everyone and everyone > 1:
+            last = min(waits, key=lambda rank: (waits[rank], rank))
+            counts[last] = counts.get(last, 0) + 1
+    return counts
+
+
+def format_table(rows: Sequence[StragglerRow], title: str) -> "list[str]":
+    """The table as lines for mtrain's stderr (each line starts with 'mtrain: ')."""
+    shown = list(rows)
+    hidden = 0
+    if len(shown) > ROWS_SHOWN:
+        ordered = sorted(shown, key=lambda row: row.compute)
+        keep = {row.rank for row in shown if row.slow} | {r.rank for r in ordered[:3]} | {r.rank for r in ordered[-3:]}
+        hidden = len(shown) - len(keep)
+        shown = [row for row in shown if row.rank in keep]
+    width = max([4] + [len(row.host) for row in shown])
+    lines = [f"mtrain: {title}",
+             f"mtrain:   {'rank':>4}  {'host':<{width}}  {'steps':>6}  {'compute':>10}  {'wait':>10}  {'last':>5}"]
+    for row in shown:
+        flag = f"  <- slow: compute {row.ratio:.1f}x the median rank's" if row.slow else ""
+        lines.append(f"mtrain:   {row.rank:>4}  {row.host:<{width}}  {row.steps:>6}  {_ms(row.compute):>10}  "
+                     f"{_ms(row.wait):>10}  {row.last_share:>5.0%}{flag}")
+    if hidden:
+        lines.append(f"mtrain:   ({hidden} more ranks within the usual range are not shown)")
+    slow = [row.rank for row in rows if row.slow]
+    if slow:
+        who = f"rank {slow[0]}" if len(slow) == 1 else f"ranks {', '.join(map(str, slow))}"
+        lines.append(f"mtrain: {who} slowed the job: its compute between steps is more than "
+                     f"{threshold_percent():g}% above the median rank's, and the others wait for it")
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def title_for(span: str) -> str:
+    return (f"straggler report, {span} (compute: a rank's time between its steps; wait: its ops waiting "
+            "for the others; last: share of steps it submitted last)")
+
+
+class Progress(NamedTuple):
+    """What the live ``--progress`` line shows (launcher side)."""
+
+    steps: int              # steps done by the rank that did fewest
+    steps_per_second: float  # over the last RATE_WINDOW seconds (0 until measured)
+    bytes_per_second: float  # collective bytes per second of one rank, same window
+    slowest: "StragglerRow | None"  # the rank with the longest median compute in that window
+
+
+RATE_WINDOW = 10.0
+
+
+class StepBoard:
+    """The launcher's collection of every rank's steps (filled by the output reader threads)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self._lock = threading.Lock()
+        self._samples: "dict[int, deque[StepSample]]" = {}
+        self._hosts: "dict[int, str]" = {}
+
+    def add(self, rank: int, report: StepReport) -> None:
+        with self._lock:
+            kept = self._samples.get(rank)
+            if kept is None:
+                kept = self._samples[rank] = deque(maxlen=KEPT_PER_RANK)
+            kept.extend(report.samples)
+            self._hosts[rank] = report.host
+
+    def steps_everywhere(self) -> int:
+        """The number of steps every rank that reports has measured (0 before all ranks reported)."""
+        with self._lock:
+            if len(self._samples) < self.ranks:
+                return 0
+            return min((rows[-1].step if rows else 0) for rows in self._samples.values())
+
+    def table(self, first_step: int = 1, last_step: "int | None" = None) -> "list[StragglerRow]":
+        """The straggler table over steps [first_step, last_step] of each rank."""
+        with self._lock:
+            window = {rank: [s for s in rows if s.step >= first_step and (last_step is None or s.step <= last_step)]
+                      for rank, rows in self._samples.items()}
+            hosts = dict(self._hosts)
+        return straggler_table(window, hosts)
+
+    def measured_steps(self) -> int:
+        with self._lock:
+            return max((len(rows) for rows in self._samples.values()), default=0)
+
+    def reporting_ranks(self) -> int:
+        with self._lock:
+            return len(self._samples)
+
+    def progress(self) -> Progress:
+        with self._lock:
+            recent: "dict[int, list[StepSample]]" = {}
+            rates, byte_rates = [], []
+            for rank, rows in self._samples.items():
+                if not rows:
+                    continue
+                newest = rows[-1].end
+                window = [s for s in _newest(rows, newest - RATE_WINDOW)]
+                recent[rank] = window
+                span = newest - window[0].end if len(window) > 1 else 0.0
+                if span > 0:
+                    rates.append((len(window) - 1) / span)
+                    byte_rates.append(sum(s.nbytes for s in window[1:]) / span)
+            steps = min((rows[-1].step for rows in self._samples.values() if rows), default=0)
+            hosts = dict(self._hosts)
+        table = straggler_table(recent, hosts)
+        slowest = max(table, key=lambda row: row.compute) if len(table) > 1 else None
+        return Progress(steps, statistics.median(rates) if rates else 0.0,
+                        statistics.median(byte_rates) if byte_rates else 0.0, slowest)
+
+
+def _newest(rows: "deque[StepSample]", since: float) -> Iterable[StepSample]:
+    """The samples that ended after ``since``, oldest first (walks back from the newest)."""
+    picked = []
+    for sample in reversed(rows):
+        if sample.end < since:
+            break
+        picked.append(sample)
+    picked.reverse()
+    return picked

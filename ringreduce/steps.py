@@ -1,0 +1,116 @@
+"""Per-step timings of one rank, for the straggler report (launcher/stragglers.py).
+
+The engine of the job's process set calls ``StepMeter`` from its own thread only: ``batch``
+when it runs a batch of ops, ``done`` when the batch has completed, and ``step_end`` when it
+learns that a step is over (it is idle again after a thread waited on a handle:
+``Engine._hold``). A step's
+
+* compute is the time from the previous step's last completion to this step's first submit
+  (what the rank did between two steps: the forward and backward pass, data loading);
+* wait is the longest any of its ops waited between its submit and the cycle that ran it:
+  the time the rank spent waiting for the others to submit the same op (and for the engine's
+  own short hold, the same on every rank);
+* cycle is the engine cycle that ran its last ops, the same on every rank for the same step
+  (every cycle is one collective exchange), which lets the launcher line up the ranks' steps
+  without comparing clocks.
+
+Nothing extra goes on the wire between ranks: the samples go to ``mtrain run`` as marker lines
+on stderr (records.StepReport), every ``MTRAIN_STRAGGLER_EVERY`` steps, every
+``MTRAIN_STEP_REPORT_SECONDS``, and when the engine stops; and ``straggler_stats()`` gathers
+them when the program asks.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections import deque
+
+from mtrain.launcher.records import (ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, StepReport, StepSample)
+
+KEPT = 4096               # the newest steps straggler_stats() sees
+DEFAULT_REPORT_SECONDS = 30.0
+DEFAULT_REPORT_STEPS = 1000
+SAMPLES_PER_LINE = 50     # keeps one marker line under a pipe's atomic write size (4 KiB)
+
+
+def _positive(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+class StepMeter:
+    """One rank's step timings (engine thread only, apart from ``recent``)."""
+
+    def __init__(self) -> None:
+        self.host = socket.gethostname()
+        self.kept: "deque[StepSample]" = deque(maxlen=KEPT)
+        every = os.environ.get(ENV_STRAGGLER_EVERY, "")
+        self._every = int(every) if every.isdigit() and int(every) > 0 else DEFAULT_REPORT_STEPS
+        self._seconds = _positive(ENV_STEP_REPORT_SECONDS, DEFAULT_REPORT_SECONDS)
+        self._unsent: "list[StepSample]" = []
+        self._sent_at = time.monotonic()
+        self._steps = 0
+        self._previous_done: "float | None" = None  # the last step's last completion
+        self._reset()
+
+    def _reset(self) -> None:
+        self._first_submit = math.inf
+        self._wait = 0.0
+        self._nbytes = 0
+        self._cycle = -1
+        self._done = 0.0
+
+    def batch(self, first_submit: float, started: float, nbytes: int, cycle: int) -> None:
+        """The engine runs a batch whose earliest op was submitted at ``first_submit``."""
+        if first_submit < self._first_submit:
+            self._first_submit = first_submit
+        waited = started - first_submit
+        if waited > self._wait:
+            self._wait = waited
+        self._nbytes += nbytes
+        self._cycle = cycle
+
+    def done(self, now: float) -> None:
+        self._done = now
+
+    def step_end(self) -> "StepSample | None":
+        """The ops run since the last step_end were one step: record it (None: nothing ran)."""
+        if self._cycle < 0:
+            return None
+        self._steps += 1
+        previous, self._previous_done = self._previous_done, self._done
+        sample = None
+        # The first step has no previous one to measure its compute from (it holds the start-up).
+        if previous is not None:
+            sample = StepSample(self._steps, self._cycle, self._done, max(self._first_submit - previous, 0.0),
+                                self._wait, self._nbytes)
+            self.kept.append(sample)
+            self._unsent.append(sample)
+        self._reset()
+        return sample
+
+    @property
+    def compute_started(self) -> "float | None":
+        """When the step now being recorded began its compute (the previous step's end)."""
+        return self._previous_done
+
+    def due(self) -> bool:
+        """Whether what was measured should go to the launcher now."""
+        return bool(self._unsent) and (self._steps % self._every == 0
+                                       or time.monotonic() - self._sent_at >= self._seconds)
+
+    def send(self) -> None:
+        """Send the unsent samples to ``mtrain run`` (nothing without it)."""
+        unsent, self._unsent = self._unsent, []
+        self._sent_at = time.monotonic()
+        for start in range(0, len(unsent), SAMPLES_PER_LINE):
+            StepReport(self.host, tuple(unsent[start:start + SAMPLES_PER_LINE])).emit()
+
+    def recent(self) -> "list[StepSample]":
+        """The kept samples (any thread: a C-level copy under the GIL)."""
+        return list(self.kept)
