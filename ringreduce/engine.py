@@ -623,7 +623,8 @@ class Engine:
         steps = self.steps
         if steps is not None:
             if first_submit is None:
-                first_submit = min(request.submitted for request in ready)
+                # (A joined rank's stand-ins were never submitted: submitted is 0.)
+                first_submit = min((request.submitted for request in ready if request.submitted), default=started)
             steps.batch(first_submit, started, _data_bytes(ready) if nbytes is None else nbytes, self._cycles)
         if plan is None:
             plan = self._plans.plan(ready, self.config.fusion_threshold_bytes, self.config.inplace_min_bytes)

@@ -56,3 +56,19 @@ def test_no_steps_are_measured_when_the_report_is_off():
     _train(1, 0.0)
     assert rr.runtime._rt().engine.steps is None
     assert rr.straggler_stats() == []
+
+
+@mpi_test(nps=(2, 3))
+def test_steps_beside_a_joined_rank_measure_only_what_was_submitted():
+    # Rank 0 joins at once; the others go on, and rank 0's engine runs its stand-ins for their ops
+    # (never submitted on rank 0): they must not count as ops that waited since the clock's origin.
+    me = rr.rank()
+    if me != 0:
+        _train(-1, 0.0)
+    assert rr.join() >= 0
+    rows = rr.straggler_stats()
+    assert [row.rank for row in rows] == list(range(rr.size())), rows
+    for row in rows:
+        assert row.wait < 5 and row.compute < 5, rows
+    meter = rr.runtime._rt().engine.steps
+    assert all(sample.wait < 5 for sample in meter.recent()), meter.recent()
