@@ -54,7 +54,7 @@ from .negotiation import (UNNAMED_PREFIX, Agreement, Control, Coordinator, Negot
 from .ops import ReduceOp
 from .requests import AllreduceOp, Completion, Handle, Request, Signature
 from .settings import DEFAULT_CACHE_CAPACITY, EngineConfig
-from .timeline import Timeline
+from .timeline import Timeline, TraceLink
 
 # A burst of submissions is over (the engine starts its cycle) once none came for this
 # long, or after HOLD_CYCLES cycle times in all (Engine._hold). A burst that repeats the
@@ -80,7 +80,7 @@ class EngineStats(NamedTuple):
 
 class Engine:
     def __init__(self, executor: Executor, control: MPI.Comm, config: EngineConfig,
-                 members: "list[int] | None" = None) -> None:
+                 members: "list[int] | None" = None, trace_link: "TraceLink | None" = None) -> None:
         self.executor = executor
         self.config = config
         self._control = control  # negotiation traffic only, apart from the data rings
@@ -131,7 +131,9 @@ class Engine:
         self._steady_cycles = self._steady_fallbacks = 0
         self._join = join.JoinState()
         self._shutdown_error = ShutdownError("mtrain shut down while this op was in flight")
-        self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
+        # Every rank records a timeline; rank 0 writes it, the others send theirs there (timeline.py).
+        self._trace_link = trace_link
+        self._timeline = self._new_timeline(config.timeline_path) if config.timeline_path else None
         self._mark_cycles = config.timeline_mark_cycles  # start_timeline() sets its own
         # The GPU init() bound in this thread; a new thread starts on GPU 0, so the engine
         # thread adopts it before its first device op (None: no CuPy in use).
@@ -253,15 +255,22 @@ class Engine:
                              f"{timeout:g}s (another rank may be frozen); exiting without it\n")
         timeline = self._timeline
         if timeline is not None:
-            timeline.close()
+            # Rank 0 does not wait for the last events of ranks known to have left.
+            timeline.close(gone=getattr(self._closed_error, "peers", None) or ())
         if not self._thread.is_alive():
             self._control.Free()
+            if self._trace_link is not None:
+                self._trace_link.free()
+
+    # -- timeline ------------------------------------------------------------------
+    def _new_timeline(self, path: str) -> "Timeline | None":
+        if self._trace_link is not None:
+            return Timeline(path, self._trace_link)
+        return Timeline(path) if self._rank == 0 else None  # an engine made without a link
 
     def start_timeline(self, path: str, mark_cycles: bool) -> None:
-        """Write the timeline to ``path`` from now on (rank 0 only; others ignore it)."""
-        if self._rank != 0:
-            return
-        old, self._timeline = self._timeline, Timeline(path)
+        """Record the timeline from now on (every rank; rank 0 writes it to ``path``)."""
+        old, self._timeline = self._timeline, self._new_timeline(path)
         self._mark_cycles = mark_cycles
         if old is not None:
             old.close()
@@ -272,6 +281,12 @@ class Engine:
         old, self._timeline = self._timeline, None
         if old is not None:
             old.close()
+
+    def record_step(self, index: int, compute_start: float, compute_end: float, end: float, wait_s: float) -> None:
+        """One training step on the timeline, if one runs (``Timeline.step``)."""
+        timeline = self._timeline  # read once: stop_timeline() may clear it from a user thread
+        if timeline is not None:
+            timeline.step(index, compute_start, compute_end, end, wait_s)
 
     def departed(self) -> "BaseException | None":
         """Why this engine has stopped (a peer left, it failed, or it was shut down), else None: for

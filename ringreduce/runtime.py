@@ -20,6 +20,7 @@ from .errors import HorovodInternalError, InvalidArgumentError, Refusal
 from .ops import Adasum, Average, ReduceOp, check_op, check_reducible, dtype_code
 from .process_sets import ProcessSet, global_process_set
 from .settings import AutotuneConfig, EngineConfig, env_number
+from .timeline import TraceLink
 
 
 class NotInitializedError(ValueError, RuntimeError):
@@ -84,9 +85,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
                 set_comms.world.Get_group(), list(range(set_comms.world.Get_size())), comms.world.Get_group())]
         executor = Executor(set_comms.world, segment, small, set_comms.local, set_comms.cross,
                             tunable=set_config.autotune.enabled)
-        return Engine(executor, set_comms.world.Dup(), set_config, members)
+        return Engine(executor, set_comms.world.Dup(), set_config, members,
+                      trace_link=trace_link if set_comms is comms else None)
 
     admin = comms.world.Dup()  # made before any engine thread calls MPI
+    # The timeline's own communicator and this rank's clock against rank 0's, measured now,
+    # while no engine thread calls MPI (timeline.py: every rank's events go to rank 0).
+    trace_link = TraceLink.measure(comms.world)
     private_parent = comms.world.Dup()  # where members alone make private sets (Registry.private_set)
     engine = make_engine(comms, world_ranks)
     _runtime = _ps.Registry(comms, engine, make_engine, admin, private_parent)
@@ -262,8 +267,8 @@ def is_homogeneous() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing the Chrome-trace timeline to ``file_path`` (rank 0 writes it; the call
-    is local, every rank may make it). Replaces a timeline already being written."""
+    """Start recording the Chrome-trace timeline (call it on every rank: each records its own
+    events, rank 0 writes them all to ``file_path``). Replaces a timeline already running."""
     if not isinstance(file_path, str) or not file_path:
         raise ValueError(f"start_timeline needs a file path, got {file_path!r}")
     _rt().engine.start_timeline(file_path, bool(mark_cycles))
