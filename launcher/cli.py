@@ -166,7 +166,7 @@ _NONNEGATIVE = click.IntRange(min=0)
 @click.option("--autotune-gaussian-process-noise", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Noise of the autotuner's Gaussian process, in units of the scores' spread (default: 0.8).")
 @click.option("--timeline-filename", type=click.Path(dir_okay=False), default=None,
-              help="Rank 0 writes a timeline of every collective here (Chrome trace format, as Horovod's).")
+              help="Write a timeline of every rank's collectives here (Chrome trace format, as Horovod's; rank 0 writes it). Read it with `mtrain timeline-summary`.")
 @click.option("--timeline-mark-cycles/--no-timeline-mark-cycles", default=None,
               help="Mark each engine cycle in the timeline.")
 @click.option("--stall-check/--no-stall-check", default=None,

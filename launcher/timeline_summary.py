@@ -32,7 +32,7 @@ class OpTotal(NamedTuple):
 
 class Step(NamedTuple):
     rank: int
-    index: int
+    number: int        # the step's index, as the rank counted it
     compute_s: float
     wait_s: float
     total_s: float
@@ -112,10 +112,10 @@ def summarize(events: "list[dict]") -> Summary:
         except (TypeError, ValueError):
             continue
         name = str(event.get("name", ""))
-        if name == STEP:
+        if name == STEP and isinstance(pid, int):
             args = event.get("args") or {}
             try:
-                steps.append(Step(int(pid), int(args.get("step", len(steps))), float(args.get("compute_s", 0.0)),
+                steps.append(Step(pid, int(args.get("step", len(steps))), float(args.get("compute_s", 0.0)),
                                   float(args.get("wait_s", 0.0)), dur / 1e6))
             except (TypeError, ValueError):
                 pass
@@ -128,7 +128,7 @@ def summarize(events: "list[dict]") -> Summary:
         runs[op] += max(by_phase.values())  # each run of an op has each of its phases once
     ops = [OpTotal(op, runs[op], sum(by_phase.values()), dict(by_phase)) for op, by_phase in phases.items()]
     ops.sort(key=lambda o: (-o.total_us, o.name))
-    steps.sort(key=lambda s: (s.rank, s.index))
+    steps.sort(key=lambda s: (s.rank, s.number))
     return Summary(sorted(ranks), ops, steps)
 
 
@@ -194,7 +194,7 @@ def draw(summary: Summary, png: str) -> int:
                                 figsize=(10, 1.2 + 1.6 * len(ranks)))
     for ax, rank in zip(axes[:, 0], ranks):
         mine = by_rank[rank]
-        index = [s.index for s in mine]
+        index = [s.number for s in mine]
         compute = [s.compute_s * 1e3 for s in mine]
         wait = [s.wait_s * 1e3 for s in mine]
         ax.bar(index, compute, width=0.9, color="tab:blue", label="compute")

@@ -89,10 +89,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
                       trace_link=trace_link if set_comms is comms else None)
 
     admin = comms.world.Dup()  # made before any engine thread calls MPI
+    private_parent = comms.world.Dup()  # where members alone make private sets (Registry.private_set)
     # The timeline's own communicator and this rank's clock against rank 0's, measured now,
     # while no engine thread calls MPI (timeline.py: every rank's events go to rank 0).
     trace_link = TraceLink.measure(comms.world)
-    private_parent = comms.world.Dup()  # where members alone make private sets (Registry.private_set)
     engine = make_engine(comms, world_ranks)
     _runtime = _ps.Registry(comms, engine, make_engine, admin, private_parent)
     _runtime.homogeneous = homogeneous

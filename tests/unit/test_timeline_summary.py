@@ -128,4 +128,4 @@ def test_a_rank_0_timeline_records_steps_and_is_valid_json_after_close(tmp_path)
     assert steps[0]["args"] == {"step": 7, "compute_s": 0.25, "wait_s": 0.25}
     rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert rows[steps[0]["tid"]] == "STEP"
-    assert [s.index for s in ts.summarize(events).steps] == [7]
+    assert [s.number for s in ts.summarize(events).steps] == [7]
