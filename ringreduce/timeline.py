@@ -170,12 +170,13 @@ class Timeline:
             self._session = link.started
         if self._rank == 0:
             self._writer = _Writer(path, time.monotonic())
-            if link is not None and link.sends:
-                self._collector = _Collector(link, self._session, self._writer, self._lock)
         elif link is None or not link.sends:
             self._closed = True  # nowhere to send: record nothing
         self._emit({"name": "process_name", "ph": "M", "pid": self._rank, "args": {"name": f"rank {self._rank}"}})
         self._emit({"name": "process_sort_index", "ph": "M", "pid": self._rank, "args": {"sort_index": self._rank}})
+        if self._writer is not None and link is not None and link.sends:
+            # Started last: from here on its thread writes too (under the lock).
+            self._collector = _Collector(link, self._session, self._writer, self._lock)
 
     @property
     def rank(self) -> int:
