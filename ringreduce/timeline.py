@@ -173,7 +173,6 @@ class Timeline:
         elif link is None or not link.sends:
             self._closed = True  # nowhere to send: record nothing
         self._emit({"name": "process_name", "ph": "M", "pid": self._rank, "args": {"name": f"rank {self._rank}"}})
-        self._emit({"name": "process_sort_index", "ph": "M", "pid": self._rank, "args": {"sort_index": self._rank}})
         if self._writer is not None and link is not None and link.sends:
             # Started last: from here on its thread writes too (under the lock).
             self._collector = _Collector(link, self._session, self._writer, self._lock)
