@@ -18,6 +18,7 @@ one grouped all-reduce of their counts.
 Needs: pip install torch scikit-learn
 """
 import argparse
+import time
 
 import numpy as np
 import torch
@@ -87,6 +88,7 @@ def main() -> None:
     for epoch in range(args.epochs):
         model.train()
         perm = torch.randperm(len(y))
+        started, losses = time.perf_counter(), []
         for start in range(0, len(y), args.batch_size):
             index = perm[start:start + args.batch_size]
             optimizer.zero_grad()
@@ -95,6 +97,12 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             batches += 1
+            losses.append(loss.item())
+        if rank == 0:
+            # The shards are uneven and the ranks' epochs do not line up (they join at the end):
+            # rank 0 reports its own loss and throughput.
+            print(f"epoch {epoch + 1}: rank 0 loss {np.mean(losses):.4f}, "
+                  f"{len(y) / (time.perf_counter() - started):.0f} samples/s on rank 0", flush=True)
     last = hvd.join()
     print(f"rank {rank}: {batches} batches on {len(y)} samples; the last rank to join was {last}", flush=True)
 

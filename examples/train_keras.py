@@ -9,6 +9,7 @@ Needs: pip install tensorflow-cpu scikit-learn
 """
 import argparse
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -27,6 +28,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05, help="for one rank; scaled by the number of ranks")
     parser.add_argument("--seed", type=int, default=42)
     return parser.parse_args()
+
+
+class Throughput(keras.callbacks.Callback):
+    """Rank 0's line per epoch: the loss (averaged over ranks by MetricAverageCallback, which
+    runs before this one) and the job's throughput: every rank's samples over the epoch's time."""
+
+    def __init__(self, samples_per_epoch: int) -> None:
+        super().__init__()
+        self.samples_per_epoch = samples_per_epoch
+        self.started = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.started = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if hvd.rank() == 0:
+            rate = self.samples_per_epoch / (time.perf_counter() - self.started)
+            print(f"epoch {epoch + 1:2d}: loss {(logs or {}).get('loss', float('nan')):.4f}  "
+                  f"{rate:.0f} samples/s", flush=True)
 
 
 def main() -> None:
@@ -58,6 +78,7 @@ def main() -> None:
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
         hvd.callbacks.MetricAverageCallback(),
         hvd.callbacks.LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=2, verbose=1),
+        Throughput(per_rank * hvd.size()),
     ]
     if hvd.rank() == 0:
         print(f"{hvd.size()} ranks, {len(train)} training images ({per_rank} per rank), "

@@ -177,7 +177,7 @@ _NONNEGATIVE = click.IntRange(min=0)
 @click.option("--autotune-gaussian-process-noise", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Noise of the autotuner's Gaussian process, in units of the scores' spread (default: 0.8).")
 @click.option("--timeline-filename", type=click.Path(dir_okay=False), default=None,
-              help="Rank 0 writes a timeline of every collective here (Chrome trace format, as Horovod's).")
+              help="Write a timeline of every rank's collectives here (Chrome trace format, as Horovod's; rank 0 writes it). Read it with `mtrain timeline-summary`.")
 @click.option("--timeline-mark-cycles/--no-timeline-mark-cycles", default=None,
               help="Mark each engine cycle in the timeline.")
 @click.option("--stall-check/--no-stall-check", default=None,
@@ -427,6 +427,39 @@ def check() -> None:
     """Print what this install can do: MPI, CUDA-awareness, frameworks, GPUs."""
     from mtrain.launcher.capabilities import report
     sys.exit(report())
+
+
+@main_group.command("timeline-summary")
+@click.argument("timeline", type=click.Path(dir_okay=False))
+@click.option("--png", type=click.Path(dir_okay=False), default=None,
+              help="Also draw each rank's compute and wait per step into this PNG (needs matplotlib).")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
+              help="How many ops to list, by total time.")
+def timeline_summary(timeline: str, png: "str | None", top: int) -> None:
+    """Print the top ops by time and each rank's steps from TIMELINE (a --timeline-filename file)."""
+    from mtrain.launcher import timeline_summary as ts
+    try:
+        summary = ts.summarize(ts.load_events(timeline))
+    except ts.TimelineError as error:
+        click.echo(f"mtrain timeline-summary: error: {error}", err=True)
+        sys.exit(2)
+    click.echo(ts.report(summary, top))
+    if png is None:
+        return
+    if not summary.steps:
+        click.echo(f"mtrain timeline-summary: no PNG drawn: {timeline} has no STEP events "
+                   "(they are recorded per training step by the ranks' engines)", err=True)
+        sys.exit(1)
+    try:
+        drawn = ts.draw(summary, png)
+    except ImportError:
+        click.echo("mtrain timeline-summary: error: drawing needs matplotlib: pip install matplotlib", err=True)
+        sys.exit(2)
+    except OSError as error:
+        click.echo(f"mtrain timeline-summary: error: cannot write {png}: {error.strerror or error}", err=True)
+        sys.exit(2)
+    left = len(summary.ranks) - drawn
+    click.echo(f"wrote {png}" + (f" (the first {drawn} ranks; {left} more not drawn)" if left > 0 else ""))
 
 
 def usage_error_line(error: click.UsageError, args: list[str]) -> str:

@@ -99,7 +99,7 @@ FLAGS: "tuple[Flag, ...]" = (
          ("autotune", "bayes_opt_max_samples"), _variable(AUTOTUNE_BAYES_OPT_MAX_SAMPLES)),
     Flag("autotune_gaussian_process_noise", "--autotune-gaussian-process-noise",
          ("autotune", "gaussian_process_noise"), _variable(AUTOTUNE_GAUSSIAN_PROCESS_NOISE, _number_text)),
-    # Rank 0 writes the timeline (Horovod's Chrome trace); a relative path is the launch folder's.
+    # Rank 0 writes the timeline of every rank (Horovod's Chrome trace); a relative path is the launch folder's.
     Flag("timeline_filename", "--timeline-filename", ("timeline", "filename"),
          _variable(TIMELINE, lambda path: os.path.abspath(str(path)))),
     Flag("timeline_mark_cycles", "--timeline-mark-cycles", ("timeline", "mark_cycles"),

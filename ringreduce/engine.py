@@ -55,7 +55,7 @@ from .ops import ReduceOp
 from .requests import AllreduceOp, Completion, Handle, Request, Signature, data_bytes as _data_bytes
 from .settings import DEFAULT_CACHE_CAPACITY, EngineConfig
 from .steps import StepMeter
-from .timeline import Timeline
+from .timeline import Timeline, TraceLink
 
 # A burst of submissions is over (the engine starts its cycle) once none came for this
 # long, or after HOLD_CYCLES cycle times in all (Engine._hold). A burst that repeats the
@@ -81,7 +81,8 @@ class EngineStats(NamedTuple):
 
 class Engine:
     def __init__(self, executor: Executor, control: MPI.Comm, config: EngineConfig,
-                 members: "list[int] | None" = None, steps: "StepMeter | None" = None) -> None:
+                 members: "list[int] | None" = None, steps: "StepMeter | None" = None,
+                 trace_link: "TraceLink | None" = None) -> None:
         self.executor = executor
         self.config = config
         self._control = control  # negotiation traffic only, apart from the data rings
@@ -132,7 +133,9 @@ class Engine:
         self._steady_cycles = self._steady_fallbacks = 0
         self._join = join.JoinState()
         self._shutdown_error = ShutdownError("mtrain shut down while this op was in flight")
-        self._timeline = Timeline(config.timeline_path) if (config.timeline_path and self._rank == 0) else None
+        # Every rank records a timeline; rank 0 writes it, the others send theirs there (timeline.py).
+        self._trace_link = trace_link
+        self._timeline = self._new_timeline(config.timeline_path) if config.timeline_path else None
         self._mark_cycles = config.timeline_mark_cycles  # start_timeline() sets its own
         # The GPU init() bound in this thread; a new thread starts on GPU 0, so the engine
         # thread adopts it before its first device op (None: no CuPy in use).
@@ -258,15 +261,22 @@ class Engine:
                              f"{timeout:g}s (another rank may be frozen); exiting without it\n")
         timeline = self._timeline
         if timeline is not None:
-            timeline.close()
+            # Rank 0 does not wait for the last events of ranks known to have left.
+            timeline.close(gone=getattr(self._closed_error, "peers", None) or ())
         if not self._thread.is_alive():
             self._control.Free()
+            if self._trace_link is not None:
+                self._trace_link.free()
+
+    # -- timeline ------------------------------------------------------------------
+    def _new_timeline(self, path: str) -> "Timeline | None":
+        if self._trace_link is not None:
+            return Timeline(path, self._trace_link)
+        return Timeline(path) if self._rank == 0 else None  # an engine made without a link
 
     def start_timeline(self, path: str, mark_cycles: bool) -> None:
-        """Write the timeline to ``path`` from now on (rank 0 only; others ignore it)."""
-        if self._rank != 0:
-            return
-        old, self._timeline = self._timeline, Timeline(path)
+        """Record the timeline from now on (every rank; rank 0 writes it to ``path``)."""
+        old, self._timeline = self._timeline, self._new_timeline(path)
         self._mark_cycles = mark_cycles
         if old is not None:
             old.close()
@@ -277,6 +287,21 @@ class Engine:
         old, self._timeline = self._timeline, None
         if old is not None:
             old.close()
+
+    def _end_step(self) -> None:
+        """The ops since the last step's end were one step: the meter records it, and so does the
+        timeline, if one runs (engine thread)."""
+        steps = self.steps
+        sample = steps.step_end()
+        if sample is not None:
+            start = steps.compute_start
+            self.record_step(sample.step, start, start + sample.compute, sample.end, sample.wait)
+
+    def record_step(self, index: int, compute_start: float, compute_end: float, end: float, wait_s: float) -> None:
+        """One training step on the timeline, if one runs (``Timeline.step``)."""
+        timeline = self._timeline  # read once: stop_timeline() may clear it from a user thread
+        if timeline is not None:
+            timeline.step(index, compute_start, compute_end, end, wait_s)
 
     def departed(self) -> "BaseException | None":
         """Why this engine has stopped (a peer left, it failed, or it was shut down), else None: for
@@ -310,7 +335,7 @@ class Engine:
             self._fail_all(EngineError(f"mtrain's background engine failed: {exc!r}"))
         finally:
             if self.steps is not None:
-                self.steps.step_end()  # the last step, which no idle moment followed
+                self._end_step()  # the last step, which no idle moment followed
                 self.steps.send()
 
     def _take_incoming(self) -> "tuple[bool, list[Request]]":
@@ -349,7 +374,7 @@ class Engine:
                 self._last_batch = frozenset(self._step_names)
             self._step_names, self._step_waited = [], False
             if self.steps is not None:
-                self.steps.step_end()
+                self._end_step()
         cycle = self.config.cycle_time_s
         quiet = min(cycle, QUIET_SECONDS)
         tick = None

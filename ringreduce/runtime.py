@@ -23,6 +23,7 @@ from .ops import Adasum, Average, ReduceOp, check_op, check_reducible, dtype_cod
 from .process_sets import ProcessSet, global_process_set
 from .settings import AutotuneConfig, EngineConfig, env_number
 from .steps import StepMeter
+from .timeline import TraceLink
 
 
 class NotInitializedError(ValueError, RuntimeError):
@@ -89,10 +90,14 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
                             tunable=set_config.autotune.enabled)
         # The straggler report measures the job's steps, which the job's engine runs.
         steps = StepMeter() if set_comms is comms and os.environ.get(ENV_STRAGGLER_OFF) != "1" else None
-        return Engine(executor, set_comms.world.Dup(), set_config, members, steps)
+        return Engine(executor, set_comms.world.Dup(), set_config, members, steps,
+                      trace_link=trace_link if set_comms is comms else None)
 
     admin = comms.world.Dup()  # made before any engine thread calls MPI
     private_parent = comms.world.Dup()  # where members alone make private sets (Registry.private_set)
+    # The timeline's own communicator and this rank's clock against rank 0's, measured now,
+    # while no engine thread calls MPI (timeline.py: every rank's events go to rank 0).
+    trace_link = TraceLink.measure(comms.world)
     engine = make_engine(comms, world_ranks)
     _runtime = _ps.Registry(comms, engine, make_engine, admin, private_parent)
     _runtime.homogeneous = homogeneous
@@ -267,8 +272,8 @@ def is_homogeneous() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing the Chrome-trace timeline to ``file_path`` (rank 0 writes it; the call
-    is local, every rank may make it). Replaces a timeline already being written."""
+    """Start recording the Chrome-trace timeline (call it on every rank: each records its own
+    events, rank 0 writes them all to ``file_path``). Replaces a timeline already running."""
     if not isinstance(file_path, str) or not file_path:
         raise ValueError(f"start_timeline needs a file path, got {file_path!r}")
     _rt().engine.start_timeline(file_path, bool(mark_cycles))

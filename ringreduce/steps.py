@@ -56,6 +56,7 @@ class StepMeter:
         self._sent_at = time.monotonic()
         self._steps = 0
         self._previous_done: "float | None" = None  # the last step's last completion
+        self.compute_start = 0.0  # where the compute of the step step_end recorded last began
         self._reset()
 
     def _reset(self) -> None:
@@ -87,17 +88,13 @@ class StepMeter:
         sample = None
         # The first step has no previous one to measure its compute from (it holds the start-up).
         if previous is not None:
+            self.compute_start = previous
             sample = StepSample(self._steps, self._cycle, self._done, max(self._first_submit - previous, 0.0),
                                 self._wait, self._nbytes)
             self.kept.append(sample)
             self._unsent.append(sample)
         self._reset()
         return sample
-
-    @property
-    def compute_started(self) -> "float | None":
-        """When the step now being recorded began its compute (the previous step's end)."""
-        return self._previous_done
 
     def due(self) -> bool:
         """Whether what was measured should go to the launcher now."""

@@ -15,6 +15,9 @@ def test_train_torch_example_reaches_90_percent_at_np2():
     found = re.findall(r"final test accuracy: ([0-9.]+)", result.stdout)
     assert len(found) == 1, f"rank 0 alone prints the final accuracy once:\n{result.stdout[-3000:]}"
     assert float(found[0]) >= 0.9, result.stdout[-3000:]
+    # Rank 0's line per epoch: the averaged loss and the job's throughput.
+    rates = re.findall(r"^epoch +\d+: train loss [0-9.]+ .* (\d+) samples/s$", result.stdout, re.MULTILINE)
+    assert len(rates) == 5 and all(int(rate) > 0 for rate in rates), result.stdout[-3000:]
 
 
 def test_horovod_features_example_at_np3():
@@ -30,3 +33,5 @@ def test_horovod_features_example_at_np3():
     found = re.findall(r"evaluated by ranks \[0, 2\]: .* final test accuracy: ([0-9.]+)", result.stdout)
     assert len(found) == 1, f"the even ranks' set reports once:\n{result.stdout[-3000:]}"
     assert float(found[0]) >= 0.75, result.stdout[-3000:]
+    epochs = re.findall(r"^epoch (\d+): rank 0 loss [0-9.]+, (\d+) samples/s on rank 0$", result.stdout, re.MULTILINE)
+    assert [int(e) for e, _ in epochs] == [1, 2, 3, 4] and all(int(r) > 0 for _, r in epochs), result.stdout[-3000:]
