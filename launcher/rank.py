@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    # mpirun forwards mtrain run's SIGUSR1 here: the rank's flight recorder dumps on it.
+    signal.signal(signal.SIGUSR1, lambda number, frame: forward_if_caught(child.pid, signal.SIGUSR1))
     if os.getppid() == 1:  # the parent died before die_with_parent took effect
         on_signal(signal.SIGTERM, None)
 
@@ -266,6 +268,20 @@ def main(argv: list[str] | None = None) -> int:
         _write_record(exit_record(rank, host, returncode, stopped, tuple(tail), end, report,
                                   err_relay.saw_mpi_abort, err_relay.last_exception, err_relay.where))
     return exit_code(returncode)
+
+
+def forward_if_caught(pid: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` only if that process catches it: SIGUSR1's default action ends a
+    process, and a program that has not called ``init()`` yet has no handler for it."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as handle:
+            caught = next((line for line in handle if line.startswith(b"SigCgt:")), b"")
+        if not int(caught.split()[1], 16) & (1 << (sig - 1)):
+            return False
+        os.kill(pid, sig)
+        return True
+    except (OSError, ValueError, IndexError):  # ended, or no /proc: nothing to tell
+        return False
 
 
 def exit_record(rank: int, host: str, returncode: int, stopped: bool, tail: tuple[str, ...],

@@ -30,11 +30,13 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
+from mtrain.launcher.hang_report import FAILURE_QUIET_SECONDS, Collector, HangReport
 from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_process
 from mtrain.launcher.records import (DAEMON_UMASK, EXIT_MARKER, PHASE_MARKER, RESUME_MARKER, AgentEvent, Phase,
                                      PhaseNote, stuck_in_init, AgentEventKind, AgentEventReader,
                             signal_name,
-                            ElasticResume, ExitRecord, Gate, StopReason)
+                            ElasticResume, ExitRecord, Gate, StopReason,
+                                     DUMP_MARKER, DUMP_REQUEST_MARKER, DumpRequest, RecorderDump)
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
 LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead daemon: shorter wait
@@ -140,6 +142,10 @@ class Job:
         self.in_init: dict[int, tuple] = {}
         self.ended: dict[int, int] = {}
         self.stuck: str | None = None  # why the job was stopped as one that could never go on
+        # The flight recorder's hang reports (hang_report.py): SIGUSR1 to mpirun asks every rank.
+        self.mpirun_pid: int | None = None
+        self.collector = Collector(ranks, self._signal_ranks, output_dir)
+        self.usr1 = False  # mtrain run got SIGUSR1 (the handler only sets this: no locks in handlers)
 
     def log(self, message: str) -> None:
         if self.verbose:
@@ -163,6 +169,9 @@ class Job:
                 if not before.strip():
                     continue
                 line = (prefix.group(0) if prefix else b"") + before + b"\n"
+            if is_stderr and (DUMP_MARKER in line or DUMP_REQUEST_MARKER in line):
+                self._recorder_line(line)
+                continue
             if is_stderr and RESUME_MARKER in line:
                 resumed = ElasticResume.decode(line.partition(RESUME_MARKER)[2])
                 if resumed is not None and self.on_resume is not None:
@@ -184,6 +193,35 @@ class Job:
         if record.failed:
             self.log(f"{record.describe()}{' (after being stopped)' if record.stopped else ''}")
 
+    # -- flight recorder ---------------------------------------------------------------------
+    def _recorder_line(self, line: bytes) -> None:
+        """A rank's dump, or its coordinator's request for everyone's (removed from the output)."""
+        if DUMP_MARKER in line:
+            dump = RecorderDump.decode(line.partition(DUMP_MARKER)[2])
+            if dump is not None:
+                self.collector.add(dump)
+        else:
+            request = DumpRequest.decode(line.partition(DUMP_REQUEST_MARKER)[2])
+            if request is not None:
+                self.collector.request(request.reason)
+
+    def _signal_ranks(self) -> None:
+        if self.mpirun_pid is not None:
+            signal_process(self.mpirun_pid, signal.SIGUSR1)  # mpirun forwards it to every rank
+
+    def _live_ranks(self) -> set[int]:
+        with self.lock:
+            return set(range(self.ranks)) - set(self.ended) - {r.rank for r in self.records}
+
+    def _print_report(self, hang: HangReport | None) -> None:
+        if hang is not None:
+            with self.sink.lock:  # whole lines, between the ranks' lines
+                sys.stderr.write("\n".join(hang.lines) + "\n")
+                sys.stderr.flush()
+
+    def _on_usr1(self, number: int, frame) -> None:
+        self.usr1 = True
+
     def _phase(self, rank: int, payload: bytes) -> None:
         note = PhaseNote.decode(payload)
         if note is None:
@@ -203,6 +241,7 @@ class Job:
     def run(self) -> int:
         """Run to completion; print the outcome; return mtrain's exit status."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
         try:
             return self._run(self.env, AgentEventReader(self.events_path) if self.events_path else None)
         finally:
@@ -224,6 +263,7 @@ class Job:
         except OSError as error:
             print(f"mtrain: cannot start {self.argv[0]}: {error.strerror}", file=sys.stderr)
             return 1
+        self.mpirun_pid = process.pid
         readers = [threading.Thread(target=self._read, args=(process.stdout, sys.stdout.buffer, False), daemon=True),
                    threading.Thread(target=self._read, args=(process.stderr, sys.stderr.buffer, True), daemon=True)]
         for thread in readers:
@@ -248,6 +288,12 @@ class Job:
                 self.log(f"{event.kind.value}: {event.detail}")
             if failure_seen_at is None and any(r.failed and not r.stopped for r in self.records):
                 failure_seen_at = now
+                # What the others were doing: asked now, printed before the failure report.
+                self.collector.request("a rank failed", FAILURE_QUIET_SECONDS)
+            if self.usr1:
+                self.usr1 = False
+                self.collector.request("SIGUSR1 to mtrain run")
+            self._print_report(self.collector.poll(self._live_ranks()))
             # Held for a moment first: a rank's note that it left init() may come a little
             # after a peer's note that its program ended, through another pipe.
             stuck = self._stuck_now()
@@ -271,6 +317,7 @@ class Job:
                 kill_session(process.pid, signal.SIGKILL)
                 stop_sent_at = None
         ended.close()
+        self.mpirun_pid = None  # nothing to signal any more
         self.log(f"{os.path.basename(self.argv[0])} exited with status {process.returncode}")
         # Agents may outlive mpirun by a moment; they end on their own when their session does.
         if not wait_session_empty(process.pid, SESSION_DRAIN):
@@ -288,6 +335,7 @@ class Job:
             time.sleep(0.1)
             host_problems += reader.poll()
         self.host_problems = host_problems
+        self._print_report(self.collector.finish(set()))  # a collection the job's end cut short
         return self._outcome(process.returncode, host_problems)
 
     def _pass_gate(self, process: subprocess.Popen) -> bool:

@@ -43,7 +43,7 @@ from mpi4py import MPI
 
 from mtrain.launcher.records import FailureCause, report_error
 
-from . import cuda, join, log, shm
+from . import cuda, join, log, recorder, shm
 from .autotune import Decision, Knobs, Space, Tuner
 from .backend import NumpyBackend
 from .collectives import Algorithm, Executor, Kind
@@ -138,6 +138,13 @@ class Engine:
         self._gpu = cuda.current_device()
         self._cache_capacity = config.cache_capacity or DEFAULT_CACHE_CAPACITY  # when the autotuner turns it on
         self._tuner = self._make_tuner() if config.autotune.enabled else None
+        # -- flight recorder (recorder.py): the last ops, for a hang report --------------------
+        size = recorder.size_from_environment()
+        self._flight = recorder.FlightRecorder(size) if size else None
+        self._waited_at = 0.0  # when a user thread last stopped blocking on a handle
+        if self._coordinator is not None and self._flight is not None:
+            self._coordinator.on_stall = recorder.request_dumps
+        # --------------------------------------------------------------------------------------
         self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
         self._thread.start()
 
@@ -214,6 +221,9 @@ class Engine:
                 self._wake.notify()
         self._last_submit = now
         self._incoming.append(request)
+        flight = self._flight
+        if flight is not None:
+            flight.ops.append((next(flight.seq), name, request.signature, now))
 
     def _may_hold(self, name: str) -> bool:
         """Whether an op under ``name``, which is in flight, can wait behind it (under ``self._lock``):
@@ -227,6 +237,8 @@ class Engine:
             self._waiters += delta
             if delta > 0:
                 self._wake.notify()
+            else:
+                self._waited_at = time.monotonic()
 
     def submit_join(self) -> Handle:
         """This rank has no more data: it stands in for the other ranks' ops (``join.py``) until
@@ -459,6 +471,8 @@ class Engine:
             elif verdict is Verdict.INVALIDATE:
                 self._pending[response.name].state = RequestState.UNREPORTED
             else:  # MISMATCH, STALLED or REFUSED: the op ends with that error on every rank
+                if verdict is Verdict.STALLED and self._flight is not None:
+                    recorder.dump_now("stall shutdown")  # while the op still shows as waiting
                 error = verdict.error(response.message, response.meta)
                 self._finish(self._pending.pop(response.name), error=error)
         coordinator = self._coordinator
@@ -613,6 +627,9 @@ class Engine:
             tuner.note(names, sum(request.nbytes for request in ready))
         if self._waiters:
             self._step_waited = True
+        flight = self._flight
+        if flight is not None:
+            flight.running = (names, time.monotonic())
         for index in plan.one_by_one:
             self._run_one(ready[index])
         take = ready.__getitem__
@@ -620,6 +637,9 @@ class Engine:
             # The common batch is one ring that packs every op: no list to build.
             batch = ready if ring.packs_all else list(map(take, ring.packed))
             self._run_ring(ring, batch, list(map(take, ring.alone)))
+        if flight is not None:
+            flight.batches.append((names, flight.running[1], time.monotonic()))
+            flight.running = None
 
     def _run_one(self, request: Request) -> None:
         # No argument checks and no error catching here: arguments were checked at submit and
@@ -712,6 +732,8 @@ class Engine:
             else:
                 self._in_flight.discard(name)
         if error is not None:
+            if self._flight is not None:
+                self._flight.note_failed((request.name,), time.monotonic())
             request.handle._fail(error)
         else:
             request.handle._complete(request.index, result)
@@ -741,6 +763,8 @@ class Engine:
             self._incoming = []
             self._in_flight.clear()
         self._pending.clear()
+        if self._flight is not None:
+            self._flight.note_failed([request.name for request in leftovers], time.monotonic())
         for request in leftovers:
             request.handle._fail(error)
         if join_handle is not None:
