@@ -141,6 +141,7 @@ class Engine:
         # -- flight recorder (recorder.py): the last ops, for a hang report --------------------
         size = recorder.size_from_environment()
         self._flight = recorder.FlightRecorder(size) if size else None
+        self._recorded = self._flight.ops if self._flight is not None else None  # read per submit
         self._waited_at = 0.0  # when a user thread last stopped blocking on a handle
         if self._coordinator is not None and self._flight is not None:
             self._coordinator.on_stall = recorder.request_dumps
@@ -221,9 +222,9 @@ class Engine:
                 self._wake.notify()
         self._last_submit = now
         self._incoming.append(request)
-        flight = self._flight
-        if flight is not None:
-            flight.ops.append((next(flight.seq), name, request.signature, now))
+        recorded = self._recorded
+        if recorded is not None:
+            recorded.append((name, request.signature, now))
 
     def _may_hold(self, name: str) -> bool:
         """Whether an op under ``name``, which is in flight, can wait behind it (under ``self._lock``):
@@ -322,6 +323,8 @@ class Engine:
             self._hold()
             incoming, self._incoming = self._incoming, []
             self._expect_left = 0
+            if self._flight is not None:
+                self._flight.trim()
             closing = self._closing
         return closing, incoming
 

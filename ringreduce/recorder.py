@@ -1,10 +1,12 @@
 """The flight recorder: each engine's last K collectives, dumped when a job seems stuck.
 
-Per engine (one per process set) a ``FlightRecorder`` keeps, in bounded deques,
+Per engine (one per process set) a ``FlightRecorder`` keeps, bounded,
 
-* one small tuple per submitted op ``(seq, name, signature, submitted)``, appended by
-  ``Engine._enqueue`` (the only per-op cost: a counter, a tuple and an append; the
-  request itself is not kept, since it holds the user's arrays and results);
+* one small tuple per submitted op ``(name, signature, submitted)``, appended by
+  ``Engine._enqueue`` to a list (the only per-op cost: a tuple and an append; the
+  request itself is not kept, since it holds the user's arrays and results). The engine
+  thread trims the list to the last K once a cycle, under the engine's lock, and counts
+  what it dropped: an op's sequence number is its place in the list plus that count;
 * one tuple per batch the engine ran ``(names, started, ended)``, and the batch running now;
 * the ops that failed ``(name, when)``.
 
@@ -25,7 +27,6 @@ MTRAIN_FLIGHT_RECORDER_SIZE (default 256) is K; 0 turns the recorder off.
 from __future__ import annotations
 
 import collections
-import itertools
 import os
 import signal
 import sys
@@ -56,24 +57,36 @@ def size_from_environment() -> int:
 
 class FlightRecorder:
     """One engine's recent ops (see the module docstring); written by the engine's threads,
-    read by the dumper thread, which copies each deque first (one C call under the GIL)."""
+    read by the dumper thread, which copies them first."""
 
-    __slots__ = ("ops", "batches", "failed", "seq", "running")
+    __slots__ = ("size", "ops", "dropped", "batches", "failed", "running")
 
     def __init__(self, size: int) -> None:
-        self.ops: "collections.deque[tuple]" = collections.deque(maxlen=size)
+        self.size = size
+        self.ops: "list[tuple]" = []  # (name, signature, submitted), appended under the engine's lock
+        self.dropped = 0              # ops trimmed from the front of ``ops`` so far
         self.batches: "collections.deque[tuple]" = collections.deque(maxlen=size)
         self.failed: "collections.deque[tuple]" = collections.deque(maxlen=size)
-        self.seq = itertools.count(1)
         # (names, started) of the batch the engine thread runs now, else None.
         self.running: "tuple[list[str], float] | None" = None
+
+    def trim(self) -> None:
+        """Keep the last ``size`` ops (under the engine's lock; amortized: a slice once per K ops)."""
+        ops = self.ops
+        if len(ops) > 2 * self.size:
+            cut = len(ops) - self.size
+            del ops[:cut]
+            self.dropped += cut
 
     def note_failed(self, names: Iterable[str], now: float) -> None:
         self.failed.extend((name, now) for name in names)
 
-    def records(self, in_flight: "set[str]", now: float) -> "list[OpRecord]":
-        """The kept ops, oldest first, with their state as of ``now``."""
-        ops, batches, failed, running = list(self.ops), list(self.batches), list(self.failed), self.running
+    def records(self, ops: "list[tuple]", dropped: int, in_flight: "set[str]", now: float) -> "list[OpRecord]":
+        """The last ``size`` of ``ops`` (a copy of ``self.ops`` and ``self.dropped`` taken together),
+        oldest first, with their state as of ``now``."""
+        batches, failed, running = list(self.batches), list(self.failed), self.running
+        first = max(0, len(ops) - self.size)
+        numbered = [(dropped + index + 1, *op) for index, op in enumerate(ops[first:], first)]
         ran: "dict[str, list[tuple[float, float]]]" = {}
         for names, started, ended in batches:
             for name in names:
@@ -84,7 +97,7 @@ class FlightRecorder:
         running_names = set(running[0]) if running is not None else set()
         newer: "set[str]" = set()  # names of ops submitted later: an older op of that name has ended
         out = []
-        for seq, name, signature, submitted in reversed(ops):
+        for seq, name, signature, submitted in reversed(numbered):
             kind, what = _kind_and_what(signature)
             started = ended = -1.0
             spans = [span for span in ran.get(name, ()) if span[1] >= submitted]
@@ -222,9 +235,11 @@ class Dumper:
             if recorder is None:
                 continue
             ops: "list[OpRecord]" = []
-            for _ in range(3):  # a set copied while the engine changed it: try again
+            with engine._lock:  # a moment: the list's copy and its count must agree
+                kept, dropped, in_flight = list(recorder.ops), recorder.dropped, set(engine._in_flight)
+            for _ in range(3):  # a deque copied while the engine thread changed it: try again
                 try:
-                    ops = recorder.records(set(engine._in_flight), now)
+                    ops = recorder.records(kept, dropped, in_flight, now)
                     break
                 except RuntimeError:
                     continue
