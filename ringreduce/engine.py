@@ -141,7 +141,6 @@ class Engine:
         # -- flight recorder (recorder.py): the last ops, for a hang report --------------------
         size = recorder.size_from_environment()
         self._flight = recorder.FlightRecorder(size) if size else None
-        self._recorded = self._flight.ops if self._flight is not None else None  # read per submit
         self._waited_at = 0.0  # when a user thread last stopped blocking on a handle
         if self._coordinator is not None and self._flight is not None:
             self._coordinator.on_stall = recorder.request_dumps
@@ -222,9 +221,6 @@ class Engine:
                 self._wake.notify()
         self._last_submit = now
         self._incoming.append(request)
-        recorded = self._recorded
-        if recorded is not None:
-            recorded.append((name, request.signature, now))
 
     def _may_hold(self, name: str) -> bool:
         """Whether an op under ``name``, which is in flight, can wait behind it (under ``self._lock``):
@@ -323,8 +319,6 @@ class Engine:
             self._hold()
             incoming, self._incoming = self._incoming, []
             self._expect_left = 0
-            if self._flight is not None:
-                self._flight.trim()
             closing = self._closing
         return closing, incoming
 
@@ -622,6 +616,7 @@ class Engine:
             plan = self._plans.plan(ready, self.config.fusion_threshold_bytes, self.config.inplace_min_bytes)
         if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
             self._step_names = []
+        kept = names is not None  # a steady batch's own list, the same every step
         if names is None:
             names = list(map(_NAME, ready))
         self._step_names.extend(names)
@@ -632,7 +627,7 @@ class Engine:
             self._step_waited = True
         flight = self._flight
         if flight is not None:
-            flight.running = (names, time.monotonic())
+            flight.start(ready, names, kept, time.monotonic())
         for index in plan.one_by_one:
             self._run_one(ready[index])
         take = ready.__getitem__
@@ -641,8 +636,7 @@ class Engine:
             batch = ready if ring.packs_all else list(map(take, ring.packed))
             self._run_ring(ring, batch, list(map(take, ring.alone)))
         if flight is not None:
-            flight.batches.append((names, flight.running[1], time.monotonic()))
-            flight.running = None
+            flight.finish(time.monotonic())
 
     def _run_one(self, request: Request) -> None:
         # No argument checks and no error catching here: arguments were checked at submit and
@@ -736,7 +730,7 @@ class Engine:
                 self._in_flight.discard(name)
         if error is not None:
             if self._flight is not None:
-                self._flight.note_failed((request.name,), time.monotonic())
+                self._flight.failed((request,), time.monotonic())
             request.handle._fail(error)
         else:
             request.handle._complete(request.index, result)
@@ -767,7 +761,7 @@ class Engine:
             self._in_flight.clear()
         self._pending.clear()
         if self._flight is not None:
-            self._flight.note_failed([request.name for request in leftovers], time.monotonic())
+            self._flight.failed(leftovers, time.monotonic())
         for request in leftovers:
             request.handle._fail(error)
         if join_handle is not None:

@@ -1,20 +1,15 @@
 """The flight recorder: each engine's last K collectives, dumped when a job seems stuck.
 
-Per engine (one per process set) a ``FlightRecorder`` keeps, bounded,
+Per engine (one per process set) a ``FlightRecorder`` keeps the ops that ended, about the
+last K of them: one entry per batch the engine ran ``(names, signatures, started, ended)``
+(a steady step's names and signatures are the same lists every step: nothing is done per
+op), and one per group of ops that failed. The ops not run yet are not recorded at all:
+the engine's own pending requests carry their name, kind, signature and submit time, and a
+dump reads them there. So submitting an op costs the recorder nothing.
 
-* one small tuple per submitted op ``(name, signature, submitted)``, appended by
-  ``Engine._enqueue`` to a list (the only per-op cost: a tuple and an append; the
-  request itself is not kept, since it holds the user's arrays and results). The engine
-  thread trims the list to the last K once a cycle, under the engine's lock, and counts
-  what it dropped: an op's sequence number is its place in the list plus that count;
-* one tuple per batch the engine ran ``(names, started, ended)``, and the batch running now;
-* the ops that failed ``(name, when)``.
-
-An op's state is worked out only when the recorder is dumped: running if the current
-batch has it, waiting (for the other ranks) while its name is in flight, done or failed
-after that. Besides the ops, each set says whether a user thread is blocked on it now and
-how long ago the program last submitted to it or came back from waiting on it, and the dump
-says where the main thread is in the program's own code (``records.frame_line``).
+Besides the ops, each set says whether a user thread is blocked on it now and how long ago
+the program last submitted to it or came back from waiting on it, and the dump says where the
+main thread is in the program's own code (``records.frame_line``).
 
 A dump is one ``records.RecorderDump`` marker line on stderr, for ``mtrain run``'s
 supervisor (launcher/hang_report.py assembles every rank's into one table). It is made by a
@@ -27,6 +22,7 @@ MTRAIN_FLIGHT_RECORDER_SIZE (default 256) is K; 0 turns the recorder off.
 from __future__ import annotations
 
 import collections
+import operator
 import os
 import signal
 import sys
@@ -56,67 +52,94 @@ def size_from_environment() -> int:
 
 
 class FlightRecorder:
-    """One engine's recent ops (see the module docstring); written by the engine's threads,
-    read by the dumper thread, which copies them first."""
+    """One engine's recent ops (see the module docstring). The engine thread writes it; the
+    dumper thread reads it, copying each part first (one C call under the GIL)."""
 
-    __slots__ = ("size", "ops", "dropped", "batches", "failed", "running")
+    __slots__ = ("size", "ended", "kept", "count", "running", "_signatures")
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.ops: "list[tuple]" = []  # (name, signature, submitted), appended under the engine's lock
-        self.dropped = 0              # ops trimmed from the front of ``ops`` so far
-        self.batches: "collections.deque[tuple]" = collections.deque(maxlen=size)
-        self.failed: "collections.deque[tuple]" = collections.deque(maxlen=size)
-        # (names, started) of the batch the engine thread runs now, else None.
-        self.running: "tuple[list[str], float] | None" = None
+        # (names, signatures, started, ended, failed) per batch run (or op failed), oldest first.
+        self.ended: "collections.deque[tuple]" = collections.deque()
+        self.kept = 0    # ops in ``ended``: about ``size`` (whole batches are kept or dropped)
+        self.count = 0   # ops ended since the engine started: the last one's sequence number
+        # (names, signatures, started) of the batch running now, else None.
+        self.running: "tuple[list[str], list[Any], float] | None" = None
+        # A steady batch's signatures in its run order, by its (kept) list of names.
+        self._signatures: "dict[int, tuple[list[str], list[Any]]]" = {}
 
-    def trim(self) -> None:
-        """Keep the last ``size`` ops (under the engine's lock; amortized: a slice once per K ops)."""
-        ops = self.ops
-        if len(ops) > 2 * self.size:
-            cut = len(ops) - self.size
-            del ops[:cut]
-            self.dropped += cut
+    def start(self, ready: "list[Any]", names: "list[str]", kept: bool, now: float) -> None:
+        """A batch starts: ``ready`` (requests, in run order) named ``names``; ``kept``: ``names``
+        is a steady batch's own list, the same object every step (its signatures are looked up
+        once, so a steady step costs nothing per op here)."""
+        signatures = None
+        if kept:
+            known = self._signatures.get(id(names))
+            if known is not None and known[0] is names:
+                signatures = known[1]
+        if signatures is None:
+            signatures = list(map(_SIGNATURE, ready))
+            if kept:
+                if len(self._signatures) >= 256:
+                    self._signatures.clear()
+                self._signatures[id(names)] = (names, signatures)
+        self.running = (names, signatures, now)
 
-    def note_failed(self, names: Iterable[str], now: float) -> None:
-        self.failed.extend((name, now) for name in names)
+    def finish(self, now: float) -> None:
+        """The running batch has ended."""
+        running = self.running
+        if running is not None:
+            self.running = None
+            self._add((running[0], running[1], running[2], now, False))
 
-    def records(self, ops: "list[tuple]", dropped: int, in_flight: "set[str]", now: float) -> "list[OpRecord]":
-        """The last ``size`` of ``ops`` (a copy of ``self.ops`` and ``self.dropped`` taken together),
-        oldest first, with their state as of ``now``."""
-        batches, failed, running = list(self.batches), list(self.failed), self.running
-        first = max(0, len(ops) - self.size)
-        numbered = [(dropped + index + 1, *op) for index, op in enumerate(ops[first:], first)]
-        ran: "dict[str, list[tuple[float, float]]]" = {}
-        for names, started, ended in batches:
-            for name in names:
-                ran.setdefault(name, []).append((started, ended))
-        failures: "dict[str, list[float]]" = {}
-        for name, when in failed:
-            failures.setdefault(name, []).append(when)
-        running_names = set(running[0]) if running is not None else set()
-        newer: "set[str]" = set()  # names of ops submitted later: an older op of that name has ended
+    def failed(self, requests: "Iterable[Any]", now: float) -> None:
+        """Ops that ended with an error (not run)."""
+        requests = list(requests)
+        if requests:
+            self._add(([r.name for r in requests], [r.signature for r in requests], -1.0, now, True))
+
+    def _add(self, entry: tuple) -> None:
+        ended = self.ended
+        ended.append(entry)
+        self.count += len(entry[0])
+        self.kept += len(entry[0])
+        while self.kept - len(ended[0][0]) >= self.size:
+            self.kept -= len(ended.popleft()[0])
+
+    def records(self, pending: "list[Any]", now: float) -> "list[OpRecord]":
+        """The last ``size`` ops ended, the running ones, then ``pending`` (the engine's requests
+        not yet run, in the order submitted), with their state as of ``now``. Sequence numbers
+        count this rank's ops of the set: in the order they ran, then the order submitted."""
+        ended, count, running = list(self.ended), self.count, self.running
         out = []
-        for seq, name, signature, submitted in reversed(numbered):
-            kind, what = _kind_and_what(signature)
-            started = ended = -1.0
-            spans = [span for span in ran.get(name, ()) if span[1] >= submitted]
-            if name not in newer and running is not None and name in running_names and running[1] >= submitted:
-                state, started = OpState.RUNNING, running[1]
-            elif name not in newer and name in in_flight:
-                state = OpState.WAITING
-            elif any(when >= submitted for when in failures.get(name, ())):
-                state, ended = OpState.FAILED, min(w for w in failures[name] if w >= submitted)
-            else:
-                state = OpState.DONE
-                if spans:
-                    started, ended = spans[0]
-            newer.add(name)
-            out.append(OpRecord(seq, name, kind, what, state, round(now - submitted, 3),
-                                round(now - started, 3) if started >= 0 else -1.0,
-                                round(now - ended, 3) if ended >= 0 else -1.0))
-        out.reverse()
+        seq = count - sum(len(entry[0]) for entry in ended)
+        for names, signatures, started, finished, failed in ended:
+            state = OpState.FAILED if failed else OpState.DONE
+            for name, signature in zip(names, signatures):
+                seq += 1
+                out.append(_op(seq, name, signature, state, -1.0, started, finished, now))
+        out = out[-self.size:]
+        if running is not None:
+            for name, signature in zip(running[0], running[1]):
+                seq += 1
+                out.append(_op(seq, name, signature, OpState.RUNNING, -1.0, running[2], -1.0, now))
+        for request in sorted(pending, key=_SUBMITTED):
+            seq += 1
+            out.append(_op(seq, request.name, request.signature, OpState.WAITING, request.submitted, -1.0, -1.0,
+                           now))
         return out
+
+
+_SIGNATURE = operator.attrgetter("signature")
+_SUBMITTED = operator.attrgetter("submitted")
+
+
+def _op(seq: int, name: str, signature: Any, state: OpState, submitted: float, started: float, ended: float,
+        now: float) -> OpRecord:
+    kind, what = _kind_and_what(signature)
+    return OpRecord(seq, name, kind, what, state, round(now - submitted, 3) if submitted >= 0 else -1.0,
+                    round(now - started, 3) if started >= 0 else -1.0,
+                    round(now - ended, 3) if ended >= 0 else -1.0)
 
 
 def _kind_and_what(signature: Any) -> "tuple[str, str]":
@@ -169,6 +192,7 @@ class Dumper:
         self._previous: Any = None
         self._wakeup_was: "int | None" = None
         self._stopped = False
+        self._write_free = False  # no signal path writes to ``_write`` any more: it may be closed
         self._thread = threading.Thread(target=self._run, name="mtrain-flight-recorder", daemon=True)
         self._thread.start()
 
@@ -214,6 +238,9 @@ class Dumper:
             except OSError:
                 return
             if not data or self._stopped:
+                os.close(self._read)
+                if self._write_free:
+                    os.close(self._write)
                 return
             # The wake-up fd carries every signal's number; only SIGUSR1 (or our 0: stop) counts.
             if signal.SIGUSR1 in data:
@@ -235,11 +262,13 @@ class Dumper:
             if recorder is None:
                 continue
             ops: "list[OpRecord]" = []
-            with engine._lock:  # a moment: the list's copy and its count must agree
-                kept, dropped, in_flight = list(recorder.ops), recorder.dropped, set(engine._in_flight)
-            for _ in range(3):  # a deque copied while the engine thread changed it: try again
+            ops: "list[OpRecord]" = []
+            for _ in range(3):  # copied while the engine thread changed it: try again
                 try:
-                    ops = recorder.records(kept, dropped, in_flight, now)
+                    with engine._lock:
+                        incoming = list(engine._incoming)
+                    pending = list(engine._pending.values()) + incoming
+                    ops = recorder.records(pending, now)
                     break
                 except RuntimeError:
                     continue
@@ -254,14 +283,17 @@ class Dumper:
     def stop(self) -> None:
         """Give SIGUSR1 back, end the thread (main thread only for the signal parts)."""
         self._stopped = True
-        if threading.current_thread() is threading.main_thread():
+        if self._previous is None:  # never installed: nothing writes to the pipe but us
+            self._write_free = True
+        elif threading.current_thread() is threading.main_thread():
             try:
                 if self._wakeup_was is not None:
                     current = signal.set_wakeup_fd(-1)
                     if current != self._write:  # not ours any more: leave the new owner's
                         signal.set_wakeup_fd(current)
-                if self._previous is not None and signal.getsignal(signal.SIGUSR1) == self._on_signal:
+                if signal.getsignal(signal.SIGUSR1) == self._on_signal:
                     signal.signal(signal.SIGUSR1, self._previous)
+                    self._write_free = True  # neither the handler nor the wake-up fd writes there now
             except (ValueError, OSError):
                 pass
         self._poke(b"\0")
