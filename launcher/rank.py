@@ -9,6 +9,9 @@ It runs the user's command as a child and
   supervisor uses the records to name the *first* failing rank;
 * stops the child (its whole process group) when MPI stops us, and dies with
   its parent, so a killed mpirun/prted never leaves a rank running;
+* passes SIGUSR1 (mpirun forwards `mtrain run`'s) on to the child when the child
+  catches it: the runtime's flight recorder dumps on it (ringreduce/recorder.py),
+  and a program that has not called `init()` would be killed by it;
 * starts a command that runs this environment's Python through
   ``mtrain.launcher.pymain``, which learns the status the program ends with.
 
