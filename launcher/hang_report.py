@@ -119,7 +119,7 @@ def report(dumps: Sequence[RecorderDump], size: int, reason: str, gone: Sequence
     for r in sorted(gone):
         if r not in by_rank:
             lines.append(f"    rank {r}: ended")
-    diagnosis = diagnose(by_rank, silent)
+    diagnosis = diagnose(by_rank, silent, gone)
     lines.append(f"mtrain: diagnosis: {diagnosis}")
     data = {"reason": reason, "time": time.time(), "size": size, "silent": silent, "gone": sorted(gone),
             "diagnosis": diagnosis,
@@ -127,7 +127,7 @@ def report(dumps: Sequence[RecorderDump], size: int, reason: str, gone: Sequence
     return HangReport(lines, diagnosis, data)
 
 
-def diagnose(by_rank: "dict[int, _Rank]", silent: Sequence[int]) -> str:
+def diagnose(by_rank: "dict[int, _Rank]", silent: Sequence[int], gone: Sequence[int] = ()) -> str:
     """One paragraph: which op waits for whom, and what the ranks it waits for are doing."""
     # Each pending op, by (set, name): who waits in it, and that set's members.
     waiting: "dict[tuple[int, str], dict[int, OpRecord]]" = {}
@@ -138,7 +138,7 @@ def diagnose(by_rank: "dict[int, _Rank]", silent: Sequence[int]) -> str:
         for set_id, op in rank.pending:
             waiting.setdefault((set_id, op.name), {})[rank.dump.rank] = op
     def lacking_of(key: "tuple[int, str]") -> "list[int]":
-        return [r for r in members.get(key[0], ()) if r not in waiting[key] and r in by_rank]
+        return [r for r in members.get(key[0], ()) if r not in waiting[key]]
 
     clauses = []
     explained: "set[tuple[int, str]]" = set()  # ops already told as "waits in ... instead"
@@ -155,6 +155,10 @@ def diagnose(by_rank: "dict[int, _Rank]", silent: Sequence[int]) -> str:
         verb = "waits" if len(ops) == 1 else "wait"
         text = f"{scope}{ranks_text(list(ops))} {verb} in {first.kind} {name!r} ({seq})"
         for r in lacking:
+            if r not in by_rank:
+                text += f"; rank {r} has not submitted it: " + (
+                    "its program has ended" if r in gone else "it did not answer")
+                continue
             other = by_rank[r]
             elsewhere, which = [], ""
             for s, op in other.pending:

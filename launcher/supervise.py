@@ -213,6 +213,13 @@ class Job:
         with self.lock:
             return set(range(self.ranks)) - set(self.ended) - {r.rank for r in self.records}
 
+    def _failed_rank(self) -> int | None:
+        """A rank whose program ended with an error status, or that failed on its own; else None."""
+        with self.lock:
+            ended = sorted(rank for rank, status in self.ended.items() if status != 0)
+            failed = sorted(r.rank for r in self.records if r.failed and not r.stopped)
+        return (ended or failed or [None])[0]
+
     def _print_report(self, hang: HangReport | None) -> None:
         if hang is not None:
             with self.sink.lock:  # whole lines, between the ranks' lines
@@ -278,6 +285,7 @@ class Job:
         stop_sent_at: float | None = None
         failure_seen_at: float | None = None
         stuck_since: float | None = None
+        failure_asked = False
         ended = _EndWatch(process)
         while True:
             if ended.wait(0.1):
@@ -288,8 +296,13 @@ class Job:
                 self.log(f"{event.kind.value}: {event.detail}")
             if failure_seen_at is None and any(r.failed and not r.stopped for r in self.records):
                 failure_seen_at = now
-                # What the others were doing: asked now, printed before the failure report.
-                self.collector.request("a rank failed", FAILURE_QUIET_SECONDS)
+            failed = self._failed_rank()
+            if failed is not None and not failure_asked:
+                # What the others were doing, asked while they still run (a failing rank's program
+                # says it ended about a second before its MPI_Abort stops the job); printed
+                # before the failure report.
+                failure_asked = True
+                self.collector.request(f"rank {failed} failed", FAILURE_QUIET_SECONDS)
             if self.usr1:
                 self.usr1 = False
                 self.collector.request("SIGUSR1 to mtrain run")

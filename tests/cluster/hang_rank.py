@@ -9,6 +9,7 @@ Every rank first runs allgather 'metrics' (seq 1 on every rank), then:
     set        ranks 0 and 2 make process set [0, 2]; rank 0 waits in allreduce 'ps.grad' on
                it, rank 2 never calls it (ranks 1 and 3 sit in user code)
     usr1       like sleep, but rank 3 goes on once RELEASE_FILE exists: the job ends with 0
+    raise      rank 3 raises instead of submitting 'layer4.grad'
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def main() -> None:
     process_set = rr.add_process_set([0, 2]) if scenario == "set" else None
     rr.allgather(np.full((1, 2), me, np.float32), name="metrics")
     grad = np.full(8, me + 1.0, np.float32)
-    if scenario in ("skip", "sleep", "usr1"):
+    if scenario in ("skip", "sleep", "usr1", "raise"):
+        if me == 3 and scenario == "raise":
+            raise ValueError("bad batch 17")
         if me == 3 and scenario == "skip":
             handle = rr.allreduce_async(grad, name="layer5.grad")
             print(f"rank {me} submitted", flush=True)

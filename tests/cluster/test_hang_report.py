@@ -61,6 +61,16 @@ def test_process_set_op_one_member_never_calls(cluster, tmp_path, token):
                         r"\(last op: allgather 'metrics', seq 1\)", diagnosis), diagnosis
 
 
+def test_a_failing_rank_gets_the_others_dumps_before_its_failure_report(cluster, tmp_path, token):
+    done = run_mtrain(cluster, *FOUR, PYTHON, SCRIPT, "raise", token, cwd=tmp_path, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert_only_mtrain_output(done.stderr)
+    assert done.stderr.index("mtrain: flight recorder (rank 3 failed)") < done.stderr.index("mtrain: job failed")
+    assert first_diagnosis(done.stderr, "rank 3 failed") == (
+        "ranks 0-2 wait in allreduce 'layer4.grad' (seq 2); rank 3 has not submitted it: its program has ended")
+    assert_no_leftovers(cluster, token, within=10)
+
+
 def test_sigusr1_to_mtrain_prints_the_table_and_the_job_goes_on(cluster, tmp_path, token):
     release = tmp_path / "release"
     job = start_mtrain(cluster, *FOUR, PYTHON, SCRIPT, "usr1", str(release), token, cwd=tmp_path)

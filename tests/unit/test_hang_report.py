@@ -134,3 +134,9 @@ def test_an_unasked_dump_opens_a_collection_and_asks_the_others():
     hang = collector.finish({0, 1})
     assert hang.lines[0].startswith("mtrain: flight recorder (stall shutdown)")
     assert "    rank 0: no answer" in hang.lines
+
+
+def test_a_rank_whose_program_ended_is_named_as_what_the_others_wait_for():
+    dumps = [dump(r, [op(2, "x", W)], members=(0, 1, 2)) for r in (0, 2)]
+    assert report(dumps, 3, "rank 1 failed", gone=[1]).diagnosis == (
+        "ranks 0 and 2 wait in allreduce 'x' (seq 2); rank 1 has not submitted it: its program has ended")
