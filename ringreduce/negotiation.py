@@ -197,8 +197,8 @@ class Coordinator:
         # arguments, or a refusal): those ranks wait on a cache bit the others never set, so
         # the next cycle must coordinate (``stall_check_due``) to invalidate the entry.
         self.conflicts = False
-        # Told "stall warning: ..." / "stalled: ..." when this round warns or gives up (the flight
-        # recorder asks the supervisor for every rank's dump then); None: nobody listens.
+        # Told "stall warning" or "stall shutdown" when a round warns of a stall or gives up on one
+        # (the flight recorder then asks the supervisor for every rank's dump); None: nobody listens.
         self.on_stall: "Callable[[str], None] | None" = None
 
     def note_partial(self, names: Sequence[str], now: float) -> None:
