@@ -213,9 +213,12 @@ class Collector:
                 self.wanted = self.wanted or reason
 
     def add(self, dump: RecorderDump) -> None:
-        """A rank's dump; one that comes unasked opens a collection (the others are asked too)."""
+        """A rank's dump; one that comes unasked opens a collection (the others are asked too),
+        unless it is a late answer to the last collection's signal."""
         with self.lock:
             if self.reason is None:
+                if dump.reason == "SIGUSR1" and time.monotonic() - self.ended_at < COLLECT_SECONDS:
+                    return  # a second signal now would be answered late again, and so on
                 self.wanted = self.wanted or dump.reason
                 self._open(self.wanted)
             self.dumps.setdefault(dump.rank, dump)

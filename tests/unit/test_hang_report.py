@@ -140,3 +140,14 @@ def test_a_rank_whose_program_ended_is_named_as_what_the_others_wait_for():
     dumps = [dump(r, [op(2, "x", W)], members=(0, 1, 2)) for r in (0, 2)]
     assert report(dumps, 3, "rank 1 failed", gone=[1]).diagnosis == (
         "ranks 0 and 2 wait in allreduce 'x' (seq 2); rank 1 has not submitted it: its program has ended")
+
+
+def test_a_late_answer_to_the_last_signal_opens_no_collection():
+    signals = []
+    collector = Collector(2, lambda: signals.append(1), None)
+    collector.add(dump(1, [], members=(0, 1)).replace(reason="stall shutdown"))  # a rank's own dump
+    collector.poll({0, 1})
+    collector.add(dump(0, [], members=(0, 1)).replace(reason="stall shutdown"))
+    assert collector.poll({0, 1}) is not None and signals == [1]
+    collector.add(dump(1, [], members=(0, 1)))  # its answer to that signal, after the report
+    assert collector.poll({0, 1}) is None and signals == [1]
