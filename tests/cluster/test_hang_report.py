@@ -2,6 +2,7 @@
 shutdown with the diagnosis asserted, and a SIGUSR1 to `mtrain run` while the job goes on."""
 from __future__ import annotations
 
+import json
 import re
 import signal
 from pathlib import Path
@@ -30,7 +31,10 @@ def run_hang(cluster, tmp_path, token, scenario, *hosts):
     assert_only_mtrain_output(done.stderr)
     # The report comes before the failure report, whose lines stay last.
     assert done.stderr.index("mtrain: flight recorder (stall warning)") < done.stderr.index("mtrain: job failed")
-    assert (tmp_path / "out" / "flight-recorder-1.json").is_file()
+    kept = json.loads((tmp_path / "out" / "flight-recorder-1.json").read_text())
+    assert kept["reason"] == "stall warning" and kept["diagnosis"] == first_diagnosis(done.stderr, "stall warning")
+    assert sorted(d["rank"] for d in kept["dumps"]) == list(range(int(hosts[1]) if hosts else 4))
+    assert (tmp_path / "out" / "flight-recorder-1.json").stat().st_mode & 0o077 == 0
     assert_no_leftovers(cluster, token, within=10)
     return first_diagnosis(done.stderr, "stall warning")
 
