@@ -9,6 +9,9 @@ It runs the user's command as a child and
   supervisor uses the records to name the *first* failing rank;
 * stops the child (its whole process group) when MPI stops us, and dies with
   its parent, so a killed mpirun/prted never leaves a rank running;
+* passes SIGUSR1 (mpirun forwards `mtrain run`'s) on to the child when the child
+  catches it: the runtime's flight recorder dumps on it (ringreduce/recorder.py),
+  and a program that has not called `init()` would be killed by it;
 * starts a command that runs this environment's Python through
   ``mtrain.launcher.pymain``, which learns the status the program ends with.
 
@@ -242,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    # mpirun forwards mtrain run's SIGUSR1 here: the rank's flight recorder dumps on it.
+    signal.signal(signal.SIGUSR1, lambda number, frame: forward_if_caught(child.pid, signal.SIGUSR1))
     if os.getppid() == 1:  # the parent died before die_with_parent took effect
         on_signal(signal.SIGTERM, None)
 
@@ -266,6 +271,20 @@ def main(argv: list[str] | None = None) -> int:
         _write_record(exit_record(rank, host, returncode, stopped, tuple(tail), end, report,
                                   err_relay.saw_mpi_abort, err_relay.last_exception, err_relay.where))
     return exit_code(returncode)
+
+
+def forward_if_caught(pid: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` only if that process catches it: SIGUSR1's default action ends a
+    process, and a program that has not called ``init()`` yet has no handler for it."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as handle:
+            caught = next((line for line in handle if line.startswith(b"SigCgt:")), b"")
+        if not int(caught.split()[1], 16) & (1 << (sig - 1)):
+            return False
+        os.kill(pid, sig)
+        return True
+    except (OSError, ValueError, IndexError):  # ended, or no /proc: nothing to tell
+        return False
 
 
 def exit_record(rank: int, host: str, returncode: int, stopped: bool, tail: tuple[str, ...],

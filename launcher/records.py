@@ -16,6 +16,8 @@ the ranks and agents write (as torchrun's error-file format belongs to
     HostUpdates     the launcher (through the agents) hvd.elastic in the ranks (host-set version)
     ElasticResume   rank 0 of an elastic generation  the supervisor (the reset's log line)
     StopReason      the supervisor (why it stopped a job; logged and used for its grace period)
+    RecorderDump    the runtime's flight recorder        the supervisor's hang report
+    DumpRequest     the runtime (a stall it coordinates) the supervisor (signals every rank to dump)
 """
 from __future__ import annotations
 
@@ -180,7 +182,11 @@ def user_line(traceback: object) -> str:
     if frame is None:
         return ""
     code = frame.tb_frame.f_code
-    path = code.co_filename
+    return f"{_shown_path(code.co_filename)}:{frame.tb_lineno} in {code.co_name}"
+
+
+def _shown_path(path: str) -> str:
+    """``path`` relative to the current folder when under it."""
     try:
         here = os.getcwd()
     except OSError:  # the current folder was removed
@@ -188,7 +194,7 @@ def user_line(traceback: object) -> str:
     if not path.startswith("<") and here != os.sep:
         relative = os.path.relpath(path, here)
         path = relative if not relative.startswith(os.pardir) else path
-    return f"{path}:{frame.tb_lineno} in {code.co_name}"
+    return path
 
 
 def _library_file(filename: str, roots: "list[str]") -> bool:
@@ -711,9 +717,129 @@ class StepReport:
 
     def emit(self) -> None:
         """Send to the supervisor, when there is one (the rank runs under mtrain run's rank wrapper)."""
-        if ENV_ERROR_FILE not in os.environ:
-            return
+        emit_marker(self.encode())
+
+
+# --------------------------------------------------------------------------------------------
+# Flight recorder: what each rank's collectives were doing (ringreduce/recorder.py writes, the
+# supervisor reads: launcher/hang_report.py). Marker lines on the rank's stderr, removed by the
+# supervisor; the line's prefix names the rank. A rank dumps on SIGUSR1 (mtrain run forwards its
+# own SIGUSR1 to mpirun, which forwards it to every rank); a rank whose coordinator sees a stall
+# asks the supervisor to signal every rank (DumpRequest).
+
+DUMP_MARKER = b"@@mtrain-flight-recorder@@ "
+DUMP_REQUEST_MARKER = b"@@mtrain-flight-request@@ "
+ENV_FLIGHT_RECORDER_SIZE = "MTRAIN_FLIGHT_RECORDER_SIZE"  # ops kept per process set; 0: off
+
+
+class OpState(enum.Enum):
+    WAITING = "waiting"   # submitted; waiting for the other ranks to submit it (negotiation)
+    RUNNING = "running"   # every rank agreed: in the ring / collective now
+    DONE = "done"
+    FAILED = "failed"
+
+
+@_record
+class OpRecord:
+    """One collective a rank submitted (a flight-recorder entry); times are seconds before the dump."""
+
+    seq: int            # this rank's submit counter for the process set (1 = its first op)
+    name: str
+    kind: str           # allreduce, allgather, broadcast, ...
+    what: str           # dtype and shape, e.g. "float32[1024]"
+    state: OpState
+    submitted_ago: float
+    started_ago: float = -1.0   # -1: not started
+    ended_ago: float = -1.0     # -1: not ended
+
+    def _json(self) -> dict:
+        fields = self._asdict()
+        fields["state"] = self.state.value
+        return fields
+
+    @staticmethod
+    def _from(data: dict) -> "OpRecord":
+        return OpRecord(int(data["seq"]), str(data["name"]), str(data["kind"]), str(data["what"]),
+                        OpState(data["state"]), float(data["submitted_ago"]), float(data["started_ago"]),
+                        float(data["ended_ago"]))
+
+
+@_record
+class SetRecord:
+    """One process set's recorder on one rank."""
+
+    set_id: int
+    members: tuple          # the job's ranks in the set
+    ops: tuple              # OpRecord, oldest first
+    blocked: int            # user threads blocked on this set's handles now
+    idle_s: float = -1.0    # since this set's last submit or finished wait (-1: never)
+
+
+@_record
+class RecorderDump:
+    """One rank's flight recorder at one moment."""
+
+    rank: int
+    host: str
+    reason: str             # what made it dump (the rank's view: "SIGUSR1", "stall", ...)
+    time: float             # wall clock of the dump
+    sets: tuple             # SetRecord, by set id
+    user_frame: str = ""    # where the main thread is in the program's own code (``user_line``)
+
+    def encode(self) -> bytes:
+        fields = self._asdict()
+        fields["sets"] = [dict(s._asdict(), members=list(s.members), ops=[o._json() for o in s.ops])
+                          for s in self.sets]
+        return DUMP_MARKER + json.dumps(fields).encode() + b"\n"
+
+    @staticmethod
+    def decode(payload: bytes) -> "RecorderDump | None":
         try:
-            os.write(2, self.encode())
-        except OSError:
-            pass
+            data = json.loads(payload)
+            sets = tuple(SetRecord(int(s["set_id"]), tuple(int(r) for r in s["members"]),
+                                   tuple(OpRecord._from(o) for o in s["ops"]), int(s["blocked"]),
+                                   float(s["idle_s"])) for s in data["sets"])
+            return RecorderDump(int(data["rank"]), str(data["host"]), str(data["reason"]), float(data["time"]),
+                                sets, str(data.get("user_frame", "")))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@_record
+class DumpRequest:
+    """A rank asks the supervisor to have every rank dump its recorder (a stall it coordinates)."""
+
+    reason: str
+
+    def encode(self) -> bytes:
+        return DUMP_REQUEST_MARKER + json.dumps(self._asdict()).encode() + b"\n"
+
+    @staticmethod
+    def decode(payload: bytes) -> "DumpRequest | None":
+        try:
+            return DumpRequest(str(json.loads(payload)["reason"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def emit_marker(line: bytes) -> None:
+    """Write one marker line to fd 2, whole, when a supervisor reads it (the rank runs under
+    mtrain run's rank wrapper); never raises."""
+    if ENV_ERROR_FILE not in os.environ:
+        return
+    try:
+        os.write(2, line)
+    except OSError:
+        pass
+
+
+def frame_line(frame: object) -> str:
+    """``user_line`` for a live stack: the innermost frame of the program's own code from
+    ``frame`` outwards (``sys._current_frames()``), as ``file:line in function``, else ""."""
+    roots = _library_roots()
+    while frame is not None:
+        code = frame.f_code  # type: ignore[attr-defined]
+        if not _library_file(code.co_filename, roots):
+            return f"{_shown_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}"  # type: ignore[attr-defined]
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return ""

@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import IO, Callable, Sequence
 
 from mtrain.launcher.config import StepSettings
+from mtrain.launcher.hang_report import FAILURE_QUIET_SECONDS, Collector, HangReport
 from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_process
 from mtrain.launcher.progress import ProgressDisplay, describe
-from mtrain.launcher.records import (DAEMON_UMASK, EXIT_MARKER, PHASE_MARKER, RESUME_MARKER, STEP_MARKER, AgentEvent,
-                                     Phase, PhaseNote, StepReport, stuck_in_init, AgentEventKind, AgentEventReader,
-                                     signal_name, ElasticResume, ExitRecord, Gate, StopReason)
+from mtrain.launcher.records import (DAEMON_UMASK, DUMP_MARKER, DUMP_REQUEST_MARKER, EXIT_MARKER, PHASE_MARKER,
+                                     RESUME_MARKER, STEP_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
+                                     DumpRequest, ElasticResume, ExitRecord, Gate, Phase, PhaseNote, RecorderDump,
+                                     StepReport, StopReason, signal_name, stuck_in_init)
 from mtrain.launcher.stragglers import MIN_STEPS, StepBoard, format_table, title_for
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
@@ -171,6 +173,10 @@ class Job:
         self.steps, self.board = steps, StepBoard(ranks)
         self.up: set[int] = set()  # ranks out of init(), whose program has not ended
         self._next_table = steps.every  # --straggler-report N: the step of the next table
+        # The flight recorder's hang reports (hang_report.py): SIGUSR1 to mpirun asks every rank.
+        self.mpirun_pid: int | None = None
+        self.collector = Collector(ranks, self._signal_ranks, output_dir)
+        self.usr1 = False  # mtrain run got SIGUSR1 (the handler only sets this: no locks in handlers)
 
     def log(self, message: str) -> None:
         if self.verbose:
@@ -189,6 +195,9 @@ class Job:
                 if is_stderr and marker in line:
                     line = _take_marker(line, marker, take)
             if not line:
+                continue
+            if is_stderr and (DUMP_MARKER in line or DUMP_REQUEST_MARKER in line):
+                self._recorder_line(line)
                 continue
             if is_stderr and RESUME_MARKER in line:
                 resumed = ElasticResume.decode(line.partition(RESUME_MARKER)[2])
@@ -210,6 +219,40 @@ class Job:
             self.records.append(record)
         if record.failed:
             self.log(f"{record.describe()}{' (after being stopped)' if record.stopped else ''}")
+
+    # -- flight recorder ---------------------------------------------------------------------
+    def _recorder_line(self, line: bytes) -> None:
+        """A rank's dump, or its coordinator's request for everyone's (removed from the output)."""
+        if DUMP_MARKER in line:
+            dump = RecorderDump.decode(line.partition(DUMP_MARKER)[2])
+            if dump is not None:
+                self.collector.add(dump)
+        else:
+            request = DumpRequest.decode(line.partition(DUMP_REQUEST_MARKER)[2])
+            if request is not None:
+                self.collector.request(request.reason)
+
+    def _signal_ranks(self) -> None:
+        if self.mpirun_pid is not None:
+            signal_process(self.mpirun_pid, signal.SIGUSR1)  # mpirun forwards it to every rank
+
+    def _live_ranks(self) -> set[int]:
+        with self.lock:
+            return set(range(self.ranks)) - set(self.ended) - {r.rank for r in self.records}
+
+    def _failed_rank(self) -> int | None:
+        """A rank whose program ended with an error status, or that failed on its own; else None."""
+        with self.lock:
+            ended = sorted(rank for rank, status in self.ended.items() if status != 0)
+            failed = sorted(r.rank for r in self.records if r.failed and not r.stopped)
+        return (ended or failed or [None])[0]
+
+    def _print_report(self, hang: HangReport | None) -> None:
+        if hang is not None:
+            self.sink.say(hang.lines)  # whole lines, between the ranks' lines
+
+    def _on_usr1(self, number: int, frame) -> None:
+        self.usr1 = True
 
     def _phase(self, rank: int, payload: bytes) -> None:
         note = PhaseNote.decode(payload)
@@ -270,6 +313,7 @@ class Job:
     def run(self) -> int:
         """Run to completion; print the outcome; return mtrain's exit status."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
         try:
             return self._run(self.env, AgentEventReader(self.events_path) if self.events_path else None)
         finally:
@@ -292,6 +336,7 @@ class Job:
         except OSError as error:
             print(f"mtrain: cannot start {self.argv[0]}: {error.strerror}", file=sys.stderr)
             return 1
+        self.mpirun_pid = process.pid
         readers = [threading.Thread(target=self._read, args=(process.stdout, sys.stdout.buffer, False), daemon=True),
                    threading.Thread(target=self._read, args=(process.stderr, sys.stderr.buffer, True), daemon=True)]
         for thread in readers:
@@ -309,6 +354,7 @@ class Job:
         stop_sent_at: float | None = None
         failure_seen_at: float | None = None
         stuck_since: float | None = None
+        failure_asked = False
         ended = _EndWatch(process)
         while True:
             if ended.wait(0.1):
@@ -319,6 +365,17 @@ class Job:
                 self.log(f"{event.kind.value}: {event.detail}")
             if failure_seen_at is None and any(r.failed and not r.stopped for r in self.records):
                 failure_seen_at = now
+            failed = self._failed_rank()
+            if failed is not None and not failure_asked:
+                # What the others were doing, asked while they still run (a failing rank's program
+                # says it ended about a second before its MPI_Abort stops the job); printed
+                # before the failure report.
+                failure_asked = True
+                self.collector.request(f"rank {failed} failed", FAILURE_QUIET_SECONDS)
+            if self.usr1:
+                self.usr1 = False
+                self.collector.request("SIGUSR1 to mtrain run")
+            self._print_report(self.collector.poll(self._live_ranks()))
             # Held for a moment first: a rank's note that it left init() may come a little
             # after a peer's note that its program ended, through another pipe.
             stuck = self._stuck_now()
@@ -342,6 +399,7 @@ class Job:
                 kill_session(process.pid, signal.SIGKILL)
                 stop_sent_at = None
         ended.close()
+        self.mpirun_pid = None  # nothing to signal any more
         self.log(f"{os.path.basename(self.argv[0])} exited with status {process.returncode}")
         # Agents may outlive mpirun by a moment; they end on their own when their session does.
         if not wait_session_empty(process.pid, SESSION_DRAIN):
@@ -359,6 +417,7 @@ class Job:
             time.sleep(0.1)
             host_problems += reader.poll()
         self.host_problems = host_problems
+        self._print_report(self.collector.finish(set()))  # a collection the job's end cut short
         self._stop_progress()
         self.print_straggler_table()
         return self._outcome(process.returncode, host_problems)

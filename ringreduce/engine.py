@@ -43,7 +43,7 @@ from mpi4py import MPI
 
 from mtrain.launcher.records import FailureCause, report_error
 
-from . import cuda, join, log, shm
+from . import cuda, join, log, recorder, shm
 from .autotune import Decision, Knobs, Space, Tuner
 from .backend import NumpyBackend
 from .collectives import Algorithm, Executor, Kind
@@ -146,6 +146,13 @@ class Engine:
         # number of cycles so far: each is one exchange, so it counts alike on every rank.
         self.steps = steps
         self._cycles = 0
+        # -- flight recorder (recorder.py): the last ops, for a hang report --------------------
+        size = recorder.size_from_environment()
+        self._flight = recorder.FlightRecorder(size) if size else None
+        self._waited_at = 0.0  # when a user thread last stopped blocking on a handle
+        if self._coordinator is not None and self._flight is not None:
+            self._coordinator.on_stall = recorder.request_dumps
+        # --------------------------------------------------------------------------------------
         self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
         self._thread.start()
 
@@ -235,6 +242,8 @@ class Engine:
             self._waiters += delta
             if delta > 0:
                 self._wake.notify()
+            else:
+                self._waited_at = time.monotonic()
 
     def submit_join(self) -> Handle:
         """This rank has no more data: it stands in for the other ranks' ops (``join.py``) until
@@ -500,6 +509,8 @@ class Engine:
             elif verdict is Verdict.INVALIDATE:
                 self._pending[response.name].state = RequestState.UNREPORTED
             else:  # MISMATCH, STALLED or REFUSED: the op ends with that error on every rank
+                if verdict is Verdict.STALLED and self._flight is not None:
+                    recorder.dump_now("stall shutdown")  # while the op still shows as waiting
                 error = verdict.error(response.message, response.meta)
                 self._finish(self._pending.pop(response.name), error=error)
         coordinator = self._coordinator
@@ -655,6 +666,7 @@ class Engine:
             plan = self._plans.plan(ready, self.config.fusion_threshold_bytes, self.config.inplace_min_bytes)
         if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
             self._step_names = []
+        kept = names is not None  # a steady batch's own list, the same every step
         if names is None:
             names = list(map(_NAME, ready))
         self._step_names.extend(names)
@@ -663,6 +675,9 @@ class Engine:
             tuner.note(names, sum(request.nbytes for request in ready))
         if self._waiters:
             self._step_waited = True
+        flight = self._flight
+        if flight is not None:
+            flight.start(ready, names, kept, time.monotonic())
         for index in plan.one_by_one:
             self._run_one(ready[index])
         take = ready.__getitem__
@@ -670,8 +685,12 @@ class Engine:
             # The common batch is one ring that packs every op: no list to build.
             batch = ready if ring.packs_all else list(map(take, ring.packed))
             self._run_ring(ring, batch, list(map(take, ring.alone)))
-        if steps is not None:
-            steps.done(time.monotonic())
+        if steps is not None or flight is not None:
+            now = time.monotonic()
+            if steps is not None:
+                steps.done(now)
+            if flight is not None:
+                flight.finish(now)
 
     def _run_one(self, request: Request) -> None:
         # No argument checks and no error catching here: arguments were checked at submit and
@@ -764,6 +783,8 @@ class Engine:
             else:
                 self._in_flight.discard(name)
         if error is not None:
+            if self._flight is not None:
+                self._flight.failed((request,), time.monotonic())
             request.handle._fail(error)
         else:
             request.handle._complete(request.index, result)
@@ -793,6 +814,8 @@ class Engine:
             self._incoming = []
             self._in_flight.clear()
         self._pending.clear()
+        if self._flight is not None:
+            self._flight.failed(leftovers, time.monotonic())
         for request in leftovers:
             request.handle._fail(error)
         if join_handle is not None:

@@ -41,7 +41,7 @@ import dataclasses
 import enum
 import operator
 import time
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -197,6 +197,9 @@ class Coordinator:
         # arguments, or a refusal): those ranks wait on a cache bit the others never set, so
         # the next cycle must coordinate (``stall_check_due``) to invalidate the entry.
         self.conflicts = False
+        # Told "stall warning" or "stall shutdown" when a round warns of a stall or gives up on one
+        # (the flight recorder then asks the supervisor for every rank's dump); None: nobody listens.
+        self.on_stall: "Callable[[str], None] | None" = None
 
     def note_partial(self, names: Sequence[str], now: float) -> None:
         """Cached ops pending on some ranks but not all (from the bit vectors)."""
@@ -330,6 +333,8 @@ class Coordinator:
         if stalled:
             log.warning("stall warning: " + "; ".join(stalled) + ". One rank may be stuck, or ranks submit "
                         "different ops; MTRAIN_STALL_SHUTDOWN_SECONDS=<s> makes this an error")
+        if self.on_stall is not None and (stalled or responses):
+            self.on_stall("stall warning" if stalled else "stall shutdown")
         return responses
 
 

@@ -13,7 +13,7 @@ from mtrain.launcher.records import ENV_STRAGGLER_OFF, Phase, PhaseNote, StepSam
 from mtrain.launcher.stragglers import StragglerRow, straggler_table
 
 from . import comm as comm_module
-from . import cuda, exits, log, p2p, process_sets as _ps, ring
+from . import cuda, exits, log, p2p, process_sets as _ps, recorder, ring
 from .backend import is_device_array
 from .collectives import Executor, Kind
 from .engine import Engine, EngineStats
@@ -105,8 +105,18 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     comm_module.install_abort_on_exception()
     exits.install(shutdown)
     PhaseNote(Phase.INIT_DONE).emit()
+    recorder.start(comms.world.Get_rank(), _recorded_sets)  # SIGUSR1 dumps (under mtrain run)
     if wanted:
         _runtime.register(wanted)
+
+
+def _recorded_sets() -> "list[recorder.SetView]":
+    """The process sets this rank runs an engine for, for the flight recorder's dumps."""
+    runtime = _runtime
+    if runtime is None:
+        return []
+    return [recorder.SetView(set_id, list(state.ranks), state.engine)
+            for set_id, state in sorted({**runtime.sets, **runtime.private}.items()) if state.engine is not None]
 
 
 def _job_ranks_of(comm: Any) -> "list[int]":
@@ -227,6 +237,7 @@ def shutdown() -> None:
     """Release the runtime's communicators. Idempotent; ``init()`` may be called again."""
     global _runtime
     runtime, _runtime = _runtime, None
+    recorder.stop()
     if runtime is not None:
         runtime.stop_all()
 

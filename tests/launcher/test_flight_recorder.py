@@ -1,0 +1,83 @@
+"""The flight recorder's signal path on this machine: SIGUSR1 reaches only ranks that catch it."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from mtrain.launcher.rank import forward_if_caught
+from tests.launcher.report_check import assert_only_mtrain_output
+
+pytestmark = pytest.mark.timeout(120)
+PYTHON = sys.executable
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(PYTHON) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def _wait_for(lines: list, fragment: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(fragment in line for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, f"no {fragment!r} in {''.join(lines)}"
+        time.sleep(0.05)
+
+
+def test_forwarding_skips_a_process_that_does_not_catch_sigusr1():
+    child = subprocess.Popen([PYTHON, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    catcher = subprocess.Popen([PYTHON, "-c", "import signal, sys\n"
+                                "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(7))\n"
+                                "print('up', flush=True)\nsignal.pause()\n"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n" and catcher.stdout.readline() == "up\n"
+        assert not forward_if_caught(child.pid, signal.SIGUSR1)
+        assert forward_if_caught(catcher.pid, signal.SIGUSR1)
+        assert catcher.wait(timeout=20) == 7  # it got the signal
+        assert child.poll() is None           # and this one was left alone
+    finally:
+        child.kill()
+        catcher.kill()
+        child.wait()
+        catcher.wait()
+
+
+def test_sigusr1_before_init_does_not_kill_the_program(tmp_path):
+    release = tmp_path / "release"
+    code = ("import os, time\nprint('ready', flush=True)\n"
+            f"while not os.path.exists({str(release)!r}):\n    time.sleep(0.05)\nprint('finished', flush=True)\n")
+    proc = subprocess.Popen([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-c", code],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list = []
+    err: list = []
+    readers = [threading.Thread(target=lambda s=s, into=into: into.extend(iter(s.readline, "")), daemon=True)
+               for s, into in ((proc.stdout, out), (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sum("ready" in line for line in out) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(err)
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        _wait_for(err, "mtrain: diagnosis:", proc, timeout=30)  # nobody answers: after the collection's wait
+        release.touch()
+        assert proc.wait(timeout=60) == 0, "".join(err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for reader in readers:
+            reader.join(timeout=10)
+    stderr = "".join(err)
+    assert_only_mtrain_output(stderr)
+    assert "".join(out).count("finished") == 2
+    assert "mtrain: diagnosis: no rank answered; rank 0 did not answer" in stderr, stderr
