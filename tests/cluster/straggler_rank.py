@@ -2,7 +2,8 @@
 one host, is slower than the rest; rank 0 prints what straggler_stats() says, as JSON.
 
     straggler_rank.py sleep SLOW_RANK STEPS TOKEN   SLOW_RANK sleeps 40 ms more than the others per step
-    straggler_rank.py cpu HOST CORE STEPS TOKEN     every rank computes; HOST's ranks run on CORE only
+    straggler_rank.py cpu HOST CORE STEPS TOKEN     every rank computes; HOST's ranks run on core CORE,
+                                                    the others on core OTHER (1 - CORE)
 """
 import json
 import os
@@ -12,10 +13,12 @@ import sys
 import time
 
 mode = sys.argv[1]
-if mode == "cpu" and socket.gethostname() == sys.argv[2] and "MTRAIN_TEST_PINNED" not in os.environ:
-    # This host's ranks go onto the one core the test keeps busy: the program starts again under taskset.
+if mode == "cpu" and "MTRAIN_TEST_PINNED" not in os.environ:
+    # This host's ranks go onto the core the test keeps busy, the others onto the other core: the
+    # program starts again under taskset.
+    core = sys.argv[3] if socket.gethostname() == sys.argv[2] else str(1 - int(sys.argv[3]))
     os.environ["MTRAIN_TEST_PINNED"] = "1"
-    os.execv(shutil.which("taskset"), ["taskset", "-c", sys.argv[3], sys.executable, *sys.argv])
+    os.execv(shutil.which("taskset"), ["taskset", "-c", core, sys.executable, *sys.argv])
 
 import numpy as np  # noqa: E402
 

@@ -77,7 +77,7 @@ def test_a_sleeping_rank_is_named_and_no_other(cluster, tmp_path, token):
 
 
 def test_a_host_throttled_onto_a_busy_core_is_named(cluster, tmp_path, token):
-    # mtr-b's rank shares core 1 with a busy loop; mtr-a's rank may use any core.
+    # mtr-b's rank shares core 1 with a busy loop; mtr-a's rank has core 0.
     hog = subprocess.Popen(["taskset", "-c", "1", PYTHON, "-c", f"# {token}\nwhile True:\n    pass"])
     try:
         done = run_mtrain(cluster, "-np", "2", "-H", "mtr-a:1,mtr-b:1", PYTHON, RANK, "cpu", "mtr-b", "1", "40",
@@ -88,7 +88,8 @@ def test_a_host_throttled_onto_a_busy_core_is_named(cluster, tmp_path, token):
     assert done.returncode == 0, done.stderr
     whole = tables(done.stderr)[-1]
     assert flagged(whole) == [1], done.stderr
-    assert whole[1][0] == "mtr-b" and whole[1][2] > 1.4 * whole[0][2], whole
+    assert whole[1][0] == "mtr-b" and whole[1][2] > 1.2 * whole[0][2], whole
+    assert whole[1][4] > whole[0][4], whole  # last more often
     stats = program_stats(done.stdout)
     assert [row["slow"] for row in stats] == [False, True], stats
     assert_no_leftovers(cluster, token, within=10)
