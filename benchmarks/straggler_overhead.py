@@ -1,9 +1,11 @@
-"""What the straggler report costs: mlp_step.py and fusion.py with step timing on and off.
+"""What the straggler report and the flight recorder cost: mlp_step.py and fusion.py with both
+on (as users get them) and both off.
 
 Run as ``python benchmarks/straggler_overhead.py [--rounds 5] [--np 2]``. Each round runs both
 benchmarks under ``mtrain run -np N`` twice, once as users get it (every rank's engine times each
-step and sends its samples to mtrain run) and once with ``--no-straggler-report`` (no step is
-timed), in alternating order so a drifting machine favours neither. The compared figure is each
+step and sends its samples to mtrain run, and keeps its flight recorder) and once with
+``--no-straggler-report -x MTRAIN_FLIGHT_RECORDER_SIZE=0`` (nothing timed, nothing recorded), in
+alternating order so a drifting machine favours neither. The compared figure is each
 benchmark's own ratio to its in-run peer (mtrain's step over the hand-written mpi4py step in
 mlp_step.py, the fused all-reduce over one MPI_Allreduce per tensor in fusion.py), which cancels
 most of the machine's drift between runs; the table gives the median over rounds of that ratio,
@@ -30,7 +32,7 @@ ROWS = (
 def run(script: str, args: "tuple[str, ...]", np: int, budget: float, measured: bool) -> str:
     argv = [sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", str(np)]
     if not measured:
-        argv.append("--no-straggler-report")
+        argv += ["--no-straggler-report", "-x", "MTRAIN_FLIGHT_RECORDER_SIZE=0"]
     argv += [sys.executable, str(HERE / script), "--budget", str(budget), *args]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -64,9 +66,9 @@ def main() -> None:
                 for row_script, _, label, _ in ROWS:
                     if row_script == script:
                         ratios.setdefault((label, measured), []).append(ratio(output, label))
-    print(f"# straggler report overhead, {args.np} ranks, {args.rounds} rounds (median of each row's ratio "
+    print(f"# straggler report + flight recorder overhead, {args.np} ranks, {args.rounds} rounds (median of each row's ratio "
           "to its in-run peer)")
-    print(f"{'benchmark row':<56} {'peer':>8} {'timed':>7} {'off':>7} {'overhead':>9}")
+    print(f"{'benchmark row':<56} {'peer':>8} {'on':>7} {'off':>7} {'overhead':>9}")
     for script, _, label, peer in ROWS:
         on = statistics.median(ratios[(label, True)])
         off = statistics.median(ratios[(label, False)])

@@ -10,6 +10,7 @@ import difflib
 import os
 import re
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,10 @@ _NONNEGATIVE = click.IntRange(min=0)
 def run(**options: Any) -> None:
     """Run COMMAND as NUM_PROC ranks across the hosts."""
     from mtrain.launcher.launch import launch  # deferred: keeps `mtrain --help` fast
+    # SIGUSR1 asks a running job for its hang report (supervise.Job); before a job runs, or
+    # between an elastic job's generations, it must not end mtrain (its default action). A
+    # handler, not SIG_IGN: an ignored signal stays ignored in mpirun, which must pass it on.
+    signal.signal(signal.SIGUSR1, lambda number, frame: None)
     config, dry_run = build_config(options)
     for line in config.notices:
         click.echo(line, err=True)

@@ -81,3 +81,19 @@ def test_sigusr1_before_init_does_not_kill_the_program(tmp_path):
     assert_only_mtrain_output(stderr)
     assert "".join(out).count("finished") == 2
     assert "mtrain: diagnosis: no rank answered; rank 0 did not answer" in stderr, stderr
+
+
+def test_sigusr1_before_the_job_runs_does_not_end_mtrain():
+    # The hang report's SIGUSR1 may come before a job runs (or between elastic generations), where
+    # the supervisor's handler is not installed yet: its default action would end mtrain at once.
+    code = ("import os, signal, sys\n"
+            "import mtrain.launcher.launch as launch\n"
+            "def launched(config, dry_run=False):\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "    print('still here')\n"
+            "    return 0\n"
+            "launch.launch = launched\n"
+            "from mtrain.launcher.cli import main\n"
+            "sys.exit(main(['run', '-np', '1', 'true']))\n")
+    done = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
+    assert done.returncode == 0 and "still here" in done.stdout, (done.returncode, done.stderr)

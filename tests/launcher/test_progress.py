@@ -78,3 +78,4 @@ def test_progress_and_straggler_options_are_checked():
     bad = mtrain("-np", "1", PYTHON, "-c", "pass", extra_env={"MTRAIN_STRAGGLER_EVERY": "often"})
     assert bad.returncode == 2 and "--straggler-report" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr
+
