@@ -1,9 +1,13 @@
-"""What the flight recorder costs a training step: the same steps with it on and off, alternating.
+"""What the straggler report's step timing and the flight recorder cost a training step: the
+same steps with them on and off, alternating.
 
-Run as ``mpirun -np 2 python benchmarks/flight_recorder.py`` (or ``mtrain run -np 2 …``).
-One process, one runtime: every step swaps the global engine's recorder in or out
-(``Engine._flight``, which the engine reads once per batch), in lockstep on every rank and in
-the order on-off-off-on, so a machine whose speed drifts favours neither side. The workloads are those of
+Run as ``mpirun -np 2 python benchmarks/observability_overhead.py [--what both|steps|recorder]``
+(or ``mtrain run -np 2 …``). One process, one runtime: every step swaps the global engine's
+step meter (``Engine.steps``) and/or its flight recorder (``Engine._flight``), both read by the
+engine once per batch, in or out, in lockstep on every rank and in the order on-off-off-on, so
+a machine whose speed drifts favours neither side. (Whole runs with the two on and off, taking
+turns, differ by more than 2% from run to run on a 2-core host: only steps within one run can
+show a cost that small.) The workloads are those of
 benchmarks/mlp_step.py (mtrain.torch's DistributedOptimizer on a 3-layer MLP) and of
 benchmarks/fusion.py (1000 tensors of 1 KiB, one op each and grouped). The last column is
 the median over step pairs of on/off.
@@ -21,6 +25,8 @@ import numpy as np
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="step pairs per workload")
+    parser.add_argument("--what", choices=("both", "steps", "recorder"), default="both",
+                        help="what is swapped in and out (default: both)")
     args = parser.parse_args()
     import torch
 
@@ -31,10 +37,19 @@ def main() -> None:
     torch.set_num_threads(1)
     hvd.init()
     engine = runtime._rt().engine
-    recorder = engine._flight
-    if recorder is None:
+    recorder, meter = engine._flight, engine.steps
+    if recorder is None and args.what != "steps":
         raise SystemExit("the flight recorder is off (MTRAIN_FLIGHT_RECORDER_SIZE=0): unset it to compare")
+    if meter is None and args.what != "recorder":
+        raise SystemExit("step timing is off (MTRAIN_STRAGGLER_REPORT_DISABLE=1): unset it to compare")
+    swap_recorder, swap_meter = args.what in ("both", "recorder"), args.what in ("both", "steps")
     me = hvd.rank()
+
+    def use(on: bool) -> None:
+        if swap_recorder:
+            engine._flight = recorder if on else None
+        if swap_meter:
+            engine.steps = meter if on else None
 
     def compare(name: str, step: Callable[[], None], pairs: int) -> None:
         for _ in range(20):
@@ -42,12 +57,12 @@ def main() -> None:
         on: "list[float]" = []
         off: "list[float]" = []
         for i in range(2 * pairs):
-            use = i % 4 in (0, 3)  # on off off on: neither side is always the first of its pair
-            engine._flight = recorder if use else None
+            turn = i % 4 in (0, 3)  # on off off on: neither side is always the first of its pair
+            use(turn)
             start = time.perf_counter()
             step()
-            (on if use else off).append(time.perf_counter() - start)
-        engine._flight = recorder
+            (on if turn else off).append(time.perf_counter() - start)
+        use(True)
         ratio = statistics.median(a / b for a, b in zip(on, off))
         if me == 0:
             print(f"{name:46s} {statistics.median(on) * 1e6:10.1f} {statistics.median(off) * 1e6:10.1f} "
@@ -75,7 +90,9 @@ def main() -> None:
         rr.grouped_allreduce_(tiny, name="tiny", op=rr.Average)
 
     if me == 0:
-        print(f"# {hvd.size()} ranks; median us/step with the flight recorder on and off, alternating steps")
+        swapped = {"both": "step timing and the flight recorder", "steps": "step timing",
+                   "recorder": "the flight recorder"}[args.what]
+        print(f"# {hvd.size()} ranks; median us/step with {swapped} on and off, alternating steps")
         print(f"{'workload':46s} {'on':>10s} {'off':>10s} {'on/off':>8s}")
     compare("mlp_step: DistributedOptimizer step", mlp, args.steps)
     compare("fusion: 1000x1KiB, one allreduce_async_ each", per_tensor, max(1, args.steps // 3))
