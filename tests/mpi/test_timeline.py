@@ -12,6 +12,7 @@ import pytest
 
 from mtrain.launcher import timeline_summary as ts
 from tests.mpi.harness import REPO, launch
+from tests.mpi.test_engine import DYING_RANK_SCRIPT  # rank 1 killed (SIGKILL) at its 20th all-reduce
 
 # Ranks 1 and 2 run with clocks far off rank 0's (their time.monotonic() shifted before the
 # runtime is imported): only the offsets measured at init put their events back in place.
@@ -76,20 +77,10 @@ def test_every_rank_is_in_one_file_on_rank_0s_clock_and_the_summary_reads_it(npr
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-DYING = """
-import os, signal, numpy as np, mtrain.ringreduce as rr
-rr.init()
-for step in range(1000):
-    if rr.rank() == 1 and step == 30:
-        os.kill(os.getpid(), signal.SIGKILL)
-    rr.allreduce(np.ones(1000), name="grad")
-"""
-
-
 def test_a_killed_rank_leaves_rank_0s_file_with_what_every_rank_sent():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "timeline.json")
-        result = launch(3, [sys.executable, "-c", DYING], timeout=90, env={"MTRAIN_TIMELINE": path})
+        result = launch(3, [sys.executable, "-c", DYING_RANK_SCRIPT], timeout=90, env={"MTRAIN_TIMELINE": path})
         assert result.returncode != 0
         events = ts.load_events(path)  # ended by the abort: maybe without its closing bracket
     ranks = {e["pid"] for e in events if e.get("ph") == "X" and e.get("name") == "ALLREDUCE"}
