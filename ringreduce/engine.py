@@ -52,7 +52,7 @@ from .fusion import PLAN_CACHE_SIZE, FusionBuffers, Plan, PlanCache, Ring
 from .negotiation import (UNNAMED_PREFIX, Agreement, Control, Coordinator, Negotiator, Report, RequestState,
                           ResponseCache, SteadyBatch)
 from .ops import ReduceOp
-from .requests import AllreduceOp, Completion, Handle, Request, Signature, data_bytes as _data_bytes
+from .requests import AllreduceOp, Completion, Handle, Request, Signature
 from .settings import DEFAULT_CACHE_CAPACITY, EngineConfig
 from .steps import StepMeter
 from .timeline import Timeline, TraceLink
@@ -443,7 +443,7 @@ class Engine:
         layout = self._negotiator.layout(self._cache.words)
         steady = SteadyBatch.learn(incoming, self._cache.version, self._negotiator, layout)
         if steady is not None:
-            steady.nbytes = _data_bytes(incoming)
+            steady.nbytes = sum(request.nbytes for request in incoming)
             key = (incoming[0].name, len(incoming))
             if key not in self._steady and len(self._steady) >= PLAN_CACHE_SIZE:
                 del self._steady[next(iter(self._steady))]  # the oldest
@@ -659,9 +659,10 @@ class Engine:
         steps = self.steps
         if steps is not None:
             if first_submit is None:
-                # (A joined rank's stand-ins were never submitted: submitted is 0.)
-                first_submit = min((request.submitted for request in ready if request.submitted), default=started)
-            steps.batch(first_submit, started, _data_bytes(ready) if nbytes is None else nbytes, self._cycles)
+                first_submit = min(request.submitted for request in ready)
+            if nbytes is None:
+                nbytes = sum(request.nbytes for request in ready)
+            steps.batch(first_submit, started, nbytes, self._cycles)
         if plan is None:
             plan = self._plans.plan(ready, self.config.fusion_threshold_bytes, self.config.inplace_min_bytes)
         if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
@@ -672,12 +673,12 @@ class Engine:
         self._step_names.extend(names)
         tuner = self._tuner
         if tuner is not None:
-            tuner.note(names, sum(request.nbytes for request in ready))
+            tuner.note(names, sum(request.nbytes for request in ready) if nbytes is None else nbytes)
         if self._waiters:
             self._step_waited = True
         flight = self._flight
         if flight is not None:
-            flight.start(ready, names, kept, time.monotonic())
+            flight.start(ready, names, kept, started)
         for index in plan.one_by_one:
             self._run_one(ready[index])
         take = ready.__getitem__

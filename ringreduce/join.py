@@ -11,6 +11,7 @@ The last rank to join is the result of every rank's ``join()``.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,9 @@ def stand_in(name: str, signature: Signature, done_cv: Any) -> Request:
                       root=signature.root, in_place=True, prescale=signature.prescale,
                       postscale=signature.postscale)
     request.signature = signature
+    # Submitted, in effect, now: the timeline's NEGOTIATE span and the step meter's wait run from
+    # here (a never-submitted 0 made them as long as the machine's uptime).
+    request.submitted = time.monotonic()
     return request
 
 

@@ -213,11 +213,6 @@ class Request:
         return self.array.nbytes
 
 
-def data_bytes(requests: "Any") -> int:
-    """The bytes of these ops' arrays (barriers and object collectives have none)."""
-    return sum(request.array.nbytes for request in requests if request.array is not None)
-
-
 _UNREPORTED = RequestState.UNREPORTED  # an Enum member read through its class costs a lookup each time
 
 
