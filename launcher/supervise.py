@@ -184,6 +184,10 @@ class Job:
 
     def _read(self, pipe: IO[bytes], stream: IO[bytes], is_stderr: bool) -> None:
         for line in iter(pipe.readline, b""):
+            # mpirun's forwarding sometimes starts a line with NUL bytes (seen on the test cluster
+            # once a rank has aborted): without them the rank's prefix is found again, so its
+            # line is neither taken for mpirun's own nor its record lost.
+            line = line.lstrip(b"\0")
             if is_stderr and EXIT_MARKER in line:
                 # mpirun may glue a record to an unterminated line of its own: split it off.
                 before, _, payload = line.partition(EXIT_MARKER)
@@ -191,13 +195,11 @@ class Job:
                 if not before.strip():
                     continue
                 line = before + b"\n"
-            for marker, take in ((PHASE_MARKER, self._phase), (STEP_MARKER, self._steps)):
+            for marker, take in ((PHASE_MARKER, self._phase), (STEP_MARKER, self._steps),
+                                 (DUMP_MARKER, self._dump), (DUMP_REQUEST_MARKER, self._dump_request)):
                 if is_stderr and marker in line:
                     line = _take_marker(line, marker, take)
             if not line:
-                continue
-            if is_stderr and (DUMP_MARKER in line or DUMP_REQUEST_MARKER in line):
-                self._recorder_line(line)
                 continue
             if is_stderr and RESUME_MARKER in line:
                 resumed = ElasticResume.decode(line.partition(RESUME_MARKER)[2])
@@ -221,16 +223,17 @@ class Job:
             self.log(f"{record.describe()}{' (after being stopped)' if record.stopped else ''}")
 
     # -- flight recorder ---------------------------------------------------------------------
-    def _recorder_line(self, line: bytes) -> None:
-        """A rank's dump, or its coordinator's request for everyone's (removed from the output)."""
-        if DUMP_MARKER in line:
-            dump = RecorderDump.decode(line.partition(DUMP_MARKER)[2])
-            if dump is not None:
-                self.collector.add(dump)
-        else:
-            request = DumpRequest.decode(line.partition(DUMP_REQUEST_MARKER)[2])
-            if request is not None:
-                self.collector.request(request.reason)
+    def _dump(self, rank: int, payload: bytes) -> None:
+        """A rank's flight-recorder dump (the dump names its rank itself)."""
+        dump = RecorderDump.decode(payload)
+        if dump is not None:
+            self.collector.add(dump)
+
+    def _dump_request(self, rank: int, payload: bytes) -> None:
+        """A rank's coordinator asks for every rank's dump (a stall)."""
+        request = DumpRequest.decode(payload)
+        if request is not None:
+            self.collector.request(request.reason)
 
     def _signal_ranks(self) -> None:
         if self.mpirun_pid is not None:

@@ -324,6 +324,21 @@ def test_the_supervisor_takes_phase_notes_out_of_the_ranks_output():
     assert job.in_init == {} and job._stuck_now() is None
 
 
+def test_lines_that_mpirun_starts_with_nul_bytes_keep_their_rank():
+    # Seen on the test cluster after a rank's abort: "\x00[0]<stderr>:@@mtrain-flight-recorder@@ ...".
+    import io
+    from mtrain.launcher.records import RecorderDump
+    job = Job(["mpirun"], {}, 2, None, False, None)
+    dump = RecorderDump(1, "h1", "SIGUSR1", 5.0, ())
+    text = (b"\0[0]<stderr>:" + PhaseNote(Phase.INIT_DONE).encode() + b"\0\0[1]<stderr>:" + dump.encode()
+            + b"\0[1]<stdout>:step 7\n")
+    shown = io.BytesIO()
+    job._read(io.BytesIO(text), shown, True)
+    assert job.up == {0}
+    assert [d.rank for d in job.collector.dumps.values()] == [1]
+    assert shown.getvalue() == b"[1]<stdout>:step 7\n"
+
+
 def test_event_lines_are_taken_out_of_a_guards_stderr_and_appended(tmp_path):
     from mtrain.launcher.records import event_line, take_events
     events = str(tmp_path / "events")
