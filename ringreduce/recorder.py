@@ -262,7 +262,6 @@ class Dumper:
             if recorder is None:
                 continue
             ops: "list[OpRecord]" = []
-            ops: "list[OpRecord]" = []
             for _ in range(3):  # copied while the engine thread changed it: try again
                 try:
                     with engine._lock:
