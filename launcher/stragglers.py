@@ -20,6 +20,7 @@ import threading
 from collections import deque
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
+from mtrain.launcher.hang_report import ranks_text
 from mtrain.launcher.records import StepReport, StepSample
 
 ENV_THRESHOLD = "MTRAIN_STRAGGLER_THRESHOLD_PERCENT"
@@ -112,8 +113,7 @@ def format_table(rows: Sequence[StragglerRow], title: str) -> "list[str]":
         lines.append(f"mtrain:   ({hidden} more ranks within the usual range are not shown)")
     slow = [row.rank for row in rows if row.slow]
     if slow:
-        who = f"rank {slow[0]}" if len(slow) == 1 else f"ranks {', '.join(map(str, slow))}"
-        lines.append(f"mtrain: {who} slowed the job: its compute between steps is more than "
+        lines.append(f"mtrain: {ranks_text(slow)} slowed the job: its compute between steps is more than "
                      f"{threshold_percent():g}% above the median rank's, and the others wait for it")
     return lines
 

@@ -52,6 +52,11 @@ def test_no_flag_for_one_rank_nor_for_noise_below_the_absolute_floor():
     assert [row.slow for row in straggler_table(mild, {}, threshold=20)] == [False, False, True]
     assert not any(row.slow for row in straggler_table(mild, {}, threshold=50))
     assert straggler_table({0: [], 1: []}, {}) == []
+    # A host of two slow ranks out of four: the lower median keeps the reference at the fast ones.
+    host = {r: samples(r, [0.1 if r in (0, 2) else 0.2] * 5) for r in range(4)}
+    rows = straggler_table(host, {}, threshold=20)
+    assert [row.slow for row in rows] == [False, True, False, True]
+    assert format_table(rows, title_for("x"))[-1].startswith("mtrain: ranks 1 and 3 slowed the job")
 
 
 def test_table_lines_are_mtrain_lines_and_large_jobs_show_the_flagged_ranks():
