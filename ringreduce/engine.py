@@ -657,7 +657,7 @@ class Engine:
         if timeline is not None:
             timeline.negotiated(ready, started, self._mark_cycles)
         steps = self.steps
-        if steps is not None:
+        if steps is not None and ready:  # (a joined rank may be left with nothing to run)
             if first_submit is None:
                 first_submit = min(request.submitted for request in ready)
             if nbytes is None:
