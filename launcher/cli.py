@@ -20,7 +20,8 @@ import click
 import mtrain
 from mtrain.launcher import hosts as hostlib
 from mtrain.launcher import tuning
-from mtrain.launcher.config import ElasticSettings, LaunchConfig, SshOptions, StepSettings, check_env_item
+from mtrain.launcher.config import (ElasticSettings, LaunchConfig, Launcher, MpiKind, SshOptions, StepSettings,
+                                    check_env_item)
 
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
 
@@ -95,6 +96,11 @@ _NONNEGATIVE = click.IntRange(min=0)
               help="Hosts and slots, e.g. host1:4,host2:4 (a host without :N has 1 slot).")
 @click.option("-hostfile", "--hostfile", type=click.Path(dir_okay=False), default=None,
               help="File with one `host slots=N` per line.")
+@click.option("--launcher", "launcher_name", type=click.Choice(["auto", "ssh", "slurm"]), default="auto",
+              show_default=True,
+              help="How ranks reach their hosts: slurm starts them through the Slurm allocation mtrain runs "
+                   "in (srun, no SSH); ssh over SSH; auto: slurm inside an allocation unless -H or "
+                   "--hostfile is given.")
 @click.option("-p", "--ssh-port", type=click.IntRange(1, 65535), default=None,
               help="SSH port of the remote hosts (default: ~/.ssh/config, else 22).")
 @click.option("-i", "--ssh-identity-file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -266,6 +272,7 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
         except ValueError as error:
             raise click.UsageError(f"--binding-args: {error}") from None
     elastic = elastic_settings(options)
+    allocation = None
     try:
         if elastic is not None:
             available = []  # the elastic driver plans each generation from what is there then
@@ -274,7 +281,9 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
         elif options["hostfile"] is not None:
             available = hostlib.read_hostfile(options["hostfile"])
         else:
-            available = hostlib.slurm_hosts(os.environ)
+            allocation = hostlib.scheduler_allocation(os.environ)
+            available = list(allocation.hosts) if allocation else None
+        launcher, slurm_job = choose_launcher(options)
         num_proc = options["num_proc"]
         if elastic is not None:
             pass
@@ -284,6 +293,9 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
             if num_proc < 1:
                 raise hostlib.HostSpecError(f"-np {num_proc}: need at least one process")
             available = [hostlib.HostSlots("localhost", num_proc)]
+        elif allocation is not None and num_proc is not None and num_proc > allocation.slots:
+            raise hostlib.HostSpecError(f"-np {num_proc} is more than the {allocation.slots} slots of "
+                                        f"{allocation.describe()}; lower -np or ask the scheduler for more tasks")
         plan = [] if elastic is not None else hostlib.assign_slots(
             available, num_proc if num_proc is not None else sum(h.slots for h in available))
     except hostlib.HostSpecError as error:
@@ -300,6 +312,11 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
         mpi = mpilib.find_mpirun(options["mpirun_path"])
     except mpilib.MpiNotFound as error:
         raise click.UsageError(str(error)) from None
+    if launcher is Launcher.SLURM and mpi.kind is not MpiKind.OPENMPI:
+        if options["launcher_name"] == "slurm":
+            raise click.UsageError(f"--launcher slurm needs Open MPI's mpirun, and {mpi.path} is MPICH's; "
+                                   "give --launcher ssh")
+        launcher, slurm_job = Launcher.SSH, ""
     ssh = SshOptions(port=options["ssh_port"], identity_file=options["ssh_identity_file"],
                      accept_new_hosts=options["ssh_accept_new_hosts"],
                      connect_timeout=options["start_timeout"])
@@ -312,10 +329,33 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
         rank_settings=rank_settings, binding_args=binding_args,
         prefix_timestamp=bool(options["prefix_timestamp"]), notices=file_notes + notes,
         steps=StepSettings(report=not options["no_straggler_report"], every=options["straggler_every"],
-                           progress=options["progress"], progress_interval=options["progress_interval"]))
+                           progress=options["progress"], progress_interval=options["progress_interval"]),
+        launcher=launcher, slurm_job=slurm_job)
     if elastic is not None and options["dry_run"]:
         config = _first_generation(config)
     return config, bool(options["dry_run"])
+
+
+def choose_launcher(options: dict[str, Any]) -> "tuple[Launcher, str]":
+    """--launcher resolved: (how remote hosts are reached, the Slurm job's id or "")."""
+    from mtrain.launcher import slurm
+    name = options["launcher_name"]
+    hosts_given = options["host_list"] is not None or options["hostfile"] is not None
+    job = slurm.job_id(os.environ)
+    if name == "ssh" or (name == "auto" and (hosts_given or not job)):
+        return Launcher.SSH, ""
+    if hosts_given:
+        raise click.UsageError("--launcher slurm starts the ranks on the nodes of the Slurm allocation; "
+                               "drop -H / --hostfile, or give --launcher ssh to use them over SSH")
+    if not job:
+        raise click.UsageError("--launcher slurm: not inside a Slurm allocation (no SLURM_JOB_ID); run "
+                               "`mtrain run` in an sbatch script or under salloc, or give the hosts with -H")
+    problem = slurm.missing_tools()
+    if problem is not None:
+        if name == "auto":  # inside an allocation whose tools we cannot run: SSH as before
+            return Launcher.SSH, ""
+        raise click.UsageError(f"--launcher slurm: {problem}")
+    return Launcher.SLURM, job
 
 
 _CONTROLLER_FLAGS = {"use_gloo": "--gloo", "use_mpi": "--mpi", "use_jsrun": "--jsrun"}  # Horovod: one at most

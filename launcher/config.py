@@ -41,6 +41,13 @@ class MpiLauncher:
     kind: MpiKind
 
 
+class Launcher(enum.Enum):
+    """How the ranks' hosts are reached (--launcher)."""
+
+    SSH = "ssh"      # over SSH (launcher/ssh_agent.py, remote_guard.py)
+    SLURM = "slurm"  # through the Slurm allocation mtrain runs in: srun starts MPI's daemons (launcher/slurm.py)
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticSettings:
     """Horovod's elastic flags, validated (see launcher/elastic.py)."""
@@ -76,7 +83,7 @@ class LaunchConfig:
 
     plan: tuple[HostSlots, ...]          # hosts actually used, in rank order
     command: tuple[str, ...]
-    remote_hosts: tuple[str, ...]        # hosts reached over SSH (empty: local job)
+    remote_hosts: tuple[str, ...]        # hosts reached over SSH or through Slurm (empty: local job)
     ssh: SshOptions
     mpi: MpiLauncher
     start_timeout: float = 30.0
@@ -93,6 +100,8 @@ class LaunchConfig:
     prefix_timestamp: bool = False       # --prefix-output-with-timestamp
     notices: tuple[str, ...] = ()        # one line per flag that changes nothing in mtrain
     steps: StepSettings = StepSettings()  # the straggler report and --progress
+    launcher: Launcher = Launcher.SSH    # how remote_hosts are reached
+    slurm_job: str = ""                  # the enclosing Slurm job's id, with Launcher.SLURM
 
     @property
     def rank_items(self) -> tuple[str, ...]:

@@ -30,8 +30,8 @@ import threading
 import time
 import uuid
 
-from mtrain.launcher import job_files
-from mtrain.launcher.config import LaunchConfig
+from mtrain.launcher import job_files, slurm
+from mtrain.launcher.config import LaunchConfig, Launcher
 from mtrain.launcher.hosts import HostSlots, is_local, local_names
 from mtrain.launcher.supervise import first_failure, print_failure_report
 from mtrain.launcher.records import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_EXIT_STATUS, new_job_secret, AgentEventKind,
@@ -252,6 +252,12 @@ class ElasticDriver:
         over SSH, in parallel and bounded (a host that is gone keeps its own, in its /dev/shm)."""
         template = os.path.join(self.state_dir, "{host}")
         job_files.remove_folder(template, socket.gethostname())
+        if self.config.launcher is Launcher.SLURM:
+            if self.remote_hosts_used:  # one step on all those nodes (a node that is gone keeps its own)
+                slurm.run_step(sorted(self.remote_hosts_used), [sys.executable, "-m", "mtrain.launcher.job_files",
+                                                                "remove-folder", template],
+                               2 * CLEANUP_TIMEOUT, "mtrain-cleanup")
+            return
         command = f"{shlex.quote(sys.executable)} -m mtrain.launcher.job_files remove-folder {shlex.quote(template)}"
 
         def remove_on(host: str) -> None:

@@ -164,6 +164,57 @@ def slurm_hosts(env: Mapping[str, str]) -> list[HostSlots] | None:
     return _no_duplicates([HostSlots(n, c) for n, c in zip(names, counts) if c > 0], "Slurm")
 
 
+def pbs_hosts(env: Mapping[str, str]) -> list[HostSlots] | None:
+    """Hosts of the enclosing PBS / Torque job, or None outside one.
+
+    $PBS_NODEFILE lists one line per slot (a host with 4 slots appears 4 times), as PRRTE's
+    `ras pbs` reads it; hosts keep the order of their first line."""
+    path = env.get("PBS_NODEFILE")
+    if not env.get("PBS_JOBID") or not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise HostSpecError(f"PBS_NODEFILE {path}: cannot read it ({reason})") from None
+    slots: dict[str, int] = {}
+    for number, line in enumerate(lines, start=1):
+        name = line.split("#", 1)[0].strip()
+        if name:
+            slots[_check_name(name, f"PBS_NODEFILE {path}:{number}")] = slots.get(name, 0) + 1
+    if not slots:
+        raise HostSpecError(f"PBS_NODEFILE {path}: no hosts in the file")
+    return [HostSlots(name, count) for name, count in slots.items()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """The hosts a batch scheduler gave the job mtrain runs in."""
+
+    scheduler: str                    # "Slurm" or "PBS"
+    job_id: str
+    hosts: tuple[HostSlots, ...]
+
+    @property
+    def slots(self) -> int:
+        return sum(host.slots for host in self.hosts)
+
+    def describe(self) -> str:
+        return f"{self.scheduler} job {self.job_id} ({','.join(map(str, self.hosts))})"
+
+
+def scheduler_allocation(env: Mapping[str, str]) -> Allocation | None:
+    """The Slurm or PBS allocation this process runs in (Slurm first), or None."""
+    hosts = slurm_hosts(env)
+    if hosts is not None:
+        return Allocation("Slurm", env["SLURM_JOB_ID"], tuple(hosts))
+    hosts = pbs_hosts(env)
+    if hosts is not None:
+        return Allocation("PBS", env["PBS_JOBID"], tuple(hosts))
+    return None
+
+
 def assign_slots(hosts: Sequence[HostSlots], num_proc: int) -> list[HostSlots]:
     """Fill slots host by host in order; return the hosts used with the ranks each gets."""
     total = sum(h.slots for h in hosts)

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import mtrain
 from mtrain.launcher import mpirun as mpilib
-from mtrain.launcher import ssh_agent
-from mtrain.launcher.config import LaunchConfig, MpiKind, StepSettings
+from mtrain.launcher import slurm, ssh_agent
+from mtrain.launcher.config import LaunchConfig, Launcher, MpiKind, StepSettings
 from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_SECRET,
+from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_LAYOUT,
+                                     ENV_JOB_SECRET,
                                      ENV_MPIRUN_TMPDIR, ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY,
                                      ENV_STRAGGLER_OFF, ENV_USER_TMPDIR, ENV_USER_UMASK, AgentEvent,
                                      ElasticResume, ExitRecord, Gate, HostUpdates, JobLayout, host_path,
@@ -63,10 +64,17 @@ def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple
         # -x TMPDIR: by value, as mpirun's own is the launch's folder (_private_mpirun_folder).
         names.remove("TMPDIR")
         values["TMPDIR"] = environment["TMPDIR"]
+    slurm_agent = slurm.launch_agent(sys.executable, config.mpi.path) if _through_slurm(config) else None
     return mpilib.build_argv(
         config.mpi, config.plan, config.command, rank_python=sys.executable, agent=agent,
         env_names=names, env_values=values, network_interfaces=config.network_interfaces or subnets,
-        as_root=os.geteuid() == 0, extra_args=config.mpi_args, binding_args=config.binding_args)
+        as_root=os.geteuid() == 0, extra_args=config.mpi_args, binding_args=config.binding_args,
+        slurm_agent=slurm_agent)
+
+
+def _through_slurm(config: LaunchConfig) -> bool:
+    """Whether the job's other hosts are reached through Slurm (launcher/slurm.py), not SSH."""
+    return config.launcher is Launcher.SLURM and bool(config.remote_hosts)
 
 
 def _user_umask() -> int:
@@ -121,10 +129,15 @@ def print_plan(config: LaunchConfig, argv: list[str]) -> None:
     """--dry-run: the hosts, the settings every rank gets, and the launcher's command."""
     rank = 0
     for host in config.plan:
-        where = "ssh" if host.name in config.remote_hosts else "local"
+        where = ("local" if host.name not in config.remote_hosts
+                 else "slurm" if config.launcher is Launcher.SLURM else "ssh")
         ranks = f"rank {rank}" if host.slots == 1 else f"ranks {rank}-{rank + host.slots - 1}"
         print(f"host {host.name}: {ranks} ({where})")
         rank += host.slots
+    if config.launcher is Launcher.SLURM:
+        print(f"launcher: slurm (inside Slurm job {config.slurm_job}: srun starts the MPI daemons, no SSH)")
+    elif config.remote_hosts:
+        print("launcher: ssh")
     for name, value, origin in rank_settings_shown(config, os.environ):
         print(f"rank setting {name}={value} ({origin})")
     print(shlex.join(argv))
@@ -147,7 +160,7 @@ def rank_settings_shown(config: LaunchConfig, environ: Mapping[str, str]) -> lis
 
 _SETTING_PREFIXES = ("MTRAIN_", "HOROVOD_")
 # Each job sets its own (an inherited one, of a job this `mtrain run` runs in, is replaced).
-_JOB_VARIABLES = frozenset({ENV_JOB_FILE, ENV_JOB_SECRET, ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_USER_UMASK,
+_JOB_VARIABLES = frozenset({ENV_JOB_FILE, ENV_JOB_LAYOUT, ENV_JOB_SECRET, ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_USER_UMASK,
                             ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR})
 
 
@@ -163,6 +176,7 @@ class Generation:
     # Filled in by launch(): where a new host-set version goes (this host's file for its ranks,
     # and the file the SSH agents forward to their hosts), then how the job ended.
     updates_paths: list[str] = dataclasses.field(default_factory=list)
+    notify_remote: Callable[[int], None] | None = None  # through Slurm: a step that writes the other nodes' files
     size: int = 0   # ranks in this generation
     records: list[ExitRecord] = dataclasses.field(default_factory=list)
     host_problems: list[AgentEvent] = dataclasses.field(default_factory=list)
@@ -173,6 +187,8 @@ class Generation:
         for path in self.updates_paths:
             with contextlib.suppress(OSError):  # the generation may be ending as we speak
                 HostUpdates(version).write(path)
+        if self.notify_remote is not None:
+            self.notify_remote(version)
 
 
 def launch(config: LaunchConfig, dry_run: bool = False, generation: Generation | None = None) -> int:
@@ -215,7 +231,8 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                 job_env.update(generation.env)
                 job_env.update({ENV_ELASTIC_UPDATES: updates_file(job_file), ENV_ELASTIC_VERSION: "0"})
                 generation.updates_paths = [host_path(updates_file(job_file)), agents_updates]
-            if config.remote_hosts:
+            through_slurm = _through_slurm(config)
+            if config.remote_hosts and not through_slurm:
                 if dry_run and config.mpi.kind is not MpiKind.MPICH:
                     # Printed for a human to rerun: no scratch config that vanishes when we exit
                     # (the agent then uses ~/.ssh/config and OpenSSH defaults).
@@ -225,7 +242,16 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                         master = _start_master(config, scratch, job_file, agents_updates)
                     agent = _agent(config, scratch, events_path, gate, job_file, agents_updates,
                                    master.path if master else None)
-            subnets = _route_subnets(config) if config.remote_hosts and not config.network_interfaces else ()
+            subnets = (_route_subnets(config) if config.remote_hosts and not through_slurm
+                       and not config.network_interfaces else ())
+            if through_slurm and not dry_run:
+                checked = _slurm_preflight(config, local_file)
+                if checked is None:
+                    return 1
+                layout, subnets = checked
+                job_env[ENV_JOB_LAYOUT] = layout.encode()
+                if generation is not None:
+                    generation.notify_remote = _slurm_notifier(config, job_file)
             try:
                 argv = build_job_argv(config, agent, subnets, job_env)
             except ValueError as error:
@@ -238,14 +264,15 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                 _log(config, f"hosts are reached through {', '.join(subnets)}")
             if master is not None:
                 _log(config, f"SSH connections of the preflight are shared through {master.path}")
-            if config.remote_hosts:
+            if config.remote_hosts and not through_slurm:
                 def preflight() -> str | None:
                     return _preflight(config, subnets, local_file, master,
                                       stopped=lambda: job.interrupted is not None)
             else:
                 preflight = None
                 try:
-                    _local_layout(config).write(local_file)
+                    if not through_slurm:  # (through Slurm the preflight wrote it)
+                        _local_layout(config).write(local_file)
                 except PrivatePathError as error:  # another user's folder at the job's path
                     print(error, file=sys.stderr)
                     return 1
@@ -257,7 +284,9 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                                 prefix_timestamp=config.prefix_timestamp,
                                 gate=Gate(gate) if agent else None,
                                 on_resume=generation.on_resume if generation else None,
-                                report_failures=generation is None, steps=config.steps)
+                                report_failures=generation is None, steps=config.steps,
+                                interrupted_line=((lambda number: slurm.interrupted_line(config.slurm_job, number))
+                                                  if config.launcher is Launcher.SLURM else None))
             status = job.run()
             if generation is not None:
                 generation.size, generation.records = config.num_proc, list(job.records)
@@ -342,6 +371,62 @@ def _start_master(config: LaunchConfig, scratch: str, job_file: str, updates: st
         _log(config, f"SSH connections are not shared: cannot serve {master.path}: {error}")
         return None
     return master
+
+
+def _slurm_preflight(config: LaunchConfig, local_file: str) -> "tuple[JobLayout, tuple[str, ...]] | None":
+    """The preflight through srun (launcher/slurm.py), one line per failing node: the job's layout
+    (left in `local_file` when ranks run here too) and the subnets MPI is to use; None when the
+    job must not start."""
+    from mtrain.launcher.capabilities import gpu_count
+    from mtrain.launcher.netif import interface_addresses, shared_subnets
+    from mtrain.launcher.preflight import slot_warnings
+    _log(config, f"preflight of {', '.join(config.remote_hosts)} through srun")
+    needed = ports_needed(config.plan, config.master_port)
+    reports = slurm.preflight(config.remote_hosts, sys.executable, mtrain.__version__, config.start_timeout, needed)
+    errors = [r.error for r in reports.values() if r.error]
+    for line in errors:
+        print(f"mtrain: {line}", file=sys.stderr)
+    if errors:
+        failed = "1 host" if len(errors) == 1 else f"{len(errors)} hosts"
+        print(f"mtrain: preflight failed on {failed}; nothing was started", file=sys.stderr)
+        return None
+    for line in slot_warnings(reports, {h.name: h.slots for h in config.plan}):
+        print(f"mtrain: warning: {line}", file=sys.stderr)
+    facts = {}
+    for host in config.plan:
+        if host.name in reports:
+            report = reports[host.name]
+            facts[host.name] = HostFacts(report.addresses, report.ports, report.gpus)
+        else:
+            facts[host.name] = HostFacts(interface_addresses(), tuple(free_ports(needed[host.name])),
+                                         gpu_count() if config.one_gpu_per_rank else 0)
+    subnets = config.network_interfaces or shared_subnets([f.addresses for f in facts.values()],
+                                                          skip=mpilib.EXCLUDED_INTERFACES)
+    if not subnets:
+        print("mtrain: the nodes share no IPv4 network; choose one with --network-interface; "
+              "nothing was started", file=sys.stderr)
+        return None
+    try:
+        layout = job_layout(config.plan, facts, subnets, config.master_port, config.one_gpu_per_rank)
+        if any(h.name not in config.remote_hosts for h in config.plan):
+            layout.write(local_file)
+    except ValueError as error:
+        print(f"mtrain: {error}; nothing was started", file=sys.stderr)
+        return None
+    except PrivatePathError as error:  # another user's folder at the job's path
+        print(error, file=sys.stderr)
+        return None
+    _log(config, f"preflight passed; MASTER_ADDR={layout.master_addr} MASTER_PORT={layout.master_port}")
+    return layout, tuple(subnets)
+
+
+def _slurm_notifier(config: LaunchConfig, job_file: str) -> Callable[[int], None]:
+    """How an elastic generation started through Slurm tells the ranks on the other nodes of a
+    new host set: a step that leaves the version where their wrappers look (launcher/slurm.py)."""
+    def notify(version: int) -> None:
+        slurm.run_step(config.remote_hosts, [sys.executable, "-m", "mtrain.launcher.slurm", "update", job_file,
+                                             str(version)], config.start_timeout, "mtrain-update")
+    return notify
 
 
 def _local_layout(config: LaunchConfig) -> JobLayout:

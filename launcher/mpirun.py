@@ -7,6 +7,8 @@ Two families are understood:
   and calls it as `<agent> HOST <command words…>`).  Tree spawn is turned off
   so every SSH hop starts on the launcher host and remote hosts need no keys
   to each other.
+* Inside a Slurm allocation, Open MPI's PRRTE starts its daemons with srun
+  (`--prtemca plm slurm`), each under mtrain's guard (`prte_launch_agent`).
 * MPICH's hydra (`mpiexec.hydra`): `-launcher ssh -launcher-exec <program>`,
   where the program must be a single executable path.
 
@@ -100,6 +102,7 @@ def build_argv(
     as_root: bool = False,
     extra_args: Sequence[str] = (),
     binding_args: Sequence[str] | None = None,
+    slurm_agent: Sequence[str] | None = None,
 ) -> list[str]:
     """The full launcher argv for one job.
 
@@ -107,7 +110,9 @@ def build_argv(
     stays on this machine.  `command` is passed through untouched: MPI hands
     each rank its argv directly (never through a shell), so quoting survives.
     `binding_args` (--binding-args) replace the default mapping and binding
-    (``DEFAULT_BINDING``), as Horovod's do.
+    (``DEFAULT_BINDING``), as Horovod's do.  `slurm_agent` (Open MPI only): the hosts are
+    nodes of the Slurm allocation we run in, whose daemons PRRTE starts with srun, each under
+    these words (launcher/slurm.py) instead of `agent` over SSH.
     """
     if not command:
         raise ValueError("empty command")
@@ -119,23 +124,32 @@ def build_argv(
     binding = list(DEFAULT_BINDING[mpi.kind] if binding_args is None else binding_args)
     if mpi.kind is MpiKind.OPENMPI:
         argv = _openmpi(mpi.path, plan, num_proc, agent, env_names, env_values, network_interfaces, as_root,
-                        binding)
+                        binding, slurm_agent)
+    elif slurm_agent is not None:
+        raise ValueError("mtrain starts ranks through Slurm with Open MPI only; with MPICH give --launcher ssh")
     else:
         argv = _hydra(mpi.path, plan, num_proc, agent, env_names, env_values, network_interfaces, binding)
     return argv + list(extra_args) + rank_command
 
 
-def _openmpi(path, plan, num_proc, agent, env_names, env_values, interfaces, as_root, binding) -> list[str]:
+def _words(agent: Sequence[str]) -> str:
+    words = list(agent)
+    if any(" " in word for word in words):
+        # PRRTE splits its agents' values on spaces; a path with one would break silently.
+        raise ValueError(f"agent words may not contain spaces: {words}")
+    return " ".join(words)
+
+
+def _openmpi(path, plan, num_proc, agent, env_names, env_values, interfaces, as_root, binding,
+             slurm_agent=None) -> list[str]:
     argv = [path, "-np", str(num_proc), "--host", host_list(plan), *binding]
     if as_root:
         argv.append("--allow-run-as-root")
     if agent is not None:
-        words = list(agent)
-        if any(" " in word for word in words):
-            # PRRTE splits plm_ssh_agent on spaces; a path with one would break silently.
-            raise ValueError(f"agent words may not contain spaces: {words}")
-        argv += ["--prtemca", "plm_ssh_agent", " ".join(words),
-                 "--prtemca", "plm_ssh_no_tree_spawn", "1"]
+        argv += ["--prtemca", "plm_ssh_agent", _words(agent), "--prtemca", "plm_ssh_no_tree_spawn", "1"]
+    elif slurm_agent is not None:
+        argv += ["--prtemca", "plm", "slurm", "--prtemca", "prte_launch_agent", _words(slurm_agent)]
+    if agent is not None or slurm_agent is not None:
         if interfaces:
             joined = ",".join(interfaces)
             argv += ["--mca", "btl_tcp_if_include", joined, "--prtemca", "oob_tcp_if_include", joined]

@@ -12,7 +12,7 @@ import fcntl
 import ipaddress
 import socket
 import struct
-from typing import Sequence
+from typing import Mapping, Sequence
 
 _SIOCGIFADDR = 0x8915
 _SIOCGIFNETMASK = 0x891B
@@ -96,3 +96,18 @@ def source_address(host: str, port: int = 22) -> str | None:
             return sock.getsockname()[0]
     except (OSError, IndexError):
         return None
+
+
+def shared_subnets(hosts: Sequence[Mapping[str, str]], skip: Sequence[str] = ()) -> tuple[str, ...]:
+    """The IPv4 subnets on which every one of `hosts` (each as interface_addresses gives them)
+    has an address, sorted; loopback, link-local and the interfaces named in `skip` aside.
+    Hosts reached through a scheduler have no connection of ours to tell the network by."""
+    common: set[str] | None = None
+    for addresses in hosts:
+        subnets = set()
+        for name, address in addresses.items():
+            network = ipaddress.IPv4Interface(address).network
+            if name not in skip and not network.is_loopback and not network.is_link_local:
+                subnets.add(str(network))
+        common = subnets if common is None else common & subnets
+    return tuple(sorted(common or ()))

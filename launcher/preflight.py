@@ -25,7 +25,7 @@ from mtrain.launcher.config import SshOptions
 
 # Runs on the remote host; must work with nothing but mtrain installed.
 PROBE = r"""
-import json, sys
+import json, os, sys
 try:
     import mtrain
     from mtrain.launcher.capabilities import gpu_count
@@ -38,6 +38,7 @@ else:
                  "ports": free_ports(int(sys.argv[1]))}
     except Exception as error:
         found = {"version": mtrain.__version__, "error": f"{type(error).__name__}: {error}"}
+found["node"] = os.environ.get("SLURMD_NODENAME", "")  # which node answered, through srun (launcher/slurm.py)
 print(json.dumps(found), flush=True)
 if len(sys.argv) > 3 and found.get("version") == sys.argv[2] and "error" not in found:
     # The launcher keeps this session: wait for its go line, then guard the job's daemon here.
@@ -91,7 +92,7 @@ def probe_host(host: str, options: SshOptions, python: str, version: str, timeou
             command += f" {shlex.quote(version)} {timeout + GO_WAIT_MARGIN:g}"
             channel, status, out, err = ssh.start_command(client, command, timeout, _answered)
             found = _parse(out)
-        report = _judge(host, python, version, status, found, err, address, source)
+        report = judge(host, python, version, status, found, err, address, source)
         if keep is not None:
             if report.error is None:
                 kept = keep(host, client, channel)
@@ -138,7 +139,7 @@ def _answered(out: str) -> bool:
     return found is not None and "version" in found
 
 
-def _judge(host: str, python: str, version: str, status: int | None, found: dict | None, err: str,
+def judge(host: str, python: str, version: str, status: int | None, found: dict | None, err: str,
            address: str, source: str) -> HostReport:
     """The report for what the probe said (`status` None: it answered and is still running)."""
     if status == 127:

@@ -522,6 +522,9 @@ def stuck_in_init(waiting: "dict[int, tuple]", ended: "dict[int, int]") -> "str 
 # addresses and free ports; on each host a file the rank wrapper reads).
 
 ENV_JOB_FILE = "MTRAIN_JOB_FILE"  # a path template: "{host}" stands for the host's name (launcher/job_files.py)
+# A job started through Slurm: its layout (JobLayout.encode()), which the daemon's guard on each node
+# writes at $MTRAIN_JOB_FILE there (launcher/slurm.py); srun passes mpirun's environment on.
+ENV_JOB_LAYOUT = "MTRAIN_JOB_LAYOUT"
 
 
 

@@ -11,6 +11,9 @@ PRRTE's daemon forks and calls setsid(), so killing a process group is not
 enough: the guard makes itself a child subreaper, so every descendant stays
 under it even when its parent exits, and signals the whole tree.
 
+Under Slurm (`--slurm PRTED ARGS…`, launcher/slurm.py) srun starts the guard on each node, the
+layout comes in the environment, and Slurm, not a heartbeat, ends the step.
+
 With `--job-file`, the guard first writes the job's layout (mtrain.launcher.records.
 JobLayout) to that path template, "{host}" replaced by this host's name, for
 the rank wrappers here, and removes it when the job ends.
@@ -40,8 +43,9 @@ import time
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (DAEMON_UMASK, ENV_OPENMPI_SESSION_BASE, AgentEvent, AgentEventKind, HostUpdates,
-                                     JobLayout, event_line, host_path, signal_name, updates_file)
+from mtrain.launcher.records import (DAEMON_UMASK, ENV_JOB_FILE, ENV_JOB_LAYOUT, ENV_OPENMPI_SESSION_BASE, AgentEvent,
+                                     AgentEventKind, HostUpdates, JobLayout, event_line, host_path, signal_name,
+                                     updates_file)
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -155,6 +159,8 @@ def end_tree(grace: float = TERM_GRACE) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--slurm"] and len(argv) > 1:
+        return slurm_main(argv[1:])
     template, layout = None, None
     if argv[:1] == ["--job-file"] and len(argv) >= 4 and argv[2] == "--layout":
         template, layout, argv = argv[1], JobLayout.decode(argv[3]), argv[4:]
@@ -165,7 +171,24 @@ def main(argv: list[str] | None = None) -> int:
     return _run_guarded(argv[0], template if layout else None, layout)
 
 
-def _run_guarded(command: str, template: str | None, layout: JobLayout | None, pending: bytes = b"") -> int:
+def slurm_main(command: list[str]) -> int:
+    """`--slurm PRTED ARGS…`: what PRRTE's plm slurm starts on each node through srun
+    (launcher/slurm.py).  The job's layout comes in $MTRAIN_JOB_LAYOUT (Slurm passes mpirun's
+    environment on), there is no session to watch (Slurm ends the step when mpirun goes, and
+    signals it on scancel), and the daemon runs as given, without a shell."""
+    template = os.environ.get(ENV_JOB_FILE, "")
+    text = os.environ.pop(ENV_JOB_LAYOUT, "")
+    try:
+        layout = JobLayout.decode(text) if "{host}" in template and text else None
+    except (ValueError, KeyError, TypeError) as error:
+        print(f"mtrain-guard: {socket.gethostname()}: bad job layout from the launcher: {error}",
+              file=sys.stderr, flush=True)
+        return 2
+    return _run_guarded(command, template if layout else None, layout, watch=False)
+
+
+def _run_guarded(command: "str | list[str]", template: str | None, layout: JobLayout | None,
+                 pending: bytes = b"", watch: bool = True) -> int:
     """Guard `command` (Open MPI's daemon), leaving the job's `layout` for the ranks on this host
     at `template`'s path (job_files.py) and removing what the job keeps here when it ends."""
     host = os.uname().nodename
@@ -184,13 +207,14 @@ def _run_guarded(command: str, template: str | None, layout: JobLayout | None, p
                              f"{error.strerror or error}\n")
             return 1
     try:
-        return _guard(command, template, updates_path, pending)
+        return _guard(command, template, updates_path, pending, watch)
     finally:
         if template:
             job_files.remove_host(template, host)  # this generation's, and the folders once empty
 
 
-def _guard(command: str, template: str | None, updates_path: str | None, pending: bytes = b"") -> int:
+def _guard(command: "str | list[str]", template: str | None, updates_path: str | None, pending: bytes = b"",
+           watch: bool = True) -> int:
     become_subreaper()
     # Open MPI's daemon makes its session folder (open to all, whatever the umask) in a new 0700
     # folder of the job's (job_files.py), and runs with a private umask (the rank wrapper gives the
@@ -200,14 +224,17 @@ def _guard(command: str, template: str | None, updates_path: str | None, pending
     env = _daemon_environment()
     env[ENV_OPENMPI_SESSION_BASE] = session
     try:
-        return _run_daemon(command, env, updates_path, pending)
+        return _run_daemon(command, env, updates_path, pending, watch)
     finally:
         shutil.rmtree(session, ignore_errors=True)
 
 
-def _run_daemon(command: str, env: "dict[str, str]", updates_path: str | None, pending: bytes) -> int:
-    child = subprocess.Popen([_login_shell(), "-c", command], stdin=subprocess.DEVNULL, env=env,
-                             umask=DAEMON_UMASK)
+def _run_daemon(command: "str | list[str]", env: "dict[str, str]", updates_path: str | None, pending: bytes,
+                watch: bool = True) -> int:
+    """Run the daemon (a shell command, or an argv as given) and reap its tree; with `watch`, end
+    it when our session's stdin ends or goes silent."""
+    argv = [_login_shell(), "-c", command] if isinstance(command, str) else command
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, umask=DAEMON_UMASK)
     done = threading.Event()
     ending = threading.Lock()
 
@@ -226,7 +253,8 @@ def _run_daemon(command: str, env: "dict[str, str]", updates_path: str | None, p
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda number, frame: threading.Thread(
             target=end_once, args=(f"received {signal.Signals(number).name}",), daemon=True).start())
-    threading.Thread(target=watchdog, daemon=True).start()
+    if watch:
+        threading.Thread(target=watchdog, daemon=True).start()
     status = None
     # Reap the direct child and every orphan handed to us; leave when no child is left.
     while True:

@@ -152,8 +152,12 @@ class Job:
                  verbose: bool, events_path: str | None, preflight: Callable[[], str | None] | None = None,
                  gate: Gate | None = None, on_resume: Callable[[ElasticResume], None] | None = None,
                  report_failures: bool = True, prefix_timestamp: bool = False,
-                 steps: StepSettings = StepSettings()) -> None:
+                 steps: StepSettings = StepSettings(),
+                 interrupted_line: Callable[[int], str] | None = None) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
+        # What to say when a signal stopped us (default: the signal); a scheduler knows why it sent one.
+        self.interrupted_line = interrupted_line or (
+            lambda number: f"mtrain: {signal_name(number)} received; all ranks were stopped")
         self.events_path, self.preflight, self.gate = events_path, preflight, gate
         # An elastic driver hears when a generation has resumed, and reports failures itself.
         self.on_resume, self.report_failures = on_resume, report_failures
@@ -445,8 +449,7 @@ class Job:
     def _outcome(self, mpirun_status: int, host_problems: list[AgentEvent]) -> int:
         records = list(self.records)
         if self.interrupted is not None:
-            print(f"mtrain: {signal_name(self.interrupted)} received; all ranks were stopped",
-                  file=sys.stderr)
+            print(self.interrupted_line(self.interrupted), file=sys.stderr)
             return 128 + self.interrupted
         if self.stuck is not None:
             print(f"mtrain: job stopped: it could never go on: {self.stuck}", file=sys.stderr)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.cluster.conftest import PYTHON, assert_no_leftovers, run_mtrain
+from tests.cluster.conftest import PYTHON, assert_no_leftovers, job_env, mtrain_argv, run_mtrain
 from tests.launcher.report_check import assert_only_mtrain_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -83,5 +84,22 @@ def test_ddp_rank_that_raises_gets_the_usual_report(cluster, tmp_path, token, ba
                       backend, "raise", token, cwd=tmp_path, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "first failure: rank 1 on mtr-a: exit code 1 (RuntimeError: simulated failure in DDP rank 1)" in done.stderr
+    assert_only_mtrain_output(done.stderr)
+    assert_no_leftovers(cluster, token, within=10)
+
+
+def test_inside_a_pbs_job_the_hosts_come_from_its_nodefile(cluster, tmp_path, token):
+    # PBS / Torque list one line per slot; mtrain reaches the hosts over SSH, as PRRTE's `ras pbs` would
+    # find them. Three slots on mtr-b first: rank order follows the file.
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("mtr-b\nmtr-b\nmtr-a\nmtr-b\n")
+    env = {"PBS_JOBID": "4242.pbs-server", "PBS_NODEFILE": str(nodefile)}
+    done = subprocess.run(mtrain_argv(PYTHON, str(HERE / "rank_probe.py"), token), env={**job_env(cluster), **env},
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    ranks = json_lines(done.stdout, "rank")
+    assert sorted(ranks) == [0, 1, 2, 3], done.stdout
+    assert [ranks[r]["host"] for r in range(4)] == ["mtr-b", "mtr-b", "mtr-b", "mtr-a"]
+    assert all(data["sum_ok"] and data["size"] == 4 for data in ranks.values())
     assert_only_mtrain_output(done.stderr)
     assert_no_leftovers(cluster, token, within=10)
