@@ -9,7 +9,7 @@ import pytest
 
 from tests.cluster.conftest import assert_no_leftovers
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
 def test_srun_runs_one_task_per_host(slurm, cluster, token):
