@@ -16,9 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster import slurmcluster
 from tests.cluster.netcluster import Cluster, prerequisites_missing, running_cluster
 
 PYTHON = sys.executable
+# Process ids of the session's Slurm daemons (slurmd in the hosts): not a job's leftovers.
+_SLURM_DAEMONS: set[int] = set()
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +33,24 @@ def cluster():
         pytest.skip(f"test cluster unavailable: {missing}")
     with running_cluster(2) as built:
         yield built
+
+
+@pytest.fixture(scope="session")
+def slurm(cluster):
+    """A real Slurm on the cluster's hosts (slurmctld on the bridge, a slurmd per host); its
+    `env()` points Slurm's clients at it.  Once started it lives for the rest of the session."""
+    missing = slurmcluster.prerequisites_missing()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"Slurm cluster tests must run in CI but cannot: {missing}")
+        pytest.skip(f"Slurm test cluster unavailable: {missing}")
+    with slurmcluster.running_slurm(cluster) as running:
+        pids = running.daemon_pids()
+        _SLURM_DAEMONS.update(pids)
+        try:
+            yield running
+        finally:
+            _SLURM_DAEMONS.difference_update(pids)
 
 
 @pytest.fixture
@@ -179,13 +200,20 @@ def _comm(pid: int) -> str:
 
 
 def leftovers(cluster: Cluster, token: str) -> list[str]:
-    """Processes of a job still alive: anything with the token, anything but sshd on the hosts."""
+    """Processes of a job still alive: anything with the token, anything but sshd on the hosts.
+
+    The session's slurmd daemons (the `slurm` fixture's) are not leftovers; every slurmstepd
+    is: one lives only while its step (or batch script) runs, so after a job has ended a
+    slurmstepd still there is a step the job left behind, e.g. tasks that outlived their
+    srun and wait out KillWait.  Check for leftovers once the Slurm job is over."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid() and token in _cmdline(int(entry)):
             found.append(f"{entry}: {_cmdline(int(entry))[:120]}")
     for host in cluster.hosts:
         for pid in cluster.namespace_pids(host.name):
+            if pid in _SLURM_DAEMONS:
+                continue
             if _comm(pid) not in ("sshd", "sshd-session") and _cmdline(pid):
                 found.append(f"{host.name} {pid}: {_cmdline(pid)[:120]}")
     return found
