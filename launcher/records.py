@@ -136,6 +136,17 @@ class ErrorReport:
             return None
 
 
+def supervised() -> bool:
+    """Whether this rank runs under `mtrain run`'s rank wrapper, which reports how it ends."""
+    return ENV_ERROR_FILE in os.environ
+
+
+def own_failure_line(record: "ExitRecord") -> str:
+    """The job's failure report as a rank with no launcher of ours says it of itself (ranks that
+    srun started directly, say): the line `mtrain run` would print for it."""
+    return f"mtrain: job failed; first failure: {record.describe()}\n"
+
+
 def report_error(message: str, cause: FailureCause) -> None:
     """Tell the launcher (if one is listening through $MTRAIN_ERROR_FILE) why this rank fails."""
     path = os.environ.get(ENV_ERROR_FILE)

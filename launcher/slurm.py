@@ -139,15 +139,23 @@ def _no_answer(node: str, python: str, status: int | None, err: str, timeout: fl
     return f"host {node}: the probe through srun failed: {said}"
 
 
-def job_state(job: str, timeout: float = 3.0) -> str:
-    """Slurm's state of job `job` now (RUNNING, CANCELLED, TIMEOUT, …; "" when unknown)."""
+def job_fields(job: str, timeout: float = 3.0) -> dict[str, str]:
+    """`scontrol show job -o JOB`'s fields ({} when Slurm cannot say)."""
     try:
         out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
                              timeout=timeout, stdin=subprocess.DEVNULL).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return ""
-    found = re.search(r"\bJobState=([A-Z_]+)", out)
-    return found.group(1) if found else ""
+        return {}
+    return dict(re.findall(r"(?:^|\s)([A-Za-z/:]+)=(\S*)", out))
+
+
+def seconds(text: str) -> float | None:
+    """Slurm's `[days-]hours:minutes:seconds` (or minutes:seconds) in seconds; None for UNLIMITED and the like."""
+    found = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
+    if found is None:
+        return None
+    days, hours, minutes, secs = (int(part or 0) for part in found.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + secs
 
 
 _ENDED_BY = {"CANCELLED": "was cancelled (scancel)", "TIMEOUT": "reached its time limit",
@@ -155,14 +163,29 @@ _ENDED_BY = {"CANCELLED": "was cancelled (scancel)", "TIMEOUT": "reached its tim
              "DEADLINE": "reached its deadline"}
 
 
-def interrupted_line(job: str, number: int) -> str:
-    """What mtrain says when a signal stopped it inside Slurm job `job`: Slurm's reason when the
-    job is ending (scancel, the time limit: Slurm signals every process of the job at once, so
-    the ranks' own deaths are consequences, not failures), else the signal."""
-    state = job_state(job)
+def ended_by(fields: Mapping[str, str]) -> str | None:
+    """Why Slurm is ending the job these fields describe ("reached its time limit", …), or None
+    while it runs.  A job Slurm is ending shows as COMPLETING until its last process is gone
+    (ours among them), so the time limit is told by the run time."""
+    state = fields.get("JobState", "")
     if state in _ENDED_BY:
-        return (f"mtrain: Slurm job {job} {_ENDED_BY[state]}: Slurm sent {signal_name(number)} to every "
-                "process of the job; all ranks were stopped")
+        return _ENDED_BY[state]
+    if state != "COMPLETING":
+        return None
+    limit, ran = seconds(fields.get("TimeLimit", "")), seconds(fields.get("RunTime", ""))
+    if limit is not None and ran is not None and ran >= limit:
+        return f"reached its time limit ({fields['TimeLimit']})"
+    return "was cancelled (scancel, or Slurm ended it)"
+
+
+def interrupted_line(job: str, number: int) -> str:
+    """What mtrain says when a signal stopped it inside Slurm job `job`: Slurm's reason when it is
+    ending the job (scancel, the time limit: Slurm signals every process of the job at once, so
+    the ranks' own deaths are consequences, not failures), else the signal."""
+    why = ended_by(job_fields(job))
+    if why is not None:
+        return (f"mtrain: Slurm job {job} {why}: Slurm sent {signal_name(number)} to every process of the job; "
+                "all ranks were stopped")
     return f"mtrain: {signal_name(number)} received; all ranks were stopped"
 
 

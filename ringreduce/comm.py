@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import sys
+import time
 import traceback
 
 # The background engine makes every MPI call of the runtime from one thread that
@@ -10,7 +12,7 @@ import traceback
 # MULTIPLE by default, which also lets user code call MPI from its own threads.
 from mpi4py import MPI
 
-from mtrain.launcher.records import FailureCause, report_error
+from mtrain.launcher.records import ExitRecord, FailureCause, own_failure_line, report_error, supervised, user_line
 
 from . import exits
 
@@ -85,6 +87,9 @@ def install_abort_on_exception() -> None:
         # line is not lost: the first line of this burst, right after the runner's ENDED note,
         # sometimes does not reach the job's output on a loaded machine; cause not yet found).
         stream.write(f"{text}mtrain: rank {rank} raised the uncaught exception above{why}; aborting the job\n")
+        if not supervised() and not peers:  # no mtrain run to name the first failure: say it here
+            stream.write(own_failure_line(ExitRecord(rank, socket.gethostname(), 1, False, time.time(),
+                                                     report=f"{kind.__name__}: {value}", where=user_line(tb))))
         stream.flush()
         MPI.COMM_WORLD.Abort(1)
 

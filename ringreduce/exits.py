@@ -29,12 +29,15 @@ from __future__ import annotations
 import atexit
 import builtins
 import signal
+import socket
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from mtrain.launcher import pymain
 from mtrain.launcher.pymain import status_of
+from mtrain.launcher.records import ExitRecord, own_failure_line, supervised
 
 _requested: "int | None" = None   # the status sys.exit() was last asked for
 _installed = False
@@ -83,6 +86,10 @@ def leave(shutdown: Callable[[], None]) -> None:
     if status is None:  # not run by mtrain's runner: what sys.exit noted, if anything
         status = _requested or 0
     if pymain.abort_mpi_at_exit(status):  # MPI_Abort at the interpreter's end: nothing polite first
+        if not supervised():  # no mtrain run to name the first failure: say it here
+            rank = sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank()
+            sys.stderr.write(own_failure_line(ExitRecord(rank, socket.gethostname(), status, False, time.time())))
+            sys.stderr.flush()
         return
     shutdown()
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from mtrain.launcher.records import ENV_STRAGGLER_OFF, Phase, PhaseNote, StepSample
+from mtrain.launcher.records import ENV_STRAGGLER_OFF, Phase, PhaseNote, StepSample, supervised
 from mtrain.launcher.stragglers import StragglerRow, straggler_table
 
 from . import comm as comm_module
@@ -41,6 +42,21 @@ def _live_runtime() -> _ps.Registry:
 _ps._registry_of = _live_runtime
 
 
+def _refuse_lone_srun_task(world_size: int, env: "dict[str, str] | os._Environ") -> None:
+    """srun started this process as one task of several, but MPI sees it alone: srun gave it no
+    PMIx (`--mpi=pmix`), so every task would train by itself, each an MPI job of one.  Leave at
+    once with one line instead (exit status 2, a usage error)."""
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "")
+    if (world_size != 1 or not tasks.isdigit() or int(tasks) < 2 or supervised()
+            or "OMPI_COMM_WORLD_SIZE" in env or "PMIX_RANK" in env):
+        return
+    sys.stderr.write(f"mtrain: srun started this process as task {env.get('SLURM_PROCID', '?')} of {tasks}, but "
+                     "MPI sees it alone (srun gave it no PMIx): start the ranks with `srun --mpi=pmix`, or run "
+                     "`mtrain run` inside the allocation\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start the runtime on ``comm`` (an mpi4py communicator; default COMM_WORLD).
 
@@ -52,6 +68,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     global _runtime
     wanted = _check_process_sets_argument(process_sets)
+    if comm is None:
+        _refuse_lone_srun_task(MPI.COMM_WORLD.Get_size(), os.environ)
     if _runtime is not None:
         if _runtime.engine.running():
             if wanted:

@@ -115,3 +115,17 @@ def test_auto_without_srun_goes_over_ssh():
     done = mtrain("--dry-run", sys.executable, "train.py", env=dict(SLURM, PATH="/nonexistent"))
     assert done.returncode == 0, done.stderr
     assert "launcher: ssh" in done.stdout.splitlines()
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"JobState": "RUNNING", "RunTime": "00:10:00", "TimeLimit": "00:05:00"}, None),
+    ({"JobState": "COMPLETING", "RunTime": "00:05:00", "TimeLimit": "00:05:00"}, "reached its time limit (00:05:00)"),
+    ({"JobState": "COMPLETING", "RunTime": "1-00:00:03", "TimeLimit": "1-00:00:00"}, "reached its time limit (1-00:00:00)"),
+    ({"JobState": "COMPLETING", "RunTime": "00:00:07", "TimeLimit": "UNLIMITED"}, "was cancelled (scancel, or Slurm ended it)"),
+    ({"JobState": "COMPLETING", "RunTime": "00:04:59", "TimeLimit": "00:05:00"}, "was cancelled (scancel, or Slurm ended it)"),
+    ({"JobState": "TIMEOUT"}, "reached its time limit"),
+    ({}, None),
+])
+def test_why_slurm_is_ending_a_job(fields, expected):
+    from mtrain.launcher.slurm import ended_by
+    assert ended_by(fields) == expected
