@@ -286,7 +286,8 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                                 on_resume=generation.on_resume if generation else None,
                                 report_failures=generation is None, steps=config.steps,
                                 interrupted_line=((lambda number: slurm.interrupted_line(config.slurm_job, number))
-                                                  if config.launcher is Launcher.SLURM else None))
+                                                  if config.launcher is Launcher.SLURM else None),
+                                events_on_stderr=through_slurm)
             status = job.run()
             if generation is not None:
                 generation.size, generation.records = config.num_proc, list(job.records)

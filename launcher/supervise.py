@@ -34,7 +34,8 @@ from mtrain.launcher.config import StepSettings
 from mtrain.launcher.hang_report import FAILURE_QUIET_SECONDS, Collector, HangReport
 from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_process
 from mtrain.launcher.progress import ProgressDisplay, describe
-from mtrain.launcher.records import (DAEMON_UMASK, DUMP_MARKER, DUMP_REQUEST_MARKER, EXIT_MARKER, PHASE_MARKER,
+from mtrain.launcher.records import (DAEMON_UMASK, DUMP_MARKER, DUMP_REQUEST_MARKER, EVENT_MARKER, EXIT_MARKER,
+                                     PHASE_MARKER,
                                      RESUME_MARKER, STEP_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
                                      DumpRequest, ElasticResume, ExitRecord, Gate, Phase, PhaseNote, RecorderDump,
                                      StepReport, StopReason, signal_name, stuck_in_init)
@@ -153,12 +154,15 @@ class Job:
                  gate: Gate | None = None, on_resume: Callable[[ElasticResume], None] | None = None,
                  report_failures: bool = True, prefix_timestamp: bool = False,
                  steps: StepSettings = StepSettings(),
-                 interrupted_line: Callable[[int], str] | None = None) -> None:
+                 interrupted_line: Callable[[int], str] | None = None, events_on_stderr: bool = False) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
         # What to say when a signal stopped us (default: the signal); a scheduler knows why it sent one.
         self.interrupted_line = interrupted_line or (
             lambda number: f"mtrain: {signal_name(number)} received; all ranks were stopped")
         self.events_path, self.preflight, self.gate = events_path, preflight, gate
+        # Through Slurm the guards' srun writes to mpirun's stderr, and their events come with it.
+        self.events_on_stderr = events_on_stderr
+        self.stderr_events: list[AgentEvent] = []
         # An elastic driver hears when a generation has resumed, and reports failures itself.
         self.on_resume, self.report_failures = on_resume, report_failures
         self.host_problems: list[AgentEvent] = []
@@ -199,6 +203,10 @@ class Job:
                 if not before.strip():
                     continue
                 line = before + b"\n"
+            if is_stderr and self.events_on_stderr and EVENT_MARKER in line:
+                line = self._take_event(line)
+                if not line:
+                    continue
             for marker, take in ((PHASE_MARKER, self._phase), (STEP_MARKER, self._steps),
                                  (DUMP_MARKER, self._dump), (DUMP_REQUEST_MARKER, self._dump_request)):
                 if is_stderr and marker in line:
@@ -216,6 +224,21 @@ class Job:
                 with self.lock:
                     self.launcher_tail = (self.launcher_tail + [line.decode(errors="replace").rstrip()])[-LAUNCHER_TAIL:]
             self.sink.write(line, stream)
+
+    def _take_event(self, line: bytes) -> bytes:
+        """A daemon's guard's event (records.EVENT_MARKER) in mpirun's own output: kept for the loop."""
+        before, _, payload = line.partition(EVENT_MARKER)
+        event = AgentEvent.decode(payload)
+        if event is not None:
+            with self.lock:
+                self.stderr_events.append(event)
+        return before + b"\n" if before.strip() else b""
+
+    def _events(self, reader: "AgentEventReader | None") -> list[AgentEvent]:
+        """The guards' events since the last call: from the agents' file, and from mpirun's stderr."""
+        with self.lock:
+            events, self.stderr_events = self.stderr_events, []
+        return (reader.poll() if reader else []) + events
 
     def _record(self, payload: bytes) -> None:
         record = ExitRecord.decode(payload)
@@ -367,7 +390,7 @@ class Job:
             if ended.wait(0.1):
                 break
             now = time.monotonic()
-            for event in (reader.poll() if reader else []):
+            for event in self._events(reader):
                 host_problems.append(event)
                 self.log(f"{event.kind.value}: {event.detail}")
             if failure_seen_at is None and any(r.failed and not r.stopped for r in self.records):
@@ -415,14 +438,15 @@ class Job:
         for thread in readers:
             thread.join(timeout=2.0)
         self.log("all processes of the job have ended")
-        host_problems += reader.poll() if reader else []
+        host_problems += self._events(reader)
         # Ranks that never reported an end, and no word of a host: their host's relay may still
         # be passing on what its guard said (the connection master outlives mpirun's agents).
         deadline = time.monotonic() + LATE_EVENT_GRACE
-        while (reader and not any(e.kind in _LOST for e in host_problems) and time.monotonic() < deadline
+        while ((reader or self.events_on_stderr) and not any(e.kind in _LOST for e in host_problems)
+               and time.monotonic() < deadline
                and len({r.rank for r in self.records}) < self.ranks and self.interrupted is None):
             time.sleep(0.1)
-            host_problems += reader.poll()
+            host_problems += self._events(reader)
         self.host_problems = host_problems
         self._print_report(self.collector.finish(set()))  # a collection the job's end cut short
         self._stop_progress()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import PYTHON, assert_no_leftovers, mtrain_argv
+from tests.cluster.conftest import PYTHON, assert_no_leftovers, kill_mpi_daemons, mtrain_argv
 from tests.cluster.leaving import FAILURES, POLITE
 from tests.launcher.report_check import assert_only_mtrain_output
 
@@ -263,4 +263,25 @@ def test_srun_without_pmix_fails_at_once_instead_of_running_alone(slurm, cluster
     assert len(lines) == 4, done.stderr
     assert all("srun --mpi=pmix" in line and "mtrain run" in line for line in lines), done.stderr
     assert "Traceback" not in done.stderr
+    assert_no_leftovers(cluster, token, within=10)
+
+
+def test_elastic_job_in_an_allocation_blacklists_a_node_whose_daemon_died(slurm, cluster, tmp_path, token):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\nfor host in $(scontrol show hostnames \"$SLURM_JOB_NODELIST\"); do echo \"$host:2\"; done\n")
+    script.chmod(0o755)
+    job, output = submit(slurm, tmp_path, mtrain_run("-np", "4", "--min-np", "2", "--host-discovery-script",
+                                                     str(script), PYTHON, str(HERE / "elastic_train.py"),
+                                                     "2", "12", "0.25", token))
+    try:
+        wait_for_output(output, "progress", 8, timeout=120)
+        kill_mpi_daemons(cluster, "mtr-b")  # the node's part of the job dies; Slurm still lists the node
+        wait_job_gone(slurm, job, timeout=150)
+    finally:
+        slurm.run(["scancel", job])
+    text = output.read_text()
+    assert "elastic reset 1: host mtr-b lost" in text and "now 2 ranks on mtr-a:2" in text, text
+    final = json_lines(text)
+    assert sorted(final) == [0, 1] and all(data["size"] == 2 and data["steps"] == 2 * 12 for data in final.values()), text
+    assert slurm.job_exit_code(job) == "0:0", text
     assert_no_leftovers(cluster, token, within=10)
