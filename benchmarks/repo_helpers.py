@@ -5,7 +5,8 @@ repository's own folders: with the repository root on ``sys.path``, ``launcher``
 ``ringreduce`` would import as top-level packages, which an installed mtrain never
 offers (tests/unit/test_packaging.py). Sibling benchmarks import by their file names
 (Python puts a script's folder first on ``sys.path``), and the namespace test cluster,
-tests/cluster/netcluster.py (standard library only), is loaded from its file.
+tests/cluster/netcluster.py, and its Slurm, slurmcluster.py (standard library only), are
+loaded from their files.
 """
 from __future__ import annotations
 
@@ -18,18 +19,29 @@ ROOT = Path(__file__).resolve().parent.parent
 _NETCLUSTER = "mtrain_benchmarks_netcluster"
 
 
-def netcluster() -> ModuleType:
-    """tests/cluster/netcluster.py, loaded from its file once (the repository root stays off sys.path)."""
-    loaded = sys.modules.get(_NETCLUSTER)
+def _load(name: str, filename: str) -> ModuleType:
+    """tests/cluster/`filename`, loaded from its file once as `name` (the repository root stays off sys.path)."""
+    loaded = sys.modules.get(name)
     if loaded is not None:
         return loaded
-    spec = importlib.util.spec_from_file_location(_NETCLUSTER, ROOT / "tests" / "cluster" / "netcluster.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "cluster" / filename)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[_NETCLUSTER] = module  # dataclasses look their module up while the file runs
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[_NETCLUSTER]
+        del sys.modules[name]
         raise
     return module
+
+
+def netcluster() -> ModuleType:
+    """tests/cluster/netcluster.py: the namespace test cluster (sshd hosts)."""
+    return _load(_NETCLUSTER, "netcluster.py")
+
+
+def slurmcluster() -> ModuleType:
+    """tests/cluster/slurmcluster.py: a real Slurm on the namespace cluster (it imports netcluster as loaded here)."""
+    netcluster()
+    return _load("mtrain_benchmarks_slurmcluster", "slurmcluster.py")

@@ -294,7 +294,7 @@ class ElasticDriver:
         silent = silent_hosts(plan, records) if records else []
         if silent and not lost:
             lost = silent
-        if records and all(r.returncode == RESET_EXIT_STATUS for r in records) and not lost:
+        if reset_asked(records) and not lost:
             if self.pending is None:
                 self.pending = _Reset(self.resets + 1, "change", "the ranks asked for a new host set", wall)
         elif lost:
@@ -344,6 +344,16 @@ def silent_hosts(plan: "list[HostSlots]", records: "list[ExitRecord]") -> "list[
     if any(r.failed and not r.stopped and r.host not in hosts for r in records):
         return []
     return hosts
+
+
+def reset_asked(records: "list[ExitRecord]") -> bool:
+    """Whether the generation ended because its ranks asked for the next one: each rank exited
+    with RESET_EXIT_STATUS, or was killed by the job's stop after one had (Open MPI stops the
+    others the moment a rank exits with a status other than 0; one still on its way out of
+    MPI_Finalize then dies by that signal instead of exiting with its own 75)."""
+    asked = [r for r in records if r.returncode == RESET_EXIT_STATUS and not r.stopped]
+    return bool(asked) and all(r.returncode == RESET_EXIT_STATUS or (r.stopped and r.returncode < 0)
+                               for r in records)
 
 
 def _host_failure(record: ExitRecord) -> bool:

@@ -374,25 +374,32 @@ def _start_master(config: LaunchConfig, scratch: str, job_file: str, updates: st
     return master
 
 
-def _slurm_preflight(config: LaunchConfig, local_file: str) -> "tuple[JobLayout, tuple[str, ...]] | None":
-    """The preflight through srun (launcher/slurm.py), one line per failing node: the job's layout
-    (left in `local_file` when ranks run here too) and the subnets MPI is to use; None when the
-    job must not start."""
-    from mtrain.launcher.capabilities import gpu_count
-    from mtrain.launcher.netif import interface_addresses, shared_subnets
+def _preflight_passed(config: LaunchConfig, reports: "Mapping[str, HostReport]") -> bool:
+    """Print the preflight's verdict: one line per failing host (then False), or the warnings."""
     from mtrain.launcher.preflight import slot_warnings
-    _log(config, f"preflight of {', '.join(config.remote_hosts)} through srun")
-    needed = ports_needed(config.plan, config.master_port)
-    reports = slurm.preflight(config.remote_hosts, sys.executable, mtrain.__version__, config.start_timeout, needed)
     errors = [r.error for r in reports.values() if r.error]
     for line in errors:
         print(f"mtrain: {line}", file=sys.stderr)
     if errors:
         failed = "1 host" if len(errors) == 1 else f"{len(errors)} hosts"
         print(f"mtrain: preflight failed on {failed}; nothing was started", file=sys.stderr)
-        return None
+        return False
     for line in slot_warnings(reports, {h.name: h.slots for h in config.plan}):
         print(f"mtrain: warning: {line}", file=sys.stderr)
+    return True
+
+
+def _slurm_preflight(config: LaunchConfig, local_file: str) -> "tuple[JobLayout, tuple[str, ...]] | None":
+    """The preflight through srun (launcher/slurm.py), one line per failing node: the job's layout
+    (left in `local_file` when ranks run here too) and the subnets MPI is to use; None when the
+    job must not start."""
+    from mtrain.launcher.capabilities import gpu_count
+    from mtrain.launcher.netif import interface_addresses, shared_subnets
+    _log(config, f"preflight of {', '.join(config.remote_hosts)} through srun")
+    needed = ports_needed(config.plan, config.master_port)
+    reports = slurm.preflight(config.remote_hosts, sys.executable, mtrain.__version__, config.start_timeout, needed)
+    if not _preflight_passed(config, reports):
+        return None
     facts = {}
     for host in config.plan:
         if host.name in reports:
@@ -463,7 +470,7 @@ def _preflight(config: LaunchConfig, subnets: tuple[str, ...], local_file: str, 
 
 def _checked_layout(config: LaunchConfig, subnets: tuple[str, ...], local_file: str, master,
                     stopped: Callable[[], bool]) -> str | None:
-    from mtrain.launcher.preflight import run_preflight, slot_warnings
+    from mtrain.launcher.preflight import run_preflight
     _log(config, f"preflight of {', '.join(config.remote_hosts)}")
     needed = ports_needed(config.plan, config.master_port)
     reports = run_preflight(config.remote_hosts, config.ssh, sys.executable,
@@ -471,15 +478,8 @@ def _checked_layout(config: LaunchConfig, subnets: tuple[str, ...], local_file: 
                             keep=master.adopt if master is not None else None, stopped=stopped)
     if stopped():
         return None  # the supervisor says why
-    errors = [r.error for r in reports.values() if r.error]
-    for line in errors:
-        print(f"mtrain: {line}", file=sys.stderr)
-    if errors:
-        failed = "1 host" if len(errors) == 1 else f"{len(errors)} hosts"
-        print(f"mtrain: preflight failed on {failed}; nothing was started", file=sys.stderr)
+    if not _preflight_passed(config, reports):
         return None
-    for line in slot_warnings(reports, {h.name: h.slots for h in config.plan}):
-        print(f"mtrain: warning: {line}", file=sys.stderr)
     try:
         layout = _remote_layout(config, subnets, reports, needed)
     except ValueError as error:

@@ -44,8 +44,8 @@ from mtrain.launcher import job_files, pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR, ENV_USER_UMASK,
-                                     PHASE_MARKER, ErrorReport, ExitRecord, FailureCause, JobLayout, Phase,
-                                     PhaseNote, exception_line)
+                                     PHASE_MARKER, RUNTIME_MARKERS, ErrorReport, ExitRecord, FailureCause, JobLayout,
+                                     Phase, PhaseNote, exception_line)
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0
@@ -84,7 +84,7 @@ class _Relay(threading.Thread):
             note = PhaseNote.decode(line.partition(PHASE_MARKER)[2])
             if note is not None and note.phase is Phase.ENDED:
                 self.where = note.where
-        elif self.tail is not None:
+        elif self.tail is not None and not any(marker in line for marker in RUNTIME_MARKERS):
             text = line.rstrip(b"\n").decode(errors="replace")
             self.tail.append(text)
             # Kept apart from the tail: a long exception message can push its first line out.

@@ -743,6 +743,8 @@ class StepReport:
 
 DUMP_MARKER = b"@@mtrain-flight-recorder@@ "
 DUMP_REQUEST_MARKER = b"@@mtrain-flight-request@@ "
+# What the runtime writes on a rank's stderr for the supervisor: never the rank's own words.
+RUNTIME_MARKERS = (PHASE_MARKER, RESUME_MARKER, STEP_MARKER, DUMP_MARKER, DUMP_REQUEST_MARKER)
 ENV_FLIGHT_RECORDER_SIZE = "MTRAIN_FLIGHT_RECORDER_SIZE"  # ops kept per process set; 0: off
 
 

@@ -35,7 +35,10 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from tests.cluster.netcluster import BRIDGE_ADDRESS, Cluster
+try:
+    from tests.cluster.netcluster import BRIDGE_ADDRESS, Cluster
+except ImportError:  # loaded from its file by benchmarks/repo_helpers.py, which loaded netcluster.py first
+    from mtrain_benchmarks_netcluster import BRIDGE_ADDRESS, Cluster  # type: ignore[no-redef]
 
 CONTROLLER = "mtr-ctl"
 # Not Slurm's defaults (6817/6818), so a real Slurm on the machine never collides.

@@ -180,6 +180,15 @@ def test_scancel_mid_training_ends_everything_and_says_so(slurm, cluster, tmp_pa
     assert "first failure" not in text, text
 
 
+def submit_elastic(slurm, tmp_path: Path, token: str, discovery: Path) -> "tuple[str, Path]":
+    """An elastic training job of 4 ranks (at least 2) on `discovery`'s hosts, submitted."""
+    discovery.chmod(0o755)
+    job, output = submit(slurm, tmp_path, mtrain_run("-np", "4", "--min-np", "2", "--host-discovery-script",
+                                                     str(discovery), PYTHON, str(HERE / "elastic_train.py"),
+                                                     "2", "12", "0.25", token))
+    return job, output
+
+
 def test_elastic_job_in_an_allocation_goes_on_without_a_drained_node(slurm, cluster, tmp_path, token):
     script = tmp_path / "discover.sh"
     # What a site's discovery script may do: the allocation's nodes, less those drained since.
@@ -188,10 +197,7 @@ def test_elastic_job_in_an_allocation_goes_on_without_a_drained_node(slurm, clus
                       "for host in $(scontrol show hostnames \"$SLURM_JOB_NODELIST\"); do\n"
                       "    case $drained in *\" $host \"*) ;; *) echo \"$host:2\" ;; esac\n"
                       "done\n")
-    script.chmod(0o755)
-    job, output = submit(slurm, tmp_path, mtrain_run("-np", "4", "--min-np", "2", "--host-discovery-script",
-                                                     str(script), PYTHON, str(HERE / "elastic_train.py"),
-                                                     "2", "12", "0.25", token))
+    job, output = submit_elastic(slurm, tmp_path, token, script)
     try:
         wait_for_output(output, "progress", 8, timeout=120)
         drained = slurm.run(["scontrol", "update", "nodename=mtr-b", "state=drain", "reason=mtrain-test"])
@@ -269,10 +275,7 @@ def test_srun_without_pmix_fails_at_once_instead_of_running_alone(slurm, cluster
 def test_elastic_job_in_an_allocation_blacklists_a_node_whose_daemon_died(slurm, cluster, tmp_path, token):
     script = tmp_path / "discover.sh"
     script.write_text("#!/bin/sh\nfor host in $(scontrol show hostnames \"$SLURM_JOB_NODELIST\"); do echo \"$host:2\"; done\n")
-    script.chmod(0o755)
-    job, output = submit(slurm, tmp_path, mtrain_run("-np", "4", "--min-np", "2", "--host-discovery-script",
-                                                     str(script), PYTHON, str(HERE / "elastic_train.py"),
-                                                     "2", "12", "0.25", token))
+    job, output = submit_elastic(slurm, tmp_path, token, script)
     try:
         wait_for_output(output, "progress", 8, timeout=120)
         kill_mpi_daemons(cluster, "mtr-b")  # the node's part of the job dies; Slurm still lists the node

@@ -68,3 +68,18 @@ def test_the_hosts_whose_ranks_never_reported_an_end():
     killed = [ExitRecord(5, "c", -9, False, 1.0, ())]
     assert silent_hosts(plan, killed) == []
     assert silent_hosts(plan, killed + [ExitRecord(2, "b", -15, True, 2.0, ())]) == []
+
+
+def test_a_reset_asked_for_by_a_rank_whose_peers_were_stopped_on_their_way_out():
+    # Seen under Slurm: rank 3 exited with 75 first; Open MPI stopped the others, still leaving
+    # MPI_Finalize, by SIGTERM. The generation asked for the next one all the same.
+    from mtrain.launcher.elastic import reset_asked
+    from mtrain.launcher.records import RESET_EXIT_STATUS, ExitRecord
+    asked = ExitRecord(3, "b", RESET_EXIT_STATUS, False, 1.0)
+    stopped = [ExitRecord(rank, "a", -15, True, 1.1) for rank in (0, 1, 2)]
+    assert reset_asked([asked] + stopped)
+    assert reset_asked([ExitRecord(r, "a", RESET_EXIT_STATUS, False, 1.0) for r in range(4)])
+    assert not reset_asked(stopped)                                        # nobody asked
+    assert not reset_asked([asked, ExitRecord(0, "a", 1, False, 1.0)])     # a rank failed on its own
+    assert not reset_asked([asked, ExitRecord(0, "a", -9, False, 1.0)])    # a rank killed on its own
+    assert not reset_asked([])

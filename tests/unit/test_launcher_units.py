@@ -415,3 +415,17 @@ def test_the_failure_report_says_where_a_failing_rank_left(capsys):
     err = capsys.readouterr().err
     assert "first failure: rank 1 on b: exit code 3 (ValueError: x) at train.py:7 in step" in err
     assert "mtrain: rank 0 was stopped or failed after it" in err and "ranks 0, 1" not in err
+
+
+def test_the_runtimes_records_on_stderr_are_never_a_ranks_last_words():
+    # Seen under Slurm: a rank's last stderr line was its step meter's record, which then stood in
+    # as the reason of its failure ("exit code 75 (@@mtrain-steps@@ {...})").
+    from mtrain.launcher.records import StepReport, StepSample
+    report = StepReport("node-1", (StepSample(1, 7, 1.0, 0.5, 0.25, 64),)).encode()
+    code = ("import os, sys\n"
+            "print('the last words', file=sys.stderr)\n"
+            f"sys.stderr.flush(); os.write(2, {report!r})\n"
+            "sys.exit(75)")
+    shown, record = _wrapped(code)
+    assert record.returncode == 75 and record.stderr_tail == ("the last words",), record
+    assert record.reason == "the last words"
