@@ -62,6 +62,15 @@ def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin")
 
 
+def pmix_missing() -> str | None:
+    """Why `srun --mpi=pmix` cannot work here (None: it can).  Debian's Slurm PMIx plugin loads the
+    unversioned libpmix.so of the PMIx it was built with, which only libpmix-dev installs."""
+    import glob
+    if glob.glob("/usr/lib/*/pmix*/lib/libpmix.so") or glob.glob("/usr/lib*/libpmix.so"):
+        return None
+    return "srun --mpi=pmix needs libpmix.so (apt-get install libpmix-dev)"
+
+
 def prerequisites_missing() -> str | None:
     """Why this machine cannot run the Slurm test cluster, or None if it can
     (beyond what netcluster.prerequisites_missing already asks)."""

@@ -6,6 +6,7 @@ The launching user's HOME here has no ~/.ssh at all, so any SSH connection would
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -235,6 +236,10 @@ def test_torchrun_variables_tf_config_and_ddp_backends_under_slurm(slurm, cluste
 
 
 def test_srun_starting_the_ranks_directly(slurm, cluster, tmp_path, token):
+    from tests.cluster.slurmcluster import pmix_missing
+    missing = pmix_missing()
+    if missing:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"cannot test srun --mpi=pmix here: {missing}")
     # Slurm's PMIx plugin and the MPI mtrain ships find each other: init() works with no launcher.
     done = salloc(slurm, tmp_path, "srun", "--mpi=pmix", PYTHON, str(HERE / "rank_probe.py"), token)
     assert done.returncode == 0, done.stderr
