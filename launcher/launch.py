@@ -25,8 +25,7 @@ from mtrain.launcher.netif import free_ports
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_LAYOUT,
-                                     ENV_JOB_SECRET,
-                                     ENV_MPIRUN_TMPDIR, ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY,
+                                     ENV_JOB_SECRET, ENV_MPIRUN_TMPDIR, ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY,
                                      ENV_STRAGGLER_OFF, ENV_USER_TMPDIR, ENV_USER_UMASK, AgentEvent,
                                      ElasticResume, ExitRecord, Gate, HostUpdates, JobLayout, host_path,
                                      new_job_secret, updates_file)
@@ -160,8 +159,8 @@ def rank_settings_shown(config: LaunchConfig, environ: Mapping[str, str]) -> lis
 
 _SETTING_PREFIXES = ("MTRAIN_", "HOROVOD_")
 # Each job sets its own (an inherited one, of a job this `mtrain run` runs in, is replaced).
-_JOB_VARIABLES = frozenset({ENV_JOB_FILE, ENV_JOB_LAYOUT, ENV_JOB_SECRET, ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_USER_UMASK,
-                            ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR})
+_JOB_VARIABLES = frozenset({ENV_JOB_FILE, ENV_JOB_LAYOUT, ENV_JOB_SECRET, ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION,
+                            ENV_USER_UMASK, ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR})
 
 
 @dataclasses.dataclass

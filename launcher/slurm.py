@@ -27,8 +27,10 @@ from typing import Callable, Mapping, Sequence
 from mtrain.launcher.records import signal_name
 
 ENV_SLURM_JOB = "SLURM_JOB_ID"
-# The probe's own line is JSON; srun's and slurmstepd's lines about a node name it like this.
-_NODE_LINE = re.compile(r"\b(?:srun|slurmstepd)[^:]*: error: (?:\*\*\* )?(?P<node>[A-Za-z0-9_.\-]+)[:\s]")
+# The probe's own line is JSON; slurmstepd's lines about a node (what went wrong there) and srun's
+# (how its task ended) name it like this.
+_STEPD_LINE = re.compile(r"^slurmstepd-(?P<node>[^:\s]+): error: ")
+_SRUN_LINE = re.compile(r"^srun: error: (?P<node>[^:\s]+): ")
 
 
 def job_id(env: Mapping[str, str]) -> str:
@@ -131,8 +133,9 @@ def _no_answer(node: str, python: str, status: int | None, err: str, timeout: fl
         return (f"host {node}: no answer through srun within --start-timeout {timeout:g} s (is the "
                 "allocation's step limit reached, or the node down? `scontrol show node` says)")
     lines = [line.strip() for line in err.splitlines() if line.strip()]
-    about = [line for line in lines if (match := _NODE_LINE.search(line)) and match.group("node") == node]
-    said = (about or lines or ["srun said nothing"])[-1]
+    said = next((line for pattern in (_STEPD_LINE, _SRUN_LINE) for line in lines
+                 if (match := pattern.match(line)) and match.group("node") == node),
+                (lines or ["srun said nothing"])[-1])
     if "No such file" in said or "execve" in said:
         return (f"host {node}: no Python at {python} (mtrain needs the same environment at the same path "
                 f"on every node): {said}")
