@@ -43,9 +43,9 @@ import time
 from mtrain.launcher import job_files, pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR, ENV_USER_UMASK,
-                                     PHASE_MARKER, RUNTIME_MARKERS, ErrorReport, ExitRecord, FailureCause, JobLayout,
-                                     Phase, PhaseNote, exception_line)
+from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_USER_UMASK, PHASE_MARKER, RUNTIME_MARKERS,
+                                     ErrorReport, ExitRecord, FailureCause, JobLayout, Phase, PhaseNote,
+                                     exception_line, restore_user_tmpdir)
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0
@@ -116,13 +116,7 @@ def child_environment(env, error_file: str, rank: int = 0) -> dict[str, str]:
     torch.distributed and tf.distribute programs run unchanged.  Settings the user made win."""
     child = dict(env)
     child[ENV_ERROR_FILE] = error_file
-    # The user's TMPDIR back, where mpirun was given another (records.ENV_MPIRUN_TMPDIR).
-    mpirun_tmpdir, user_tmpdir = child.pop(ENV_MPIRUN_TMPDIR, None), child.pop(ENV_USER_TMPDIR, None)
-    if mpirun_tmpdir is not None and child.get("TMPDIR") == mpirun_tmpdir:
-        if user_tmpdir is None:
-            del child["TMPDIR"]
-        else:
-            child["TMPDIR"] = user_tmpdir
+    restore_user_tmpdir(child)  # where mpirun was given another (records.ENV_MPIRUN_TMPDIR)
     template = child.get(ENV_JOB_FILE, "")
     host = os.uname().nodename
     layout = JobLayout.read(job_files.layout(template, host)) if "{host}" in template else None

@@ -28,6 +28,7 @@ import re
 import signal
 import threading
 import time
+import typing
 
 from mtrain.launcher.private import PrivatePathError, read_private, write_private
 
@@ -621,9 +622,21 @@ ENV_USER_UMASK = "MTRAIN_USER_UMASK"   # octal, e.g. "022"
 # start where that folder is already (one a killed launcher left, or another user planted):
 # mpirun runs with TMPDIR set to the launch's private scratch folder, and the rank wrapper gives
 # the program on that host the user's TMPDIR back.  (TMPDIR is not passed on to Open MPI's daemons
-# on other hosts, which use the job's folders there: remote_guard.py.)
+# on other hosts, which use the job's folders there: remote_guard.py; through Slurm the guard
+# gives it back before it starts the daemon.)
 ENV_MPIRUN_TMPDIR = "MTRAIN_MPIRUN_TMPDIR"   # the TMPDIR mpirun was given
 ENV_USER_TMPDIR = "MTRAIN_USER_TMPDIR"       # the user's own; absent when the user had none
+
+
+def restore_user_tmpdir(env: "typing.MutableMapping[str, str]") -> None:
+    """The user's TMPDIR back in `env`, where mpirun's was given instead (and these notes out).
+    Through Slurm, srun passes mpirun's environment to the other nodes, where that folder is not."""
+    mpirun_tmpdir, user_tmpdir = env.pop(ENV_MPIRUN_TMPDIR, None), env.pop(ENV_USER_TMPDIR, None)
+    if mpirun_tmpdir is not None and env.get("TMPDIR") == mpirun_tmpdir:
+        if user_tmpdir is None:
+            del env["TMPDIR"]
+        else:
+            env["TMPDIR"] = user_tmpdir
 # Where Open MPI's launcher and daemons make their folders (TMPDIR's value, or /tmp, without it).
 # PRRTE passes it on to the daemons it starts when mpirun has it, so only a daemon's own is set.
 ENV_OPENMPI_SESSION_BASE = "PRTE_MCA_prte_tmpdir_base"

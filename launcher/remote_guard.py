@@ -44,8 +44,8 @@ from mtrain.launcher.process_tools import become_subreaper, descendants, exit_co
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records import (DAEMON_UMASK, ENV_JOB_FILE, ENV_JOB_LAYOUT, ENV_OPENMPI_SESSION_BASE, AgentEvent,
-                                     AgentEventKind, HostUpdates, JobLayout, event_line, host_path, signal_name,
-                                     updates_file)
+                                     AgentEventKind, HostUpdates, JobLayout, event_line, host_path,
+                                     restore_user_tmpdir, signal_name, updates_file)
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -178,6 +178,7 @@ def slurm_main(command: list[str]) -> int:
     signals it on scancel), and the daemon runs as given, without a shell."""
     template = os.environ.get(ENV_JOB_FILE, "")
     text = os.environ.pop(ENV_JOB_LAYOUT, "")
+    restore_user_tmpdir(os.environ)  # mpirun's own is on its host only
     try:
         layout = JobLayout.decode(text) if "{host}" in template and text else None
     except (ValueError, KeyError, TypeError) as error:

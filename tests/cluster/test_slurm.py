@@ -170,6 +170,16 @@ def wait_job_gone(slurm, job: str, timeout: float) -> float:
 def test_scancel_mid_training_ends_everything_and_says_so(slurm, cluster, tmp_path, token):
     job, output = submit(slurm, tmp_path, mtrain_run(PYTHON, str(HERE / "slurm_train.py"), "0", "forever", token))
     wait_for_output(output, "ready", 4, timeout=90)
+    # mtr-b's MPI daemon, which srun started with mpirun's environment, has the user's TMPDIR back
+    # (none here: Slurm's /tmp), not mpirun's private folder on the launching host, which other nodes
+    # do not have; the guard took the launcher's note of it out.
+    daemons = [pid for pid in cluster.namespace_pids("mtr-b") if Path(f"/proc/{pid}/comm").read_text().strip() == "prted"]
+    assert daemons
+    for pid in daemons:
+        environment = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        assert "MTRAIN_MPIRUN_TMPDIR" not in environment and "mtrain-agent-" not in environment.get("TMPDIR", ""), (
+            environment.get("TMPDIR"), environment.get("MTRAIN_MPIRUN_TMPDIR"))
+        assert "MTRAIN_JOB_SECRET" in environment  # (the job's own variables did come with it)
     cancelled = time.monotonic()
     done = slurm.run(["scancel", job], timeout=15)
     assert done.returncode == 0, done.stderr
