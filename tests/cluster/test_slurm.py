@@ -15,6 +15,7 @@ import pytest
 
 from tests.cluster.conftest import PYTHON, assert_no_leftovers, kill_mpi_daemons, mtrain_argv
 from tests.cluster.leaving import FAILURES, POLITE
+from tests.cluster.test_launch_styles import json_lines
 from tests.launcher.report_check import assert_only_mtrain_output
 
 pytest.importorskip("torch")
@@ -31,16 +32,6 @@ def no_ssh_env(slurm, tmp_path: Path) -> dict[str, str]:
     env["HOME"] = str(home)
     env["PATH"] = str(Path(PYTHON).parent) + ":" + env["PATH"]
     return env
-
-
-def json_lines(text: str) -> dict[int, dict]:
-    found = {}
-    for line in text.splitlines():
-        _, _, rest = line.partition(">:")
-        if rest.startswith("{"):
-            data = json.loads(rest)
-            found[data["rank"]] = data
-    return found
 
 
 def salloc(slurm, tmp_path: Path, *words: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -74,7 +65,7 @@ def mtrain_run(*args: str) -> str:
 def test_a_training_job_of_2_nodes_by_2_tasks_under_sbatch(slurm, cluster, tmp_path, token):
     status, job, output = sbatch_wait(slurm, tmp_path, mtrain_run(PYTHON, str(HERE / "slurm_train.py"), "5", token))
     assert status == 0, output + slurm.log_tails()
-    ranks = json_lines(output)
+    ranks = json_lines(output, "rank")
     assert sorted(ranks) == [0, 1, 2, 3], output
     assert [ranks[r]["host"] for r in range(4)] == ["mtr-a", "mtr-a", "mtr-b", "mtr-b"]
     assert [(ranks[r]["env_rank"], ranks[r]["local_rank"]) for r in range(4)] == [
@@ -89,7 +80,7 @@ def test_a_training_job_of_2_nodes_by_2_tasks_under_sbatch(slurm, cluster, tmp_p
 def test_under_salloc_from_a_host_outside_the_allocation(slurm, cluster, tmp_path, token):
     done = salloc(slurm, tmp_path, *mtrain_argv(PYTHON, str(HERE / "rank_probe.py"), token))
     assert done.returncode == 0, done.stderr + slurm.log_tails()
-    ranks = json_lines(done.stdout)
+    ranks = json_lines(done.stdout, "rank")
     assert sorted(ranks) == [0, 1, 2, 3], done.stdout
     assert [ranks[r]["host"] for r in range(4)] == ["mtr-a", "mtr-a", "mtr-b", "mtr-b"]
     assert all(data["sum_ok"] and data["size"] == 4 and data["local_size"] == 2 for data in ranks.values())
@@ -219,7 +210,7 @@ def test_elastic_job_in_an_allocation_goes_on_without_a_drained_node(slurm, clus
         slurm.run(["scancel", job])
     text = output.read_text()
     assert "elastic reset 1: " in text and "now 2 ranks on mtr-a:2" in text, text
-    final = json_lines(text)
+    final = json_lines(text, "rank")
     assert sorted(final) == [0, 1], text
     for data in final.values():
         assert data["size"] == 2 and data["steps"] == 2 * 12
@@ -232,14 +223,14 @@ def test_torchrun_variables_tf_config_and_ddp_backends_under_slurm(slurm, cluste
     code = "import json, os; print(json.dumps({'rank': int(os.environ['RANK']), 'tf': json.loads(os.environ['TF_CONFIG'])}))"
     done = salloc(slurm, tmp_path, *mtrain_argv(PYTHON, "-c", code, token))
     assert done.returncode == 0, done.stderr
-    ranks = json_lines(done.stdout)
+    ranks = json_lines(done.stdout, "rank")
     workers = ranks[0]["tf"]["cluster"]["worker"]
     assert [w.split(":")[0] for w in workers] == ["10.77.0.11"] * 2 + ["10.77.0.12"] * 2
     assert [ranks[r]["tf"]["task"] for r in range(4)] == [{"type": "worker", "index": r} for r in range(4)]
     for backend in ("gloo", "mtrain"):
         done = salloc(slurm, tmp_path, *mtrain_argv(PYTHON, str(HERE / "ddp_plain.py"), backend, token))
         assert done.returncode == 0, done.stderr
-        ranks = json_lines(done.stdout)
+        ranks = json_lines(done.stdout, "rank")
         assert sorted(ranks) == [0, 1, 2, 3], done.stdout
         assert all(data["params"] == ranks[0]["params"] for data in ranks.values())
     assert_no_leftovers(cluster, token, within=10)
@@ -299,7 +290,7 @@ def test_elastic_job_in_an_allocation_blacklists_a_node_whose_daemon_died(slurm,
         slurm.run(["scancel", job])
     text = output.read_text()
     assert "elastic reset 1: host mtr-b lost" in text and "now 2 ranks on mtr-a:2" in text, text
-    final = json_lines(text)
+    final = json_lines(text, "rank")
     assert sorted(final) == [0, 1] and all(data["size"] == 2 and data["steps"] == 2 * 12 for data in final.values()), text
     assert slurm.job_exit_code(job) == "0:0", text
     assert_no_leftovers(cluster, token, within=10)
