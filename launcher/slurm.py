@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from mtrain.launcher.records import signal_name
 
@@ -62,10 +62,9 @@ def launch_agent(python: str, mpirun: str) -> list[str]:
     return [python, "-m", "mtrain.launcher.remote_guard", "--slurm", prted]
 
 
-def run_step(nodes: Sequence[str], command: Sequence[str], timeout: float, name: str,
-             stopped: Callable[[], bool] = lambda: False) -> "tuple[int | None, str, str]":
-    """Run `command` once on each of `nodes` through srun: (srun's status or None when it was
-    stopped or ran out of time, stdout, stderr).  Never waits past `timeout`."""
+def run_step(nodes: Sequence[str], command: Sequence[str], timeout: float, name: str) -> "tuple[int | None, str, str]":
+    """Run `command` once on each of `nodes` through srun: (srun's status or None when it ran out
+    of time, stdout, stderr).  Never waits past `timeout`."""
     argv = step_argv(nodes, name) + list(command)
     try:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -75,7 +74,7 @@ def run_step(nodes: Sequence[str], command: Sequence[str], timeout: float, name:
     deadline = time.monotonic() + timeout
     status: int | None = None
     try:
-        while status is None and time.monotonic() < deadline and not stopped():
+        while status is None and time.monotonic() < deadline:
             try:
                 status = process.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
@@ -100,13 +99,12 @@ def _stop(process: subprocess.Popen) -> None:
             return
 
 
-def preflight(nodes: Sequence[str], python: str, version: str, timeout: float, ports: Mapping[str, int],
-              stopped: Callable[[], bool] = lambda: False) -> dict:
+def preflight(nodes: Sequence[str], python: str, version: str, timeout: float, ports: Mapping[str, int]) -> dict:
     """The SSH preflight's checks (launcher/preflight.py) on every node at once, through one srun:
     {node: HostReport}, a node without an answer reported with what Slurm said of it."""
     from mtrain.launcher.preflight import PROBE, HostReport, judge
     wanted = max((ports.get(node, 0) for node in nodes), default=0)
-    status, out, err = run_step(nodes, [python, "-c", PROBE, str(wanted)], timeout, "mtrain-preflight", stopped)
+    status, out, err = run_step(nodes, [python, "-c", PROBE, str(wanted)], timeout, "mtrain-preflight")
     answers: dict[str, dict] = {}
     for line in out.splitlines():
         try:
@@ -181,15 +179,15 @@ def ended_by(fields: Mapping[str, str]) -> str | None:
     return "was cancelled (scancel, or Slurm ended it)"
 
 
-def interrupted_line(job: str, number: int) -> str:
-    """What mtrain says when a signal stopped it inside Slurm job `job`: Slurm's reason when it is
-    ending the job (scancel, the time limit: Slurm signals every process of the job at once, so
-    the ranks' own deaths are consequences, not failures), else the signal."""
+def interrupted_line(job: str, number: int) -> str | None:
+    """What mtrain says when a signal stopped it inside Slurm job `job` and Slurm is ending the job
+    (scancel, the time limit: Slurm signals every process of the job at once, so the ranks' own
+    deaths are consequences, not failures); None when Slurm is not (the supervisor's own line)."""
     why = ended_by(job_fields(job))
-    if why is not None:
-        return (f"mtrain: Slurm job {job} {why}: Slurm sent {signal_name(number)} to every process of the job; "
-                "all ranks were stopped")
-    return f"mtrain: {signal_name(number)} received; all ranks were stopped"
+    if why is None:
+        return None
+    return (f"mtrain: Slurm job {job} {why}: Slurm sent {signal_name(number)} to every process of the job; "
+            "all ranks were stopped")
 
 
 def main(argv: "list[str]") -> int:

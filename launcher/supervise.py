@@ -154,11 +154,11 @@ class Job:
                  gate: Gate | None = None, on_resume: Callable[[ElasticResume], None] | None = None,
                  report_failures: bool = True, prefix_timestamp: bool = False,
                  steps: StepSettings = StepSettings(),
-                 interrupted_line: Callable[[int], str] | None = None, events_on_stderr: bool = False) -> None:
+                 interrupted_line: "Callable[[int], str | None] | None" = None,
+                 events_on_stderr: bool = False) -> None:
         self.argv, self.env, self.verbose = list(argv), env, verbose
-        # What to say when a signal stopped us (default: the signal); a scheduler knows why it sent one.
-        self.interrupted_line = interrupted_line or (
-            lambda number: f"mtrain: {signal_name(number)} received; all ranks were stopped")
+        # What to say when a signal stopped us, where a scheduler knows why it sent one (None: the signal).
+        self.interrupted_line = interrupted_line
         self.events_path, self.preflight, self.gate = events_path, preflight, gate
         # Through Slurm the guards' srun writes to mpirun's stderr, and their events come with it.
         self.events_on_stderr = events_on_stderr
@@ -473,7 +473,8 @@ class Job:
     def _outcome(self, mpirun_status: int, host_problems: list[AgentEvent]) -> int:
         records = list(self.records)
         if self.interrupted is not None:
-            print(self.interrupted_line(self.interrupted), file=sys.stderr)
+            said = self.interrupted_line(self.interrupted) if self.interrupted_line else None
+            print(said or f"mtrain: {signal_name(self.interrupted)} received; all ranks were stopped", file=sys.stderr)
             return 128 + self.interrupted
         if self.stuck is not None:
             print(f"mtrain: job stopped: it could never go on: {self.stuck}", file=sys.stderr)
