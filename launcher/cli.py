@@ -22,6 +22,7 @@ from mtrain.launcher import hosts as hostlib
 from mtrain.launcher import tuning
 from mtrain.launcher.config import (ElasticSettings, LaunchConfig, Launcher, MpiKind, SshOptions, StepSettings,
                                     check_env_item)
+from mtrain.launcher.private import PrivatePathError
 
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
 
@@ -550,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         click.echo("mtrain: interrupted", err=True)
         return 130
+    except PrivatePathError as error:  # a shared folder this user may not use: the line says what to do
+        click.echo(str(error), err=True)
+        return 1
     except Exception as error:  # a bug in mtrain: still one line, the traceback on request
         if os.environ.get("MTRAIN_DEBUG"):
             raise

@@ -23,7 +23,7 @@ from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
 from mtrain.launcher import job_files
-from mtrain.launcher.private import PrivatePathError
+from mtrain.launcher.private import PrivatePathError, temporary_folder
 from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_LAYOUT,
                                      ENV_JOB_SECRET, ENV_MPIRUN_TMPDIR, ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY,
                                      ENV_STRAGGLER_OFF, ENV_USER_TMPDIR, ENV_USER_UMASK, AgentEvent,
@@ -211,7 +211,7 @@ def launch(config: LaunchConfig, dry_run: bool = False, generation: Generation |
 def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
             termination: "_Termination") -> int:
     from mtrain.launcher import supervise
-    with tempfile.TemporaryDirectory(prefix="mtrain-agent-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="mtrain-agent-", dir=temporary_folder()) as scratch:
         agent = None
         master = None
         events_path = os.path.join(scratch, "events")

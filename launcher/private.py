@@ -43,6 +43,33 @@ def _refusal(path: str, info: os.stat_result, problem: str) -> PrivatePathError:
         f"mtrain only uses what this user ({_owner(os.geteuid())}) made private; remove it or ask its owner to")
 
 
+def _cannot_make(path: str) -> PrivatePathError:
+    parent = os.path.dirname(path) or "."
+    try:
+        info = os.stat(parent)
+        found = f"owner {_owner(info.st_uid)}, mode {stat.filemode(info.st_mode)}"
+    except OSError as error:
+        found = error.strerror or "cannot be read"
+    return PrivatePathError(
+        f"mtrain: cannot make {path}: this user ({_owner(os.geteuid())}) may not create folders in {parent} "
+        f"({found}); make {parent} writable for this user (a shared temporary folder is mode drwxrwxrwt, "
+        "with no ACL entry that narrows it), or ask the host's administrator")
+
+
+def temporary_folder() -> str:
+    """The folder `tempfile` makes this user's temporary files in; PrivatePathError in one line,
+    saying what to do, when no candidate ($TMPDIR, /tmp, /var/tmp, ...) is writable."""
+    import tempfile
+    try:
+        return tempfile.gettempdir()
+    except FileNotFoundError:
+        tried = os.environ.get("TMPDIR")
+        raise PrivatePathError(
+            f"mtrain: no folder for temporary files is writable for this user ({_owner(os.geteuid())}): "
+            + (f"not TMPDIR={tried}, " if tried else "")
+            + "not /tmp, /var/tmp or the current folder; set TMPDIR to a folder this user can write to") from None
+
+
 def check_private(path: str, info: os.stat_result, kind: str) -> None:
     """Raise PrivatePathError unless `info` (an lstat/fstat of `path`) is ours, of `kind`, and closed to others."""
     wanted = stat.S_ISDIR if kind == "folder" else stat.S_ISREG
@@ -77,6 +104,8 @@ def private_folder(path: str, parents: int = 0) -> str:
             if not parents:
                 raise
             continue  # the folder above went, empty, as we made this one: make both again
+        except PermissionError:
+            raise _cannot_make(path) from None
         try:
             info = os.lstat(path)
         except FileNotFoundError:

@@ -23,50 +23,13 @@ import pytest
 
 from mtrain.elastic import snapshot
 from tests import stale_mpi_folders
+from tests.security import local_users
+from tests.security.local_users import JOB_USER, OTHER_USER, PYTHON, as_user, user_argv
 from tests.shared_places import shared_entries
 
-PYTHON = sys.executable
-JOB_USER, OTHER_USER = "mtrain-job", "mtrain-other"
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(180)
-
-
-def _problem() -> "str | None":
-    if os.geteuid() != 0:
-        return "running a job as another local user needs root"
-    for user in (JOB_USER, OTHER_USER):
-        try:
-            pwd.getpwnam(user)
-        except KeyError:
-            return f"no local user {user!r} (`.ci/run` makes it with useradd)"
-    if shutil.which("runuser") is None:
-        return "no runuser (util-linux)"
-    done = as_user(JOB_USER, [PYTHON, "-c", "import mtrain.launcher"], capture_output=True, text=True)
-    if done.returncode != 0:
-        return (f"{JOB_USER} cannot run this environment's Python ({done.stderr.strip()[-200:]}); a folder above it "
-                "may be closed to other users (`.ci/run` lets the test users through /root with setfacl)")
-    return None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def users():
-    problem = _problem()
-    if problem:
-        if os.environ.get("CI"):
-            pytest.fail(f"the shared-host tests must run in CI but cannot: {problem}")
-        pytest.skip(problem)
-
-
-def as_user(user: str, argv: "list[str]", **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(user_argv(user, argv), **kwargs)
-
-
-def user_argv(user: str, argv: "list[str]") -> "list[str]":
-    """`argv` as `user`, with a clean environment of the user's own (and this Python's bin first)."""
-    home = pwd.getpwnam(user).pw_dir
-    path = os.path.dirname(PYTHON) + ":/usr/local/bin:/usr/bin:/bin"
-    return ["runuser", "-u", user, "--", "env", "-i", f"HOME={home}", f"PATH={path}", "LANG=C.UTF-8",
-            f"USER={user}", *argv]
+users = local_users.users_fixture()
 
 
 def owned_entries(uid: int, besides: Path) -> "dict[str, int]":

@@ -1,0 +1,55 @@
+"""A user who may not create anything in /tmp (or in any temporary folder) gets one line that
+names the folder and what to do, exit status 1, and no "internal error".
+
+Each case runs `mtrain run` as the job user in a mount namespace of its own, where /tmp (and
+/var/tmp) is a fresh tmpfs of root's, mode 0755: the host's own folders are never touched.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from tests.security import local_users
+from tests.security.local_users import JOB_USER, PYTHON, user_argv
+
+pytestmark = pytest.mark.timeout(90)
+users = local_users.users_fixture()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mount_namespaces():
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare (util-linux)")
+
+
+def run_with_closed(folders: "list[str]", env: "list[str]") -> subprocess.CompletedProcess:
+    mounts = " && ".join(f"mount -t tmpfs -o mode=0755 mtrain-test {folder}" for folder in folders)
+    argv = user_argv(JOB_USER, [PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "1", "-H", "localhost:1",
+                                PYTHON, "-c", "print('ran')"])
+    argv[argv.index("env") + 2:argv.index("env") + 2] = env  # after "env -i"
+    script = f"{mounts} && cd / && exec \"$@\""
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def assert_one_line_refusal(done: subprocess.CompletedProcess, *words: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1, done.stderr
+    assert "ran" not in done.stdout, done.stdout
+    assert len(lines) == 1 and "internal error" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_tmp_closed_to_the_user_names_the_job_folder_and_what_to_do():
+    done = run_with_closed(["/tmp"], [])
+    assert_one_line_refusal(done, "mtrain: cannot make /tmp/mtrain-job-", f"this user ({JOB_USER}) may not create",
+                            "in /tmp (owner root, mode drwxr-xr-x)", "make /tmp writable for this user")
+
+
+def test_no_writable_temporary_folder_names_tmpdir():
+    done = run_with_closed(["/tmp", "/var/tmp"], ["TMPDIR=/proc"])
+    assert_one_line_refusal(done, "mtrain: no folder for temporary files is writable", "not TMPDIR=/proc",
+                            "set TMPDIR to a folder this user can write to")
