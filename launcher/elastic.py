@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Callable
 
 from mtrain.launcher import job_files, slurm
 from mtrain.launcher.config import LaunchConfig, Launcher
@@ -237,10 +238,10 @@ class ElasticDriver:
                 try:
                     status = launch(config, generation=generation)
                 finally:
-                    stop.set()
-                    watcher.join(timeout=DISCOVERY_TIMEOUT + 2)
+                    stop.set()  # (on Ctrl-C, or SIGTERM, the job ends without waiting for its script)
                 if status == 0 or generation.interrupted:
                     return status
+                watcher.join(timeout=DISCOVERY_TIMEOUT + 2)  # what it saw before `stop` counts in _after()
                 decision = self._after(generation, status, plan)
                 if decision is not None:
                     return decision
@@ -273,12 +274,13 @@ class ElasticDriver:
             finally:
                 client.close()
 
-        workers = [threading.Thread(target=remove_on, args=(host,), daemon=True)
-                   for host in sorted(self.remote_hosts_used)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join(timeout=2 * CLEANUP_TIMEOUT)
+        started = time.monotonic()
+        left = on_hosts_within(sorted(self.remote_hosts_used), remove_on, 2 * CLEANUP_TIMEOUT)
+        if self.config.verbose:
+            done = len(self.remote_hosts_used) - len(left)
+            print(f"mtrain: elastic: snapshot cleanup: {done} of {len(self.remote_hosts_used)} hosts answered in "
+                  f"{time.monotonic() - started:.1f} s" + (f" (no answer in time from {', '.join(left)})" if left else ""),
+                  file=sys.stderr, flush=True)
 
     def _after(self, generation, status: int, plan: "list[HostSlots]") -> int | None:
         """None to go on with the next generation, else mtrain's exit status."""
@@ -329,6 +331,19 @@ class ElasticDriver:
                   f"resumed from {commit} {time.time() - reset.started:.1f} s after the {reset.kind}",
                   file=sys.stderr, flush=True)
         return say
+
+
+def on_hosts_within(hosts: "list[str]", action: "Callable[[str], None]", seconds: float) -> "list[str]":
+    """Run `action(host)` for every host at once, waiting at most `seconds` in all (not per host:
+    a job that ends, on Ctrl-C too, waits no longer for many slow hosts than for one); the hosts
+    whose action had not finished by then (their threads are left to end by themselves)."""
+    workers = [threading.Thread(target=action, args=(host,), daemon=True) for host in hosts]
+    deadline = time.monotonic() + seconds
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
+    return [host for host, worker in zip(hosts, workers) if worker.is_alive()]
 
 
 def silent_hosts(plan: "list[HostSlots]", records: "list[ExitRecord]") -> "list[str]":

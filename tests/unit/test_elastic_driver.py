@@ -83,3 +83,27 @@ def test_a_reset_asked_for_by_a_rank_whose_peers_were_stopped_on_their_way_out()
     assert not reset_asked([asked, ExitRecord(0, "a", 1, False, 1.0)])     # a rank failed on its own
     assert not reset_asked([asked, ExitRecord(0, "a", -9, False, 1.0)])    # a rank killed on its own
     assert not reset_asked([])
+
+
+def test_hosts_slow_to_answer_at_the_end_are_waited_for_once_in_all():
+    """Snapshot cleanup at a job's end (on Ctrl-C too) waits for all hosts within one bound: it
+    once waited the bound for each host in turn, so three hosts that never answered held the
+    exit three times as long."""
+    import threading
+    import time
+    from mtrain.launcher.elastic import on_hosts_within
+    answered, never = [], threading.Event()
+
+    def action(host: str) -> None:
+        if host == "fast":
+            answered.append(host)
+        else:
+            never.wait()
+    started = time.monotonic()
+    try:
+        left = on_hosts_within(["slow-1", "fast", "slow-2", "slow-3"], action, 0.5)
+        took = time.monotonic() - started
+    finally:
+        never.set()
+    assert left == ["slow-1", "slow-2", "slow-3"] and answered == ["fast"]
+    assert took < 1.0, f"waited {took:.2f} s for a bound of 0.5 s"
