@@ -1,8 +1,9 @@
 """mtrain.elastic: the rank side of elastic training (Horovod's ``hvd.elastic``).
 
-Framework-free common part; ``mtrain.elastic.torch`` and ``mtrain.elastic.tensorflow``
+Framework-free common part; ``mtrain.torch.elastic`` and ``mtrain.elastic.tensorflow``
 add the framework states and are what ``hvd.elastic`` is in ``mtrain.torch`` and
-``mtrain.tensorflow`` / ``mtrain.tensorflow.keras``.
+``mtrain.tensorflow`` / ``mtrain.tensorflow.keras`` (``mtrain.elastic.torch`` re-exports
+the torch one).
 
     state.commit()      keep the state (memory + this host's snapshot), check for new hosts
     @hvd.elastic.run    start from the newest commit any host holds; leave for the next

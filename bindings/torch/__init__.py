@@ -2,9 +2,10 @@
 
 Split as Horovod's ``horovod/torch/`` is: ``mpi_ops`` (the collectives and their autograd
 functions), ``optimizer`` (``DistributedOptimizer``), ``functions`` (broadcasting model and
-optimizer state), ``sync_batch_norm`` (``SyncBatchNorm``). Tensors cross to the runtime
-through ``bridge`` (shared with the DDP backend, ``mtrain.distributed``); the per-gradient
-in-place all-reduce, with its views kept from step to step, is ``inplace``.
+optimizer state), ``sync_batch_norm`` (``SyncBatchNorm``), ``elastic`` (``hvd.elastic``, on
+the framework-free ``mtrain.elastic``). Tensors cross to the runtime through ``bridge``
+(shared with the DDP backend, ``mtrain.distributed``); the per-gradient in-place all-reduce,
+with its views kept from step to step, is ``inplace``.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built,
     sycl_built)
 from ..handles import DeferredHandle, Handle, HandleBase, poll, synchronize  # noqa: F401
+from . import elastic  # noqa: F401  (hvd.elastic, as Horovod's subpackage)
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters  # noqa: F401
 from .mpi_ops import (  # noqa: F401
@@ -68,6 +70,3 @@ def _follow_runtime_device(device_id: int) -> None:
 
 
 _cuda.on_device_bound(_follow_runtime_device)
-
-
-from mtrain.elastic import torch as elastic  # noqa: E402  (hvd.elastic)

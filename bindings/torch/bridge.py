@@ -9,16 +9,85 @@ its device work on the legacy default stream (``mtrain.ringreduce.cuda``): a CUD
 handed over after the legacy stream has been made to wait for torch's current stream, and a
 result is handed back after torch's current stream has been made to wait for the legacy
 stream, so torch side streams are ordered too.
+
+What each side takes is checked here too: ``check_tensor`` (dense CPU or CUDA tensors, the
+Horovod API) and ``check_host_tensor`` (dense CPU tensors, the DDP backend, with the
+remedies a torch.distributed user needs).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["after_device_work", "bfloat16", "from_numpy", "host_array", "numpy_view", "real_view",
-           "to_tensor"]
+from ..build_info import cuda_built
+
+__all__ = ["after_device_work", "bfloat16", "check_host_tensor", "check_tensor", "check_tensors", "flat_host_array",
+           "from_numpy", "host_array", "inplace_host_array", "numpy_view", "real_view", "to_tensor"]
+
+
+# -- what the runtime takes ------------------------------------------------------
+
+def check_tensor(tensor: Any, what: str = "tensor") -> torch.Tensor:
+    """``tensor`` if the Horovod API's collectives take it (a dense CPU or CUDA torch.Tensor); an
+    error naming ``what`` and the remedy otherwise."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor as {what}, got {type(tensor).__name__}")
+    if tensor.is_cpu:  # the common case first, and without building a torch.device
+        pass
+    elif not tensor.is_cuda:
+        raise NotImplementedError(f"{what} is on {tensor.device}: mtrain supports CPU and CUDA tensors")
+    elif not cuda_built():
+        raise NotImplementedError(f"{what} is a CUDA tensor: mtrain's GPU path needs CuPy; "
+                                  "pip install 'mtrain[cuda12]' (or [cuda13] for CUDA 13)")
+    if tensor.is_sparse:
+        raise NotImplementedError(f"{what} is sparse: only dense tensors are supported; call .to_dense() first")
+    return tensor
+
+
+def check_tensors(tensors: Sequence[Any]) -> List[torch.Tensor]:
+    """``check_tensor`` on each of ``tensors`` (naming ``tensors[i]`` only when one fails)."""
+    tensors = list(tensors)
+    for i, tensor in enumerate(tensors):
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_cpu and not tensor.is_sparse):
+            check_tensor(tensor, f"tensors[{i}]")
+    return tensors
+
+
+def check_host_tensor(tensor: Any, what: str) -> torch.Tensor:
+    """``tensor`` if the DDP backend's collectives take it (a dense CPU torch.Tensor); an error
+    naming ``what`` and the remedy otherwise (another device: another backend for the group)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise NotImplementedError(f"{what} is on {tensor.device}: the mtrain torch.distributed backend "
+                                  "takes CPU tensors; move it with .cpu(), or use nccl/gloo for this group")
+    if tensor.layout != torch.strided:
+        raise NotImplementedError(f"{what} has layout {tensor.layout}: only dense tensors are supported; "
+                                  "call .to_dense() first")
+    return tensor
+
+
+def inplace_host_array(tensor: torch.Tensor, what: str) -> Tuple[np.ndarray, Callable[[], None]]:
+    """A checked CPU tensor as an array the runtime may write (``real_view``), and how to land it
+    back in ``tensor`` afterwards (nothing to do for a contiguous tensor: the array is its memory)."""
+    tensor = check_host_tensor(tensor, what).detach()
+    if tensor.is_contiguous():
+        return real_view(tensor), lambda: None
+    temp = tensor.contiguous()
+
+    def land() -> None:
+        tensor.copy_(temp)
+    return real_view(temp), land
+
+
+def flat_host_array(tensor: torch.Tensor, what: str) -> np.ndarray:
+    """A read-only use of a checked CPU tensor: its values as one flat array (``real_view``)."""
+    return real_view(check_host_tensor(tensor, what).detach().contiguous()).reshape(-1)
+
+
+# -- tensors <-> arrays --------------------------------------------------------------
 
 
 def bfloat16() -> Any:

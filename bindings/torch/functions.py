@@ -8,7 +8,8 @@ import torch
 
 from mtrain.ringreduce import ProcessSet, broadcast_object, global_process_set, rank
 
-from .mpi_ops import broadcast_async_, check_tensor
+from .bridge import check_tensor
+from .mpi_ops import broadcast_async_
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 

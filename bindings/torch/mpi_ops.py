@@ -2,7 +2,8 @@
 
 Each public op runs an autograd Function only when its input needs a gradient; a tensor
 without requires_grad takes the plain path (no per-op autograd work). Tensors cross to the
-runtime through ``bridge``; the per-gradient in-place all-reduce is ``inplace``'s.
+runtime through ``bridge`` (which also checks what they take); the per-gradient in-place
+all-reduce is ``inplace``'s.
 """
 from __future__ import annotations
 
@@ -14,49 +15,20 @@ import torch
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import Average, ProcessSet, Sum, global_process_set, rank
 
-from ..build_info import cuda_built
 from ..gradient_op import resolve_op
 from ..handles import DeferredHandle, Handle, synchronize
-from .bridge import from_numpy, numpy_view
+from .bridge import check_tensor, check_tensors, from_numpy, numpy_view
 from .compression import Compression
 from .inplace import InPlaceHandle, allreduce_in_place, inplace_buffer, named_views
 
 __all__ = [
     "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "alltoall", "alltoall_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "check_tensor", "check_tensors", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "join", "recv", "recv_async", "reducescatter", "reducescatter_async", "send",
     "send_async", "sparse_allreduce_async",
 ]
-
-
-# -- what the collectives take ---------------------------------------------------
-
-def check_tensor(tensor: Any, what: str = "tensor") -> torch.Tensor:
-    """``tensor`` if the collectives take it (a dense CPU or CUDA torch.Tensor); an error naming
-    ``what`` and the remedy otherwise."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor as {what}, got {type(tensor).__name__}")
-    if tensor.is_cpu:  # the common case first, and without building a torch.device
-        pass
-    elif not tensor.is_cuda:
-        raise NotImplementedError(f"{what} is on {tensor.device}: mtrain supports CPU and CUDA tensors")
-    elif not cuda_built():
-        raise NotImplementedError(f"{what} is a CUDA tensor: mtrain's GPU path needs CuPy; "
-                                  "pip install 'mtrain[cuda12]' (or [cuda13] for CUDA 13)")
-    if tensor.is_sparse:
-        raise NotImplementedError(f"{what} is sparse: only dense tensors are supported; call .to_dense() first")
-    return tensor
-
-
-def check_tensors(tensors: Sequence[Any]) -> List[torch.Tensor]:
-    """``check_tensor`` on each of ``tensors`` (naming ``tensors[i]`` only when one fails)."""
-    tensors = list(tensors)
-    for i, tensor in enumerate(tensors):
-        if not (isinstance(tensor, torch.Tensor) and tensor.is_cpu and not tensor.is_sparse):
-            check_tensor(tensor, f"tensors[{i}]")
-    return tensors
 
 
 # -- all-reduce --------------------------------------------------------------

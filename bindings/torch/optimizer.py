@@ -13,9 +13,10 @@ from mtrain.ringreduce.requests import UNNAMED_PREFIX
 
 from ..gradient_op import check_gradient_op
 from ..handles import Handle
+from .bridge import check_tensor
 from .compression import Compression
 from .inplace import ViewCache, allreduce_in_place
-from .mpi_ops import check_tensor, sparse_allreduce_async
+from .mpi_ops import sparse_allreduce_async
 
 __all__ = ["DistributedOptimizer"]
 

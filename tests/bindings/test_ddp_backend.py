@@ -207,12 +207,12 @@ def test_async_handles_futures_barrier_and_errors():
     # A subgroup's ranks must be torch's ranks of this job (tests/bindings/test_distributed_groups.py
     # runs subgroups).
     from torch._C._distributed_c10d import _DistributedBackendOptions
-    from mtrain.distributed import _create
+    from mtrain.distributed.groups import create_group
     options = _DistributedBackendOptions()
     options.group_id, options.global_ranks_in_group = "wrong", list(range(n))
     options.group_rank, options.group_size = (me + 1) % n, n
     with pytest.raises(RuntimeError, match="torch's global ranks must be the MPI ranks"):
-        _create(options)
+        create_group(options)
     dist.barrier()
     dist.destroy_process_group()
 

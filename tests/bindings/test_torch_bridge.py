@@ -13,9 +13,9 @@ from tests.mpi.harness import mpi_test  # noqa: E402
 
 @mpi_test(nps=(1,))
 def test_round_trips_and_shared_memory():
-    import mtrain.distributed
+    from mtrain.distributed import process_group
     from mtrain.torch import bridge
-    assert mtrain.distributed.real_view is bridge.real_view and mtrain.distributed.to_tensor is bridge.to_tensor
+    assert process_group.real_view is bridge.real_view and process_group.to_tensor is bridge.to_tensor
     tensor = torch.arange(6, dtype=torch.float32)
     view = bridge.numpy_view(tensor)
     view[0] = 42.0  # a view, not a copy: an in-place result lands in the tensor

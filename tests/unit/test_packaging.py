@@ -33,7 +33,7 @@ def test_wheel_holds_only_mtrain_and_works_from_its_own_install(tmp_path):
     assert {top for top in tops if not top.endswith(".dist-info")} == {"mtrain"}, tops
     for module in ("mtrain/__init__.py", "mtrain/torch/__init__.py", "mtrain/torch/bridge.py",
                    "mtrain/torch/mpi_ops.py", "mtrain/torch/optimizer.py", "mtrain/torch/functions.py",
-                   "mtrain/torch/sync_batch_norm.py", "mtrain/distributed.py", "mtrain/keras.py",
+                   "mtrain/torch/sync_batch_norm.py", "mtrain/distributed/__init__.py", "mtrain/keras.py",
                    "mtrain/tensorflow/__init__.py", "mtrain/tensorflow/mpi_ops.py",
                    "mtrain/tensorflow/gradient_tape.py", "mtrain/tensorflow/keras/__init__.py",
                    "mtrain/launcher/rank.py", "mtrain/launcher/records.py", "mtrain/launcher/ssh_agent.py",
