@@ -2,16 +2,17 @@
 
 Ops take ``tf.Tensor``/``tf.Variable`` values, eagerly or inside ``tf.function``
 (there they run as ``tf.numpy_function`` calls into the runtime). Every collective
-is differentiable with Horovod's backward rule (see ``mpi_ops``), and
+is differentiable with Horovod's backward rule (see ``gradients``), and
 ranks that disagree raise ``tf.errors.FailedPreconditionError`` eagerly (see
-``mpi_ops._call`` for graphs). Keras lives in ``mtrain.tensorflow.keras``.
+``bridge.run_collective`` for graphs). Keras lives in ``mtrain.tensorflow.keras``.
 
 Process sets are Horovod's: ``init(process_sets=[...])`` or ``add_process_set``, then
 ``process_set=`` on every op (and on the tape and optimizer). ``root_rank`` stays a
 global rank; Average divides by the set's size; a rank outside the set gets
 ``tf.errors.InvalidArgumentError``. ``join()`` returns the rank that joined last.
 
-The ops are ``mpi_ops``; ``DistributedGradientTape`` and the gradient reduction the Keras
+The collectives are ``mpi_ops``, the helpers on them (broadcasting variables and objects, the
+``*_op`` tensors) ``functions``; ``DistributedGradientTape`` and the gradient reduction the Keras
 optimizer shares are ``gradient_tape``; ``SyncBatchNormalization`` is ``sync_batch_norm``.
 """
 from __future__ import annotations
@@ -30,11 +31,13 @@ from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     sycl_built)
 from .compression import Compression
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
+from .functions import (  # noqa: F401
+    allgather_object, broadcast_, broadcast_global_variables, broadcast_object, broadcast_object_fn,
+    broadcast_variables, local_rank_op, local_size_op, process_set_included_op, rank_op, size_op,
+)
 from .mpi_ops import (  # noqa: F401
-    allgather, allgather_object, allreduce, alltoall, barrier, broadcast, broadcast_, broadcast_global_variables,
-    broadcast_object, broadcast_object_fn, broadcast_variables, grouped_allgather, grouped_allreduce,
-    grouped_reducescatter, join, local_rank_op, local_size_op, process_set_included_op, rank_op, reducescatter,
-    size_op,
+    allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather, grouped_allreduce, grouped_reducescatter,
+    join, reducescatter,
 )
 from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
 

@@ -10,7 +10,9 @@ from mtrain.ringreduce import Average, ProcessSet, global_process_set
 
 from ..gradient_op import check_gradient_op
 from .compression import Compression
-from .mpi_ops import check_process_set, dense_tensor, grouped_allreduce, set_size
+from .bridge import dense_tensor
+from .mpi_ops import grouped_allreduce
+from .process_sets import check_process_set, set_size
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "local_refs", "reduce_gradients",
            "divided", "scaled", "variable_key"]

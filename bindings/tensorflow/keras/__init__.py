@@ -24,7 +24,7 @@ from .. import (  # noqa: F401  (re-exported: the Horovod API)
 )
 from ...gradient_op import check_gradient_op
 from ..gradient_tape import divided, local_refs, reduce_gradients, variable_key
-from ..mpi_ops import check_process_set, set_size
+from ..process_sets import check_process_set, set_size
 from . import callbacks, keras2  # noqa: F401
 
 __all__ = [

@@ -14,7 +14,7 @@ import numpy as np
 import mtrain.ringreduce as rr
 
 from ..gradient_tape import variable_key
-from ..mpi_ops import broadcast_variables
+from ..functions import broadcast_variables
 from . import keras2
 
 

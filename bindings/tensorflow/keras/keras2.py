@@ -24,7 +24,7 @@ import tensorflow as tf
 from mtrain.ringreduce import Average, ProcessSet, global_process_set
 
 from ..gradient_tape import divided, reduce_gradients, scaled, variable_key
-from ..mpi_ops import set_size
+from ..process_sets import set_size
 
 __all__ = ["Settings", "default_settings", "distributed_class", "distributed_optimizer", "import_tf_keras",
            "is_keras2_optimizer", "legacy_hyper", "legacy_keras_requested", "loading_objects", "optimizer_variables",
