@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
-from mtrain.launcher.records import OpRecord, OpState, RecorderDump, SetRecord
+from mtrain.launcher.records.flight_recorder import OpRecord, OpState, RecorderDump, SetRecord
 
 COLLECT_SECONDS = 3.0       # how long a collection waits for the ranks' dumps
 FAILURE_QUIET_SECONDS = 10.0  # a failure right after a collection asks for no new one
@@ -123,7 +123,7 @@ def report(dumps: Sequence[RecorderDump], size: int, reason: str, gone: Sequence
     lines.append(f"mtrain: diagnosis: {diagnosis}")
     data = {"reason": reason, "time": time.time(), "size": size, "silent": silent, "gone": sorted(gone),
             "diagnosis": diagnosis,
-            "dumps": [json.loads(d.encode().partition(b" ")[2]) for d in sorted(dumps, key=lambda d: d.rank)]}
+            "dumps": [d.to_json() for d in sorted(dumps, key=lambda d: d.rank)]}
     return HangReport(lines, diagnosis, data)
 
 

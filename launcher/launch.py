@@ -24,11 +24,14 @@ from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_LAYOUT,
-                                     ENV_JOB_SECRET, ENV_MPIRUN_TMPDIR, ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY,
-                                     ENV_STRAGGLER_OFF, ENV_USER_TMPDIR, ENV_USER_UMASK, AgentEvent,
-                                     ElasticResume, ExitRecord, Gate, HostUpdates, JobLayout, host_path,
-                                     new_job_secret, updates_file)
+from mtrain.launcher.records.agent_events import AgentEvent
+from mtrain.launcher.records.daemon_env import ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR, ENV_USER_UMASK
+from mtrain.launcher.records.elastic import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_SECRET, ElasticResume,
+                                             HostUpdates, host_path, new_job_secret, updates_file)
+from mtrain.launcher.records.exits import ExitRecord
+from mtrain.launcher.records.gate import Gate
+from mtrain.launcher.records.job_layout import ENV_JOB_FILE, ENV_JOB_LAYOUT, JobLayout
+from mtrain.launcher.records.steps import ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, ENV_STRAGGLER_OFF
 
 if TYPE_CHECKING:
     from mtrain.launcher.preflight import HostReport

@@ -27,7 +27,9 @@ import shutil
 import sys
 from typing import Any, Mapping, Sequence
 
-from mtrain.launcher.records import ENV_ELASTIC, RESET_EXIT_STATUS, Phase, PhaseNote, user_line
+from mtrain.launcher.records.elastic import ENV_ELASTIC, RESET_EXIT_STATUS
+from mtrain.launcher.records.frames import user_line
+from mtrain.launcher.records.phase import Phase, PhaseNote
 
 MODULE = "mtrain.launcher.pymain"
 # Options of the interpreter (before the program): these take no value...

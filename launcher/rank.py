@@ -24,7 +24,7 @@ failure, and the wrapper hides Open MPI's "Delaying for…" line and marks the
 record `mpi_abort` (evidence the supervisor weighs; see supervise.first_failure).
 
 The runtime sharpens the report through $MTRAIN_ERROR_FILE (the idea of
-torchelastic's error file): an `ErrorReport` (mtrain.launcher.records) written there
+torchelastic's error file): an `ErrorReport` (mtrain.launcher.records.errors) written there
 before the rank exits says why it fails and whether the failure began here or
 in a peer.  Without one, the last line the rank printed to stderr stands in as
 its reason, so a failure before `init()` reads the same as one after.
@@ -43,12 +43,19 @@ import time
 from mtrain.launcher import job_files, pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_USER_UMASK, PHASE_MARKER, RUNTIME_MARKERS,
-                                     ErrorReport, ExitRecord, FailureCause, JobLayout, Phase, PhaseNote,
-                                     exception_line, restore_user_tmpdir)
+from mtrain.launcher.records.daemon_env import ENV_USER_UMASK, restore_user_tmpdir
+from mtrain.launcher.records.elastic import RESUME_MARKER
+from mtrain.launcher.records.errors import ENV_ERROR_FILE, ErrorReport, FailureCause
+from mtrain.launcher.records.exits import ExitRecord, exception_line
+from mtrain.launcher.records.flight_recorder import DUMP_MARKER, DUMP_REQUEST_MARKER
+from mtrain.launcher.records.job_layout import ENV_JOB_FILE, JobLayout
+from mtrain.launcher.records.phase import PHASE_MARKER, Phase, PhaseNote
+from mtrain.launcher.records.steps import STEP_MARKER
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0
+# What the runtime writes on a rank's stderr for the supervisor: never the rank's own words.
+RUNTIME_MARKERS = (PHASE_MARKER, RESUME_MARKER, STEP_MARKER, DUMP_MARKER, DUMP_REQUEST_MARKER)
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 ABORT_DELAY_SECONDS = "1"
 # Open MPI's line when a process enters MPI_Abort (or a fatal MPI error) with mpi_abort_delay set.

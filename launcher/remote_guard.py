@@ -43,9 +43,11 @@ import time
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (DAEMON_UMASK, ENV_JOB_FILE, ENV_JOB_LAYOUT, ENV_OPENMPI_SESSION_BASE, AgentEvent,
-                                     AgentEventKind, HostUpdates, JobLayout, event_line, host_path,
-                                     restore_user_tmpdir, signal_name, updates_file)
+from mtrain.launcher.records.agent_events import AgentEvent, AgentEventKind, event_line
+from mtrain.launcher.records.daemon_env import DAEMON_UMASK, ENV_OPENMPI_SESSION_BASE, restore_user_tmpdir
+from mtrain.launcher.records.elastic import HostUpdates, host_path, updates_file
+from mtrain.launcher.records.exits import signal_name
+from mtrain.launcher.records.job_layout import ENV_JOB_FILE, ENV_JOB_LAYOUT, JobLayout
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0

@@ -37,7 +37,7 @@ from mtrain.launcher.process_tools import die_with_parent, exit_now
 
 if TYPE_CHECKING:
     from mtrain.launcher.config import SshOptions
-    from mtrain.launcher.records import AgentEventKind
+    from mtrain.launcher.records.agent_events import AgentEventKind
 
 # Every rank's launch waits for its agents: the path through the connection master imports only
 # what it needs (the settings, records and paramiko are loaded when the agent connects itself).
@@ -101,12 +101,12 @@ def read_master(path: str | None) -> str | None:
 
 def wait_for_gate(gate: str | None, timeout: float, stop: threading.Event) -> bool:
     """True once the launcher opens the gate (or there is none); False if it closes or never opens."""
-    from mtrain.launcher.records import Gate
+    from mtrain.launcher.records.gate import Gate
     return gate is None or Gate(gate).wait(timeout, stop)
 
 
 def _report(events_path: str | None, kind: AgentEventKind, host: str, detail: str) -> None:
-    from mtrain.launcher.records import AgentEvent
+    from mtrain.launcher.records.agent_events import AgentEvent
     AgentEvent(kind, host, detail, time.time()).emit(events_path)
 
 
@@ -145,7 +145,7 @@ def remote_command(words: list[str], python: str, job_file: str | None = None, l
 
 
 def _pump(read, fd: int, events_path: str | None = None) -> None:
-    from mtrain.launcher.records import take_events
+    from mtrain.launcher.records.agent_events import take_events
     while True:
         try:
             data = read(65536)
@@ -166,7 +166,7 @@ def _through_master(path: str, host: str, words: list[str], events_path: str | N
     """Run the command over the launcher's shared connection; our exit status, or None when
     the master is not there or has no connection to `host` (then we connect ourselves)."""
     from mtrain.launcher.ssh_master import MasterSession, Outcome
-    from mtrain.launcher.records import AgentEventKind
+    from mtrain.launcher.records.agent_events import AgentEventKind
     session = MasterSession(path)
     if not session.connect():
         return None
@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         return 255
     from mtrain.launcher import ssh  # paramiko is imported only once we know we need it
     from mtrain.launcher.config import SshOptions
-    from mtrain.launcher.records import AgentEventKind, Gate, HostUpdates
+    from mtrain.launcher.records.agent_events import AgentEventKind
+    from mtrain.launcher.records.elastic import HostUpdates
+    from mtrain.launcher.records.gate import Gate
     if port is not None:
         options = SshOptions(port, options.identity_file, options.accept_new_hosts, options.connect_timeout)
     # Accepting new host keys writes known_hosts: leave that to the preflight alone.

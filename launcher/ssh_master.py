@@ -386,7 +386,7 @@ class ConnectionMaster:
 
     def _lost(self, host: str, detail: str) -> None:
         """Tell the supervisor that `host` was lost (its agent-events file, records.AgentEvent)."""
-        from mtrain.launcher.records import AgentEvent, AgentEventKind
+        from mtrain.launcher.records.agent_events import AgentEvent, AgentEventKind
         with self._emitting:
             if self.events and not self._closed:
                 AgentEvent(AgentEventKind.HOST_LOST, host, detail, time.time()).emit(self.events)
@@ -397,7 +397,7 @@ class ConnectionMaster:
         closed_here = threading.Event()
 
         def pump(read: Callable[[int], bytes], kind: FrameKind) -> None:
-            from mtrain.launcher.records import take_events
+            from mtrain.launcher.records.agent_events import take_events
             while True:
                 try:
                     data = read(65536)
@@ -418,7 +418,7 @@ class ConnectionMaster:
         def heartbeat() -> None:
             # Keeps the guard's watchdog fed and gives TCP something to time out on; carries
             # an elastic job's host-set versions to the guard.
-            from mtrain.launcher.records import HostUpdates
+            from mtrain.launcher.records.elastic import HostUpdates
             sent = 0
             while not done.is_set() and transport.is_active():
                 version = HostUpdates.read(self.updates) if self.updates else 0

@@ -21,7 +21,7 @@ from collections import deque
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from mtrain.launcher.hang_report import ranks_text
-from mtrain.launcher.records import StepReport, StepSample
+from mtrain.launcher.records.steps import StepReport, StepSample
 
 ENV_THRESHOLD = "MTRAIN_STRAGGLER_THRESHOLD_PERCENT"
 DEFAULT_THRESHOLD_PERCENT = 20.0

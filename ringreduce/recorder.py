@@ -30,8 +30,10 @@ import threading
 import time
 from typing import Any, Callable, Iterable, NamedTuple
 
-from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_FLIGHT_RECORDER_SIZE, DumpRequest, OpRecord, OpState,
-                                     RecorderDump, SetRecord, emit_marker, frame_line)
+from mtrain.launcher.records.errors import ENV_ERROR_FILE
+from mtrain.launcher.records.flight_recorder import (ENV_FLIGHT_RECORDER_SIZE, DumpRequest, OpRecord, OpState,
+                                                     RecorderDump, SetRecord)
+from mtrain.launcher.records.frames import frame_line
 
 from .collectives import Kind
 from .errors import Refusal
@@ -249,7 +251,7 @@ class Dumper:
     def dump(self, reason: str) -> None:
         """Write this rank's dump (any thread); never raises."""
         try:
-            emit_marker(self.collect(reason).encode())
+            self.collect(reason).emit()
         except Exception as error:  # a dump is a diagnosis aid: never let it hurt the job
             sys.stderr.write(f"mtrain: the flight recorder could not dump ({error!r})\n")
 
@@ -320,7 +322,7 @@ def stop() -> None:
 def request_dumps(reason: str) -> None:
     """Ask the supervisor to have every rank dump (a coordinator saw a stall)."""
     if _dumper is not None:
-        emit_marker(DumpRequest(reason).encode())
+        DumpRequest(reason).emit()
 
 
 def dump_now(reason: str) -> None:

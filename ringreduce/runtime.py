@@ -10,7 +10,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mtrain.launcher.records import ENV_STRAGGLER_OFF, Phase, PhaseNote, StepSample, supervised
+from mtrain.launcher.records.errors import supervised
+from mtrain.launcher.records.phase import Phase, PhaseNote
+from mtrain.launcher.records.steps import ENV_STRAGGLER_OFF, StepSample
 from mtrain.launcher.stragglers import StragglerRow, straggler_table
 
 from . import comm as comm_module

@@ -27,7 +27,7 @@ import socket
 import time
 from collections import deque
 
-from mtrain.launcher.records import (ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, StepReport, StepSample)
+from mtrain.launcher.records.steps import ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, StepReport, StepSample
 
 KEPT = 4096               # the newest steps straggler_stats() sees
 DEFAULT_REPORT_SECONDS = 30.0
