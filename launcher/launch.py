@@ -22,6 +22,7 @@ from mtrain.launcher.config import LaunchConfig, Launcher, MpiKind, StepSettings
 from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
+from mtrain.launcher.output import log
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
 from mtrain.launcher.records.agent_events import AgentEvent
@@ -43,8 +44,7 @@ ENV_SHARE_SSH = "MTRAIN_SSH_SHARE"
 
 
 def _log(config: LaunchConfig, message: str) -> None:
-    if config.verbose:
-        print(f"mtrain: [{_stamp()}] {message}", file=sys.stderr, flush=True)
+    log(config.verbose, message)
 
 
 def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple[str, ...] = (),
@@ -581,8 +581,3 @@ def _route_subnets(config: LaunchConfig) -> tuple[str, ...]:
     if any(subnet is None for subnet in found):
         return ()  # some host reached in a way we cannot name: fall back to the exclude list
     return tuple(sorted(set(found)))
-
-
-def _stamp() -> str:
-    now = time.time()
-    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
