@@ -16,6 +16,8 @@ import dataclasses
 import os
 from typing import Any, Callable, Mapping, NamedTuple
 
+from mtrain.launcher.run_options import RunOptions
+
 # The runtime's variables (ringreduce/settings.py; the launcher may not import the runtime).
 FUSION_THRESHOLD = "MTRAIN_FUSION_THRESHOLD_BYTES"
 CYCLE_TIME = "MTRAIN_CYCLE_TIME_MS"
@@ -198,14 +200,14 @@ def read_config_file(path: str) -> "list[ConfigValue]":
     return found
 
 
-def rank_settings(options: Mapping[str, Any], origins: Mapping[str, str]) -> "tuple[tuple[RankSetting, ...], tuple[str, ...]]":
+def rank_settings(options: "RunOptions", origins: Mapping[str, str]) -> "tuple[tuple[RankSetting, ...], tuple[str, ...]]":
     """The variables every rank gets from the flags in `options`, and the lines to print
     for flags that change nothing in mtrain.  `origins`: option -> where its value came
     from, for options set by the config file (default: the flag)."""
     settings: "list[RankSetting]" = []
     notes: "list[str]" = []
     for flag in FLAGS:
-        value = options.get(flag.option)
+        value = options.given(flag.option)
         if value is None:
             continue
         origin = origins.get(flag.option) or (flag.off_flag if value is False and flag.off_flag else flag.flag)
