@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from mtrain.launcher.process_tools import die_with_parent, exit_now
 
@@ -144,21 +144,13 @@ def remote_command(words: list[str], python: str, job_file: str | None = None, l
     return f"{guard} {shlex.quote(inner)}"
 
 
-def _pump(read, fd: int, events_path: str | None = None) -> None:
+def _copy(read: Callable[[int], bytes], fd: int, events_path: str | None = None) -> None:
+    """Copy a channel's stream to our `fd`; from stderr, the guard's news of its daemon's death
+    goes to `events_path` instead."""
     from mtrain.launcher.records.agent_events import take_events
-    while True:
-        try:
-            data = read(65536)
-        except Exception:
-            return
-        if not data:
-            return
-        if fd == 2:
-            data = take_events(data, events_path)  # the guard's news of its daemon's death
-        try:
-            os.write(fd, data)
-        except OSError:
-            return
+    from mtrain.launcher.stream_pump import pump
+    take = (lambda data: take_events(data, events_path)) if fd == 2 else None
+    pump(read, lambda data: os.write(fd, data), take)
 
 
 def _through_master(path: str, host: str, words: list[str], events_path: str | None,
@@ -259,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         _report(events_path, AgentEventKind.CONNECT_FAILED, host, f"host {host}: cannot start a session: {error}")
         print(f"mtrain-agent: host {host}: cannot start a session: {error}", file=sys.stderr)
         return 255
-    pumps = [threading.Thread(target=_pump, args=(channel.recv, 1), daemon=True),
-             threading.Thread(target=_pump, args=(channel.recv_stderr, 2, events_path), daemon=True)]
+    pumps = [threading.Thread(target=_copy, args=(channel.recv, 1), daemon=True),
+             threading.Thread(target=_copy, args=(channel.recv_stderr, 2, events_path), daemon=True)]
     for thread in pumps:
         thread.start()
 

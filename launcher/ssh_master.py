@@ -396,24 +396,15 @@ class ConnectionMaster:
         done = threading.Event()
         closed_here = threading.Event()
 
-        def pump(read: Callable[[int], bytes], kind: FrameKind) -> None:
-            from mtrain.launcher.records.agent_events import take_events
-            while True:
-                try:
-                    data = read(65536)
-                except Exception:
-                    return
-                if not data:
-                    return
-                if kind is FrameKind.STDERR:
-                    with self._emitting:  # the guard's news of its daemon's death
-                        data = take_events(data, None if self._closed else self.events)
-                    if not data:
-                        continue
-                try:
-                    send_frame(agent, kind, data, lock)
-                except OSError:
-                    return
+        from mtrain.launcher.records.agent_events import take_events
+        from mtrain.launcher.stream_pump import pump
+
+        def take(data: bytes) -> bytes:
+            with self._emitting:  # the guard's news of its daemon's death
+                return take_events(data, None if self._closed else self.events)
+
+        def copy(read: Callable[[int], bytes], kind: FrameKind) -> None:
+            pump(read, lambda data: send_frame(agent, kind, data, lock), take if kind is FrameKind.STDERR else None)
 
         def heartbeat() -> None:
             # Keeps the guard's watchdog fed and gives TCP something to time out on; carries
@@ -444,8 +435,8 @@ class ConnectionMaster:
                 with contextlib.suppress(Exception):
                     channel.close()
 
-        pumps = [threading.Thread(target=pump, args=(channel.recv, FrameKind.STDOUT), daemon=True),
-                 threading.Thread(target=pump, args=(channel.recv_stderr, FrameKind.STDERR), daemon=True)]
+        pumps = [threading.Thread(target=copy, args=(channel.recv, FrameKind.STDOUT), daemon=True),
+                 threading.Thread(target=copy, args=(channel.recv_stderr, FrameKind.STDERR), daemon=True)]
         for thread in pumps + [threading.Thread(target=heartbeat, daemon=True),
                                threading.Thread(target=agent_gone, daemon=True)]:
             thread.start()

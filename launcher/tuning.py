@@ -224,25 +224,15 @@ def _runtime_settings() -> Any:
     is plain Python (the standard library only), so this copy reads the environment exactly as
     every rank's ``init()`` will."""
     import importlib.util
-    import sys
-    name = "mtrain.launcher._runtime_settings"
-    if name in sys.modules:
-        return sys.modules[name]
+    from mtrain.launcher.module_files import load_module_file
     package = importlib.util.find_spec("mtrain.ringreduce")
     if package is None or not package.submodule_search_locations:
         return None
     path = os.path.join(list(package.submodule_search_locations)[0], "settings.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
     try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+        return load_module_file("mtrain.launcher._runtime_settings", path)
+    except ImportError:
+        return None
 
 
 def refused_variable(environ: Mapping[str, str]) -> "str | None":
