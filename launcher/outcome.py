@@ -20,7 +20,7 @@ CAUSE_WINDOW = 1.0         # failures closer than this are ordered by evidence, 
 LOST_HOST_KINDS = (AgentEventKind.HOST_LOST, AgentEventKind.DAEMON_DIED)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)  # none needed: cheaper to make, on every job's start
 class JobEnd:
     """What the supervisor learned about a job that has ended."""
 

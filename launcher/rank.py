@@ -21,7 +21,7 @@ abort inside MPI within milliseconds, racing the dead rank's own record.  So
 the child gets Open MPI's `mpi_abort_delay` of one second: a rank aborting in
 MPI first waits, the launcher meanwhile stops it as a consequence of the real
 failure, and the wrapper hides Open MPI's "Delaying for…" line and marks the
-record `mpi_abort` (evidence the supervisor weighs; see supervise.first_failure).
+record `mpi_abort` (evidence the supervisor weighs; see outcome.first_failure).
 
 The runtime sharpens the report through $MTRAIN_ERROR_FILE (the idea of
 torchelastic's error file): an `ErrorReport` (mtrain.launcher.records.errors) written there

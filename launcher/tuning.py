@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
-from mtrain.launcher.run_options import RunOptions
+if TYPE_CHECKING:  # config imports this module on every launch's path; only the CLI makes RunOptions
+    from mtrain.launcher.run_options import RunOptions
 
 # The runtime's variables (ringreduce/settings.py; the launcher may not import the runtime).
 FUSION_THRESHOLD = "MTRAIN_FUSION_THRESHOLD_BYTES"
