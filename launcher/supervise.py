@@ -58,7 +58,7 @@ class StopReason(enum.Enum):
     """Why the supervisor stopped a job itself (logged, and it picks the grace period)."""
 
     INTERRUPTED = "interrupted"                 # Ctrl-C or SIGTERM reached mtrain
-    HOSTLOST_HOST_KINDS = "a host was lost"               # an agent reported a dead connection
+    HOST_LOST = "a host was lost"               # an agent reported a dead connection
     RANK_FAILED = "a rank failed and mpirun did not stop the job"
     STUCK = "the job could never go on"         # ranks wait in init() for one whose program ended
 
@@ -361,7 +361,7 @@ class Job:
                 elif stuck and now - stuck_since > STUCK_GRACE:
                     stop_reason, self.stuck = StopReason.STUCK, stuck
                 elif any(e.kind in LOST_HOST_KINDS for e in host_problems):
-                    stop_reason = StopReason.HOSTLOST_HOST_KINDS
+                    stop_reason = StopReason.HOST_LOST
                 elif failure_seen_at is not None and now - failure_seen_at > FAILURE_GRACE:
                     stop_reason = StopReason.RANK_FAILED
                 if stop_reason is not None:
@@ -369,7 +369,7 @@ class Job:
                     signal_process(process.pid, signal.SIGTERM)
                     stop_sent_at = now
             elif stop_sent_at is not None and now - stop_sent_at > (
-                    LOST_HOST_GRACE if stop_reason is StopReason.HOSTLOST_HOST_KINDS else STOP_GRACE):
+                    LOST_HOST_GRACE if stop_reason is StopReason.HOST_LOST else STOP_GRACE):
                 self.log("job still running; killing everything it started")
                 kill_session(process.pid, signal.SIGKILL)
                 stop_sent_at = None
@@ -425,7 +425,6 @@ class Job:
             pass
         wait_session_empty(process.pid, 2.0)
         return False
-
 
 
 class _EndWatch:
