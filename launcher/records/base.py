@@ -13,12 +13,15 @@ The codec knows the types the records use: ``int``, ``float``, ``str``, ``bool``
 """
 import enum
 import json
+import typing
 
 # Errors that mean "not one of ours" when reading a record someone wrote.
 DECODE_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError)
+R = typing.TypeVar("R", bound="Record")
+Codec = typing.Tuple[typing.Callable[[typing.Any], typing.Any], typing.Callable[[typing.Any], typing.Any]]
 
 
-def _codec(hint: object) -> "tuple[object, object]":
+def _codec(hint: typing.Any) -> Codec:
     """(encode, decode) for one field's type hint: value -> JSON-able, JSON value -> value."""
     if getattr(hint, "__origin__", None) is tuple:
         item_encode, item_decode = _codec(hint.__args__[0])  # type: ignore[attr-defined]
@@ -40,7 +43,7 @@ class Record:
 
     _fields: "tuple[str, ...]" = ()
     _defaults: "dict[str, object]" = {}
-    _codecs: "dict[str, tuple[object, object]]" = {}
+    _codecs: "dict[str, Codec]" = {}
     # The JSON text's separators: None is json's default; StepReport sends compact lines.
     json_separators: "tuple[str, str] | None" = None
     # A record sent by the many (StepSample) can travel as a row: its field values in order,
@@ -98,31 +101,31 @@ class Record:
     def _asdict(self) -> dict:
         return {name: getattr(self, name) for name in self._fields}
 
-    def replace(self, **changes: object) -> "Record":
+    def replace(self: R, **changes: object) -> R:
         return type(self)(**{**self._asdict(), **changes})
 
     # -- the JSON codec -------------------------------------------------------------------------
 
     def to_json(self) -> object:
         """The record as JSON-able values: an object keyed by its field names (a list, for a row)."""
-        values = {name: self._codecs[name][0](getattr(self, name)) for name in self._fields}  # type: ignore[operator]
+        values = {name: self._codecs[name][0](getattr(self, name)) for name in self._fields}
         if self.json_float_digits is not None:
             values = {name: round(value, self.json_float_digits) if isinstance(value, float) else value
                       for name, value in values.items()}
         return list(values.values()) if self.json_row else values
 
     @classmethod
-    def from_json(cls, data: object) -> "Record":
+    def from_json(cls: "type[R]", data: typing.Any) -> R:
         """The record from ``to_json``'s form (a field of ``json_optional`` may be absent).  Raises
         one of DECODE_ERRORS when ``data`` is not such a record."""
         if cls.json_row:
-            data = dict(zip(cls._fields, data))  # type: ignore[call-overload]
+            data = dict(zip(cls._fields, data))
         if not isinstance(data, dict):
             raise TypeError(f"{cls.__name__}: a JSON object expected, not {type(data).__name__}")
         values = {}
         for name in cls._fields:
             if name in data:
-                values[name] = cls._codecs[name][1](data[name])  # type: ignore[operator]
+                values[name] = cls._codecs[name][1](data[name])
             elif name not in cls.json_optional:
                 raise KeyError(name)
         return cls(**values)
@@ -132,7 +135,7 @@ class Record:
         return json.dumps(self.to_json(), separators=self.json_separators)
 
     @classmethod
-    def decode(cls, text: "str | bytes") -> "Record | None":
+    def decode(cls: "type[R]", text: "str | bytes") -> "R | None":
         """The record in ``text`` (``encode``'s form; a marker line's payload), or None for anything else."""
         try:
             return cls.from_json(json.loads(text))
