@@ -1,9 +1,9 @@
 """Where a job is stuck: every rank's flight recorder, assembled into one table and a diagnosis.
 
 Each rank's runtime keeps its last collectives (ringreduce/recorder.py) and dumps them as a
-``records.RecorderDump`` when it gets SIGUSR1. The supervisor opens a *collection*
+``records.flight_recorder.RecorderDump`` when it gets SIGUSR1. The supervisor opens a *collection*
 (``Collector``) when `mtrain run` gets SIGUSR1, when a coordinator warns of a stall or gives
-up on one (``records.DumpRequest``), when a rank dumps on its own, and when a rank fails; it
+up on one (``records.flight_recorder.DumpRequest``), when a rank dumps on its own, and when a rank fails; it
 sends SIGUSR1 to mpirun (which forwards it to every rank) and waits until every live rank has
 answered, or COLLECT_SECONDS. Then ``report`` turns the dumps into lines like
 

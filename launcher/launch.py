@@ -93,7 +93,7 @@ def job_environment(job_env: "dict[str, str] | None") -> dict[str, str]:
 def _private_mpirun_folder(environment: "dict[str, str]", scratch: str) -> None:
     """Open MPI's launcher makes its folder in our private `scratch`, removed with it however
     mpirun ends: no folder of a killed launcher, nor one another user planted, is in its way
-    (records.ENV_MPIRUN_TMPDIR)."""
+    (records.daemon_env.ENV_MPIRUN_TMPDIR)."""
     if "TMPDIR" in environment:
         environment[ENV_USER_TMPDIR] = environment["TMPDIR"]
     environment["TMPDIR"] = environment[ENV_MPIRUN_TMPDIR] = scratch

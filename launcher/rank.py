@@ -123,7 +123,7 @@ def child_environment(env, error_file: str, rank: int = 0) -> dict[str, str]:
     torch.distributed and tf.distribute programs run unchanged.  Settings the user made win."""
     child = dict(env)
     child[ENV_ERROR_FILE] = error_file
-    restore_user_tmpdir(child)  # where mpirun was given another (records.ENV_MPIRUN_TMPDIR)
+    restore_user_tmpdir(child)  # where mpirun was given another (records.daemon_env.ENV_MPIRUN_TMPDIR)
     template = child.get(ENV_JOB_FILE, "")
     host = os.uname().nodename
     layout = JobLayout.read(job_files.layout(template, host)) if "{host}" in template else None
@@ -176,7 +176,7 @@ def _remove_scratch(scratch: str, error_file: str) -> None:
 
 def _user_umask(env: "dict[str, str]") -> int:
     """The umask of the user who launched the job: the program gets it back from Open MPI's
-    daemons, which run with a private one (records.ENV_USER_UMASK); -1 (leave it) without one."""
+    daemons, which run with a private one (records.daemon_env.ENV_USER_UMASK); -1 (leave it) without one."""
     text = env.get(ENV_USER_UMASK, "")
     try:
         return int(text, 8) & 0o777 if text else -1

@@ -53,7 +53,7 @@ def write_config(path: str, options: SshOptions, python: str, events_path: str |
                  master: str | None = None) -> None:
     """Write the agent's settings for `--config` (done by the launcher before mpirun starts).
 
-    With `gate` (a records.Gate path), the agent connects and authenticates at
+    With `gate` (a records.gate.Gate path), the agent connects and authenticates at
     once but runs nothing until the supervisor opens the gate (closed: give up
     quietly); that lets mpirun and the SSH handshakes start while the preflight runs.
     The gate opens with the job's layout, which the remote guard leaves in

@@ -171,7 +171,7 @@ class ConnectionMaster:
         self.expected = frozenset(hosts)
         self.remote_command, self.go_line = remote_command, go_line
         self.updates, self.session_timeout = updates, session_timeout
-        self.events = events  # the supervisor's agent-events file (records.AgentEvent)
+        self.events = events  # the supervisor's agent-events file (records.agent_events.AgentEvent)
         self._log = log or (lambda message: None)
         self.hosts: dict[str, _Host] = {}
         self.counters = Counters()
@@ -385,7 +385,7 @@ class ConnectionMaster:
         return channel
 
     def _lost(self, host: str, detail: str) -> None:
-        """Tell the supervisor that `host` was lost (its agent-events file, records.AgentEvent)."""
+        """Tell the supervisor that `host` was lost (its agent-events file, records.agent_events.AgentEvent)."""
         from mtrain.launcher.records.agent_events import AgentEvent, AgentEventKind
         with self._emitting:
             if self.events and not self._closed:
@@ -429,7 +429,7 @@ class ConnectionMaster:
             if not done.is_set():
                 done.set()
                 # mpirun stops its agents as soon as it misses a daemon: what the guard said of
-                # that (its event line, records.EVENT_MARKER) may still be on its way.
+                # that (its event line, records.agent_events.EVENT_MARKER) may still be on its way.
                 pumps[1].join(timeout=DRAIN_SECONDS)
                 closed_here.set()  # (closing sets the channel's status event too: not news)
                 with contextlib.suppress(Exception):

@@ -1,4 +1,4 @@
-"""Which rank is slow: the straggler table, from every rank's measured steps (records.StepSample).
+"""Which rank is slow: the straggler table, from every rank's measured steps (records.steps.StepSample).
 
 Each rank's runtime measures every training step (ringreduce/steps.py): its *compute* (from
 its previous step's last completion to this step's first submit: the time it spent in the

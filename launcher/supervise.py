@@ -119,11 +119,11 @@ class Job:
         self.launcher_tail: list[str] = []
         self.lock = threading.Lock()
         self.interrupted: int | None = None
-        # Where each rank's program is (records.PhaseNote): in init() for whom, or ended how.
+        # Where each rank's program is (records.phase.PhaseNote): in init() for whom, or ended how.
         self.in_init: dict[int, tuple] = {}
         self.ended: dict[int, int] = {}
         self.stuck: str | None = None  # why the job was stopped as one that could never go on
-        # Every rank's measured steps (records.StepReport): the straggler table and --progress.
+        # Every rank's measured steps (records.steps.StepReport): the straggler table and --progress.
         self.steps, self.board = steps, StepBoard(ranks)
         self.up: set[int] = set()  # ranks out of init(), whose program has not ended
         self._next_table = steps.every  # --straggler-report N: the step of the next table
@@ -171,7 +171,7 @@ class Job:
             self.sink.write(line, stream)
 
     def _take_event(self, line: bytes) -> bytes:
-        """A daemon's guard's event (records.EVENT_MARKER) in mpirun's own output: kept for the loop."""
+        """A daemon's guard's event (records.agent_events.EVENT_MARKER) in mpirun's own output: kept for the loop."""
         before, _, payload = line.partition(EVENT_MARKER)
         event = AgentEvent.decode(payload)
         if event is not None:
@@ -304,7 +304,7 @@ class Job:
     def _run(self, env: dict[str, str], reader: AgentEventReader | None) -> int:
         self.log("starting: " + " ".join(self.argv))
         try:
-            # umask: what Open MPI leaves in /tmp is private (see records.ENV_USER_UMASK).
+            # umask: what Open MPI leaves in /tmp is private (see records.daemon_env.ENV_USER_UMASK).
             process = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, umask=DAEMON_UMASK,
                                        start_new_session=True, preexec_fn=_mpirun_dies_with_us)

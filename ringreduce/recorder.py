@@ -9,9 +9,9 @@ dump reads them there. So submitting an op costs the recorder nothing.
 
 Besides the ops, each set says whether a user thread is blocked on it now and how long ago
 the program last submitted to it or came back from waiting on it, and the dump says where the
-main thread is in the program's own code (``records.frame_line``).
+main thread is in the program's own code (``records.frames.frame_line``).
 
-A dump is one ``records.RecorderDump`` marker line on stderr, for ``mtrain run``'s
+A dump is one ``records.flight_recorder.RecorderDump`` marker line on stderr, for ``mtrain run``'s
 supervisor (launcher/hang_report.py assembles every rank's into one table). It is made by a
 daemon thread, woken through a pipe that is also the interpreter's signal wake-up fd: a
 SIGUSR1 wakes it even while the main thread is stuck in C code. The handler is installed by

@@ -15,7 +15,7 @@ learns that a step is over (it is idle again after a thread waited on a handle:
   without comparing clocks.
 
 Nothing extra goes on the wire between ranks: the samples go to ``mtrain run`` as marker lines
-on stderr (records.StepReport), every ``MTRAIN_STRAGGLER_EVERY`` steps, every
+on stderr (records.steps.StepReport), every ``MTRAIN_STRAGGLER_EVERY`` steps, every
 ``MTRAIN_STEP_REPORT_SECONDS``, and when the engine stops; and ``straggler_stats()`` gathers
 them when the program asks.
 """
