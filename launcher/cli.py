@@ -241,7 +241,7 @@ def run(**options: Any) -> None:
 def build_config(options: RunOptions) -> tuple[LaunchConfig, bool]:
     """Validate the options of `mtrain run` into a LaunchConfig (usage errors raise click errors)."""
     from mtrain.launcher import mpirun as mpilib
-    command = tuple(options.command)
+    command = options.command
     if not command:
         raise click.UsageError("no command given; write e.g. `mtrain run -np 2 python train.py`")
     if command[0].startswith("-"):
