@@ -24,13 +24,13 @@ different names stall by design, and each costs that long.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
 from types import ModuleType
 from typing import Any
 
+from mtrain.launcher.module_files import load_module_file
 from repo_helpers import ROOT  # a sibling (repo_helpers.py says why so)
 
 STALL_VARIABLE = "MTRAIN_STALL_SHUTDOWN_SECONDS"
@@ -38,12 +38,7 @@ STALL_VARIABLE = "MTRAIN_STALL_SHUTDOWN_SECONDS"
 
 def load_fuzzing() -> ModuleType:
     """tests/mpi/fuzzing.py, from its file (the repository root stays off sys.path)."""
-    spec = importlib.util.spec_from_file_location("mtrain_benchmarks_fuzzing", ROOT / "tests" / "mpi" / "fuzzing.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return load_module_file("mtrain_benchmarks_fuzzing", ROOT / "tests" / "mpi" / "fuzzing.py")
 
 
 def table(runner: Any, seed: int, first: int, run: int, inconsistent: int, hangs: int,

@@ -10,10 +10,10 @@ loaded from their files.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from mtrain.launcher.module_files import load_module_file
 
 ROOT = Path(__file__).resolve().parent.parent
 _NETCLUSTER = "mtrain_benchmarks_netcluster"
@@ -21,19 +21,7 @@ _NETCLUSTER = "mtrain_benchmarks_netcluster"
 
 def _load(name: str, filename: str) -> ModuleType:
     """tests/cluster/`filename`, loaded from its file once as `name` (the repository root stays off sys.path)."""
-    loaded = sys.modules.get(name)
-    if loaded is not None:
-        return loaded
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "cluster" / filename)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file runs
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return load_module_file(name, ROOT / "tests" / "cluster" / filename)
 
 
 def netcluster() -> ModuleType:

@@ -23,6 +23,7 @@ from mtrain.launcher import tuning
 from mtrain.launcher.config import (ElasticSettings, LaunchConfig, Launcher, MpiKind, SshOptions, StepSettings,
                                     check_env_item)
 from mtrain.launcher.private import PrivatePathError
+from mtrain.launcher.run_options import LauncherName, RunOptions
 
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
 
@@ -97,7 +98,8 @@ _NONNEGATIVE = click.IntRange(min=0)
               help="Hosts and slots, e.g. host1:4,host2:4 (a host without :N has 1 slot).")
 @click.option("-hostfile", "--hostfile", type=click.Path(dir_okay=False), default=None,
               help="File with one `host slots=N` per line.")
-@click.option("--launcher", "launcher_name", type=click.Choice(["auto", "ssh", "slurm"]), default="auto",
+@click.option("--launcher", "launcher_name", type=click.Choice([name.value for name in LauncherName]),
+              default=LauncherName.AUTO.value,
               show_default=True,
               help="How ranks reach their hosts: slurm starts them through the Slurm allocation mtrain runs "
                    "in (srun, no SSH); ssh over SSH; auto: slurm inside an allocation unless -H or "
@@ -228,7 +230,7 @@ def run(**options: Any) -> None:
     # between an elastic job's generations, it must not end mtrain (its default action). A
     # handler, not SIG_IGN: an ignored signal stays ignored in mpirun, which must pass it on.
     signal.signal(signal.SIGUSR1, lambda number, frame: None)
-    config, dry_run = build_config(options)
+    config, dry_run = build_config(RunOptions.from_click(options))
     for line in config.notices:
         click.echo(line, err=True)
     if config.elastic is not None and not dry_run:
@@ -237,28 +239,28 @@ def run(**options: Any) -> None:
     sys.exit(launch(config, dry_run=dry_run))
 
 
-def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
+def build_config(options: RunOptions) -> tuple[LaunchConfig, bool]:
     """Validate the options of `mtrain run` into a LaunchConfig (usage errors raise click errors)."""
     from mtrain.launcher import mpirun as mpilib
-    command = tuple(options["command"])
+    command = options.command
     if not command:
         raise click.UsageError("no command given; write e.g. `mtrain run -np 2 python train.py`")
     if command[0].startswith("-"):
         raise click.UsageError(f"unknown option {command[0]}; mtrain's options go before the command")
-    if options["host_list"] is not None and options["hostfile"] is not None:
+    if options.host_list is not None and options.hostfile is not None:
         raise click.UsageError("give either -H or --hostfile, not both")
     options, origins, file_notes = with_config_file(options)
-    controllers = [flag for name, flag in _CONTROLLER_FLAGS.items() if options[name]]
+    controllers = [flag for name, flag in _CONTROLLER_FLAGS.items() if options.given(name)]
     if len(controllers) > 1:
         raise click.UsageError(f"give one of --gloo, --mpi and --jsrun, not {' and '.join(controllers)}")
     rank_settings, notes = tuning.rank_settings(options, origins)
     for setting in rank_settings:
-        for item in options["env_items"]:
+        for item in options.env_items:
             if item.split("=", 1)[0] == setting.name:
                 raise click.UsageError(f"{setting.origin} sets {setting.name} for the ranks, and so does "
                                        f"-x {item}; give one of them")
     ranks_environ = dict(os.environ)
-    for item in options["env_items"]:
+    for item in options.env_items:
         if "=" in item:
             key, value = item.split("=", 1)
             ranks_environ[key] = value
@@ -267,9 +269,9 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
     if refusal is not None:
         raise click.UsageError(refusal)
     binding_args: tuple[str, ...] | None = None
-    if options["binding_args"] is not None:
+    if options.binding_args is not None:
         try:
-            binding_args = tuple(shlex.split(options["binding_args"]))
+            binding_args = tuple(shlex.split(options.binding_args))
         except ValueError as error:
             raise click.UsageError(f"--binding-args: {error}") from None
     elastic = elastic_settings(options)
@@ -277,15 +279,15 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
     try:
         if elastic is not None:
             available = []  # the elastic driver plans each generation from what is there then
-        elif options["host_list"] is not None:
-            available = options["host_list"]
-        elif options["hostfile"] is not None:
-            available = hostlib.read_hostfile(options["hostfile"])
+        elif options.host_list is not None:
+            available = options.host_list
+        elif options.hostfile is not None:
+            available = hostlib.read_hostfile(options.hostfile)
         else:
             allocation = hostlib.scheduler_allocation(os.environ)
             available = list(allocation.hosts) if allocation else None
         launcher, slurm_job = choose_launcher(options)
-        num_proc = options["num_proc"]
+        num_proc = options.num_proc
         if elastic is not None:
             pass
         elif available is None:
@@ -304,46 +306,46 @@ def build_config(options: dict[str, Any]) -> tuple[LaunchConfig, bool]:
     names = hostlib.local_names()
     remote = tuple(h.name for h in plan if not hostlib.is_local(h.name, names))
     mpi_args: tuple[str, ...] = ()
-    if options["mpi_args"]:
+    if options.mpi_args:
         try:
-            mpi_args = tuple(shlex.split(options["mpi_args"]))
+            mpi_args = tuple(shlex.split(options.mpi_args))
         except ValueError as error:
             raise click.UsageError(f"--mpi-args: {error}") from None
     try:
-        mpi = mpilib.find_mpirun(options["mpirun_path"])
+        mpi = mpilib.find_mpirun(options.mpirun_path)
     except mpilib.MpiNotFound as error:
         raise click.UsageError(str(error)) from None
     if launcher is Launcher.SLURM and mpi.kind is not MpiKind.OPENMPI:
-        if options["launcher_name"] == "slurm":
+        if options.launcher_name is LauncherName.SLURM:
             raise click.UsageError(f"--launcher slurm needs Open MPI's mpirun, and {mpi.path} is MPICH's; "
                                    "give --launcher ssh")
         launcher, slurm_job = Launcher.SSH, ""
-    ssh = SshOptions(port=options["ssh_port"], identity_file=options["ssh_identity_file"],
-                     accept_new_hosts=options["ssh_accept_new_hosts"],
-                     connect_timeout=options["start_timeout"])
+    ssh = SshOptions(port=options.ssh_port, identity_file=options.ssh_identity_file,
+                     accept_new_hosts=options.ssh_accept_new_hosts,
+                     connect_timeout=options.start_timeout)
     config = LaunchConfig(
         plan=tuple(plan), command=command, remote_hosts=remote, ssh=ssh, mpi=mpi,
-        start_timeout=options["start_timeout"], network_interfaces=_interfaces(options["interfaces"]),
-        output_dir=Path(options["output_dir"]).resolve() if options["output_dir"] else None,
-        env_pass=tuple(options["env_items"]), mpi_args=mpi_args, verbose=options["verbose"],
-        master_port=options["master_port"], one_gpu_per_rank=options["one_gpu_per_rank"], elastic=elastic,
+        start_timeout=options.start_timeout, network_interfaces=_interfaces(options.interfaces),
+        output_dir=Path(options.output_dir).resolve() if options.output_dir else None,
+        env_pass=tuple(options.env_items), mpi_args=mpi_args, verbose=options.verbose,
+        master_port=options.master_port, one_gpu_per_rank=options.one_gpu_per_rank, elastic=elastic,
         rank_settings=rank_settings, binding_args=binding_args,
-        prefix_timestamp=bool(options["prefix_timestamp"]), notices=file_notes + notes,
-        steps=StepSettings(report=not options["no_straggler_report"], every=options["straggler_every"],
-                           progress=options["progress"], progress_interval=options["progress_interval"]),
+        prefix_timestamp=bool(options.prefix_timestamp), notices=file_notes + notes,
+        steps=StepSettings(report=not options.no_straggler_report, every=options.straggler_every,
+                           progress=options.progress, progress_interval=options.progress_interval),
         launcher=launcher, slurm_job=slurm_job)
-    if elastic is not None and options["dry_run"]:
+    if elastic is not None and options.dry_run:
         config = _first_generation(config)
-    return config, bool(options["dry_run"])
+    return config, bool(options.dry_run)
 
 
-def choose_launcher(options: dict[str, Any]) -> "tuple[Launcher, str]":
+def choose_launcher(options: RunOptions) -> "tuple[Launcher, str]":
     """--launcher resolved: (how remote hosts are reached, the Slurm job's id or "")."""
     from mtrain.launcher import slurm
-    name = options["launcher_name"]
-    hosts_given = options["host_list"] is not None or options["hostfile"] is not None
+    name = options.launcher_name
+    hosts_given = options.host_list is not None or options.hostfile is not None
     job = slurm.job_id(os.environ)
-    if name == "ssh" or (name == "auto" and (hosts_given or not job)):
+    if name is LauncherName.SSH or (name is LauncherName.AUTO and (hosts_given or not job)):
         return Launcher.SSH, ""
     if hosts_given:
         raise click.UsageError("--launcher slurm starts the ranks on the nodes of the Slurm allocation; "
@@ -353,7 +355,7 @@ def choose_launcher(options: dict[str, Any]) -> "tuple[Launcher, str]":
                                "`mtrain run` in an sbatch script or under salloc, or give the hosts with -H")
     problem = slurm.missing_tools()
     if problem is not None:
-        if name == "auto":  # inside an allocation whose tools we cannot run: SSH as before
+        if name is LauncherName.AUTO:  # inside an allocation whose tools we cannot run: SSH as before
             return Launcher.SSH, ""
         raise click.UsageError(f"--launcher slurm: {problem}")
     return Launcher.SLURM, job
@@ -370,11 +372,11 @@ def _interfaces(given: "tuple[tuple[str, ...], ...] | None") -> tuple[str, ...]:
     return tuple(names)
 
 
-def with_config_file(options: dict[str, Any]) -> "tuple[dict[str, Any], dict[str, str], tuple[str, ...]]":
+def with_config_file(options: RunOptions) -> "tuple[RunOptions, dict[str, str], tuple[str, ...]]":
     """`options` with the values of --config-file filled in where the command line gave
     none (Horovod: flags win over the file); also where each came from, and the lines to
     print for the file's settings that this `mtrain run` cannot apply."""
-    path = options.get("config_file")
+    path = options.config_file
     if not path:
         return options, {}, ()
     try:
@@ -382,15 +384,15 @@ def with_config_file(options: dict[str, Any]) -> "tuple[dict[str, Any], dict[str
     except tuning.ConfigFileError as error:
         raise click.UsageError(f"--config-file {path}: {error}") from None
     params = {param.name: param for param in run.params if isinstance(param, click.Option)}
-    merged, origins, notes = dict(options), {}, []
-    controllers_given = any(options.get(name) for name in _CONTROLLER_FLAGS)
+    merged, origins, notes = {}, {}, []
+    controllers_given = any(options.given(name) for name in _CONTROLLER_FLAGS)
     for entry in values:
         param = params.get(entry.option)
         if param is None:  # a Horovod flag this mtrain run does not have (yet)
             notes.append(f"mtrain: --config-file {entry.key}: not applied; this mtrain run has no "
                          f"--{entry.option.replace('_', '-')}")
             continue
-        if options.get(entry.option) is not None:
+        if options.given(entry.option) is not None:
             continue  # given on the command line
         if entry.key == "controller" and controllers_given:
             continue
@@ -402,54 +404,54 @@ def with_config_file(options: dict[str, Any]) -> "tuple[dict[str, Any], dict[str
             raise click.UsageError(f"--config-file {path}: {entry.key}: {error.message}") from None
         merged[entry.option] = value
         origins[entry.option] = f"--config-file {entry.key}"
-    return merged, origins, tuple(notes)
+    return dataclasses.replace(options, **merged), origins, tuple(notes)
 
 
 _ELASTIC_ONLY = {"slots_per_host": "--slots-per-host", "reset_limit": "--reset-limit",
                  "cooldown": "--blacklist-cooldown-range"}
 
 
-def elastic_settings(options: dict[str, Any]) -> ElasticSettings | None:
+def elastic_settings(options: RunOptions) -> ElasticSettings | None:
     """Horovod's elastic flags, validated; None for a job of fixed size."""
-    script = options["host_discovery_script"]
-    if script is None and options["min_np"] is None and options["max_np"] is None:
+    script = options.host_discovery_script
+    if script is None and options.min_np is None and options.max_np is None:
         for key, flag in _ELASTIC_ONLY.items():
-            if options[key] is not None:
+            if options.given(key) is not None:
                 raise click.UsageError(f"{flag} applies to elastic jobs only; give --host-discovery-script "
                                        "or --min-np / --max-np too")
         return None
-    initial = options["num_proc"]
+    initial = options.num_proc
     if initial is None:
         raise click.UsageError("an elastic job needs -np, the number of ranks to start with")
-    min_np = options["min_np"] if options["min_np"] is not None else initial
-    max_np = options["max_np"]
+    min_np = options.min_np if options.min_np is not None else initial
+    max_np = options.max_np
     if min_np > initial:
         raise click.UsageError(f"--min-np {min_np} is more than -np {initial}")
     if max_np is not None and max_np < initial:
         raise click.UsageError(f"--max-np {max_np} is less than -np {initial}")
     fixed: tuple[hostlib.HostSlots, ...] = ()
     if script is not None:
-        if options["host_list"] is not None or options["hostfile"] is not None:
+        if options.host_list is not None or options.hostfile is not None:
             raise click.UsageError("give either --host-discovery-script or -H / --hostfile, not both")
         if not os.access(script, os.X_OK) or os.path.isdir(script):
             raise click.UsageError(f"--host-discovery-script {script}: not an executable file "
                                    f"(chmod +x {shlex.quote(script)}?)")
     else:
         try:
-            if options["host_list"] is not None:
-                fixed = tuple(options["host_list"])
-            elif options["hostfile"] is not None:
-                fixed = tuple(hostlib.read_hostfile(options["hostfile"]))
+            if options.host_list is not None:
+                fixed = tuple(options.host_list)
+            elif options.hostfile is not None:
+                fixed = tuple(hostlib.read_hostfile(options.hostfile))
         except hostlib.HostSpecError as error:
             raise click.UsageError(str(error)) from None
         if not fixed:
             raise click.UsageError("an elastic job needs --host-discovery-script (or a fixed -H / --hostfile)")
-    cooldown = options["cooldown"]
+    cooldown = options.cooldown
     if cooldown is not None and cooldown[0] > cooldown[1]:
         raise click.UsageError(f"--blacklist-cooldown-range {cooldown[0]} {cooldown[1]}: MIN is more than MAX")
     return ElasticSettings(initial_np=initial, min_np=min_np, max_np=max_np, discovery_script=script,
-                           fixed_hosts=fixed, slots_per_host=options["slots_per_host"],
-                           timeout=options["elastic_timeout"], reset_limit=options["reset_limit"],
+                           fixed_hosts=fixed, slots_per_host=options.slots_per_host,
+                           timeout=options.elastic_timeout, reset_limit=options.reset_limit,
                            cooldown=(float(cooldown[0]), float(cooldown[1])) if cooldown else None)
 
 

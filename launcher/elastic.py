@@ -34,9 +34,11 @@ from typing import Callable
 from mtrain.launcher import job_files, slurm
 from mtrain.launcher.config import LaunchConfig, Launcher
 from mtrain.launcher.hosts import HostSlots, is_local, local_names
-from mtrain.launcher.supervise import first_failure, print_failure_report
-from mtrain.launcher.records import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_EXIT_STATUS, new_job_secret, AgentEventKind,
-                            ElasticResume, ExitRecord)
+from mtrain.launcher.outcome import first_failure, print_failure_report
+from mtrain.launcher.records.agent_events import AgentEventKind
+from mtrain.launcher.records.elastic import (ENV_ELASTIC, ENV_ELASTIC_STATE_DIR, RESET_EXIT_STATUS, new_job_secret,
+                                             ElasticResume)
+from mtrain.launcher.records.exits import ExitRecord
 
 DISCOVERY_INTERVAL = 1.0      # seconds between runs of the discovery script while a generation runs
 DISCOVERY_TIMEOUT = 30.0      # one run of the script

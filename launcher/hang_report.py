@@ -1,9 +1,9 @@
 """Where a job is stuck: every rank's flight recorder, assembled into one table and a diagnosis.
 
 Each rank's runtime keeps its last collectives (ringreduce/recorder.py) and dumps them as a
-``records.RecorderDump`` when it gets SIGUSR1. The supervisor opens a *collection*
+``records.flight_recorder.RecorderDump`` when it gets SIGUSR1. The supervisor opens a *collection*
 (``Collector``) when `mtrain run` gets SIGUSR1, when a coordinator warns of a stall or gives
-up on one (``records.DumpRequest``), when a rank dumps on its own, and when a rank fails; it
+up on one (``records.flight_recorder.DumpRequest``), when a rank dumps on its own, and when a rank fails; it
 sends SIGUSR1 to mpirun (which forwards it to every rank) and waits until every live rank has
 answered, or COLLECT_SECONDS. Then ``report`` turns the dumps into lines like
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
-from mtrain.launcher.records import OpRecord, OpState, RecorderDump, SetRecord
+from mtrain.launcher.records.flight_recorder import OpRecord, OpState, RecorderDump, SetRecord
 
 COLLECT_SECONDS = 3.0       # how long a collection waits for the ranks' dumps
 FAILURE_QUIET_SECONDS = 10.0  # a failure right after a collection asks for no new one
@@ -123,7 +123,7 @@ def report(dumps: Sequence[RecorderDump], size: int, reason: str, gone: Sequence
     lines.append(f"mtrain: diagnosis: {diagnosis}")
     data = {"reason": reason, "time": time.time(), "size": size, "silent": silent, "gone": sorted(gone),
             "diagnosis": diagnosis,
-            "dumps": [json.loads(d.encode().partition(b" ")[2]) for d in sorted(dumps, key=lambda d: d.rank)]}
+            "dumps": [d.to_json() for d in sorted(dumps, key=lambda d: d.rank)]}
     return HangReport(lines, diagnosis, data)
 
 

@@ -1,8 +1,8 @@
 """What a job keeps on each host, where, and how it goes: the one owner of those paths.
 
     /tmp/mtrain-job-<id>/                0700: the job's folder (hosts whose /tmp is shared share it)
-        <host>.g<N>.json                 generation N's layout for the ranks (records.JobLayout)
-        <host>.g<N>.updates              an elastic job's host-set version (records.HostUpdates)
+        <host>.g<N>.json                 generation N's layout for the ranks (records.job_layout.JobLayout)
+        <host>.g<N>.updates              an elastic job's host-set version (records.elastic.HostUpdates)
         <host>.g<N>.prted/               Open MPI's daemon's session folder, on a remote host
         <host>.g<N>.rank<R>/             rank R's wrapper's scratch (its error file)
     /dev/shm/mtrain-job-<id>/<host>.g<N>/  Open MPI's shared-memory segments (btl_sm_backing_directory)

@@ -22,13 +22,17 @@ from mtrain.launcher.config import LaunchConfig, Launcher, MpiKind, StepSettings
 from mtrain.launcher.environment import rank_environment
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import free_ports
+from mtrain.launcher.output import log
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError, temporary_folder
-from mtrain.launcher.records import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_FILE, ENV_JOB_LAYOUT,
-                                     ENV_JOB_SECRET, ENV_MPIRUN_TMPDIR, ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY,
-                                     ENV_STRAGGLER_OFF, ENV_USER_TMPDIR, ENV_USER_UMASK, AgentEvent,
-                                     ElasticResume, ExitRecord, Gate, HostUpdates, JobLayout, host_path,
-                                     new_job_secret, updates_file)
+from mtrain.launcher.records.agent_events import AgentEvent
+from mtrain.launcher.records.daemon_env import ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR, ENV_USER_UMASK
+from mtrain.launcher.records.elastic import (ENV_ELASTIC_UPDATES, ENV_ELASTIC_VERSION, ENV_JOB_SECRET, ElasticResume,
+                                             HostUpdates, host_path, new_job_secret, updates_file)
+from mtrain.launcher.records.exits import ExitRecord
+from mtrain.launcher.records.gate import Gate
+from mtrain.launcher.records.job_layout import ENV_JOB_FILE, ENV_JOB_LAYOUT, JobLayout
+from mtrain.launcher.records.steps import ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, ENV_STRAGGLER_OFF
 
 if TYPE_CHECKING:
     from mtrain.launcher.preflight import HostReport
@@ -40,8 +44,7 @@ ENV_SHARE_SSH = "MTRAIN_SSH_SHARE"
 
 
 def _log(config: LaunchConfig, message: str) -> None:
-    if config.verbose:
-        print(f"mtrain: [{_stamp()}] {message}", file=sys.stderr, flush=True)
+    log(config.verbose, message)
 
 
 def build_job_argv(config: LaunchConfig, agent: list[str] | None, subnets: tuple[str, ...] = (),
@@ -90,7 +93,7 @@ def job_environment(job_env: "dict[str, str] | None") -> dict[str, str]:
 def _private_mpirun_folder(environment: "dict[str, str]", scratch: str) -> None:
     """Open MPI's launcher makes its folder in our private `scratch`, removed with it however
     mpirun ends: no folder of a killed launcher, nor one another user planted, is in its way
-    (records.ENV_MPIRUN_TMPDIR)."""
+    (records.daemon_env.ENV_MPIRUN_TMPDIR)."""
     if "TMPDIR" in environment:
         environment[ENV_USER_TMPDIR] = environment["TMPDIR"]
     environment["TMPDIR"] = environment[ENV_MPIRUN_TMPDIR] = scratch
@@ -578,8 +581,3 @@ def _route_subnets(config: LaunchConfig) -> tuple[str, ...]:
     if any(subnet is None for subnet in found):
         return ()  # some host reached in a way we cannot name: fall back to the exclude list
     return tuple(sorted(set(found)))
-
-
-def _stamp() -> str:
-    now = time.time()
-    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"

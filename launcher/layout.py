@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 from mtrain.launcher.hosts import HostSlots
 from mtrain.launcher.netif import choose_interface
-from mtrain.launcher.records import JobLayout
+from mtrain.launcher.records.job_layout import JobLayout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,7 +148,7 @@ def _openmpi(path, plan, num_proc, agent, env_names, env_values, interfaces, as_
     if agent is not None:
         argv += ["--prtemca", "plm_ssh_agent", _words(agent), "--prtemca", "plm_ssh_no_tree_spawn", "1"]
     elif slurm_agent is not None:
-        # Attached: srun's output, where the guards' events are (records.EVENT_MARKER), is mpirun's.
+        # Attached: srun's output, where the guards' events are (records.agent_events.EVENT_MARKER), is mpirun's.
         argv += ["--prtemca", "plm", "slurm", "--prtemca", "prte_launch_agent", _words(slurm_agent),
                  "--leave-session-attached"]
     if agent is not None or slurm_agent is not None:

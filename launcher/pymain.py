@@ -27,7 +27,9 @@ import shutil
 import sys
 from typing import Any, Mapping, Sequence
 
-from mtrain.launcher.records import ENV_ELASTIC, RESET_EXIT_STATUS, Phase, PhaseNote, user_line
+from mtrain.launcher.records.elastic import ENV_ELASTIC, RESET_EXIT_STATUS
+from mtrain.launcher.records.frames import user_line
+from mtrain.launcher.records.phase import Phase, PhaseNote
 
 MODULE = "mtrain.launcher.pymain"
 # Options of the interpreter (before the program): these take no value...
@@ -72,7 +74,7 @@ def _ended(status: int, leaving: "BaseException | None" = None) -> None:
     global _final
     _final = status
     # The supervisor learns that this rank will call nothing more: others waiting for it in
-    # init() never would get out (see records.stuck_in_init); and the program's own line it
+    # init() never would get out (see supervise.stuck_in_init); and the program's own line it
     # left from, for the job's failure report (a status 0 fails the job too if the rank left
     # while others still needed it).
     where = user_line(leaving.__traceback__) if leaving is not None else ""

@@ -21,10 +21,10 @@ abort inside MPI within milliseconds, racing the dead rank's own record.  So
 the child gets Open MPI's `mpi_abort_delay` of one second: a rank aborting in
 MPI first waits, the launcher meanwhile stops it as a consequence of the real
 failure, and the wrapper hides Open MPI's "Delaying for…" line and marks the
-record `mpi_abort` (evidence the supervisor weighs; see supervise.first_failure).
+record `mpi_abort` (evidence the supervisor weighs; see outcome.first_failure).
 
 The runtime sharpens the report through $MTRAIN_ERROR_FILE (the idea of
-torchelastic's error file): an `ErrorReport` (mtrain.launcher.records) written there
+torchelastic's error file): an `ErrorReport` (mtrain.launcher.records.errors) written there
 before the rank exits says why it fails and whether the failure began here or
 in a peer.  Without one, the last line the rank printed to stderr stands in as
 its reason, so a failure before `init()` reads the same as one after.
@@ -43,12 +43,19 @@ import time
 from mtrain.launcher import job_files, pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_JOB_FILE, ENV_USER_UMASK, PHASE_MARKER, RUNTIME_MARKERS,
-                                     ErrorReport, ExitRecord, FailureCause, JobLayout, Phase, PhaseNote,
-                                     exception_line, restore_user_tmpdir)
+from mtrain.launcher.records.daemon_env import ENV_USER_UMASK, restore_user_tmpdir
+from mtrain.launcher.records.elastic import RESUME_MARKER
+from mtrain.launcher.records.errors import ENV_ERROR_FILE, ErrorReport, FailureCause
+from mtrain.launcher.records.exits import ExitRecord, exception_line
+from mtrain.launcher.records.flight_recorder import DUMP_MARKER, DUMP_REQUEST_MARKER
+from mtrain.launcher.records.job_layout import ENV_JOB_FILE, JobLayout
+from mtrain.launcher.records.phase import PHASE_MARKER, Phase, PhaseNote
+from mtrain.launcher.records.steps import STEP_MARKER
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0
+# What the runtime writes on a rank's stderr for the supervisor: never the rank's own words.
+RUNTIME_MARKERS = (PHASE_MARKER, RESUME_MARKER, STEP_MARKER, DUMP_MARKER, DUMP_REQUEST_MARKER)
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 ABORT_DELAY_SECONDS = "1"
 # Open MPI's line when a process enters MPI_Abort (or a fatal MPI error) with mpi_abort_delay set.
@@ -116,7 +123,7 @@ def child_environment(env, error_file: str, rank: int = 0) -> dict[str, str]:
     torch.distributed and tf.distribute programs run unchanged.  Settings the user made win."""
     child = dict(env)
     child[ENV_ERROR_FILE] = error_file
-    restore_user_tmpdir(child)  # where mpirun was given another (records.ENV_MPIRUN_TMPDIR)
+    restore_user_tmpdir(child)  # where mpirun was given another (records.daemon_env.ENV_MPIRUN_TMPDIR)
     template = child.get(ENV_JOB_FILE, "")
     host = os.uname().nodename
     layout = JobLayout.read(job_files.layout(template, host)) if "{host}" in template else None
@@ -169,7 +176,7 @@ def _remove_scratch(scratch: str, error_file: str) -> None:
 
 def _user_umask(env: "dict[str, str]") -> int:
     """The umask of the user who launched the job: the program gets it back from Open MPI's
-    daemons, which run with a private one (records.ENV_USER_UMASK); -1 (leave it) without one."""
+    daemons, which run with a private one (records.daemon_env.ENV_USER_UMASK); -1 (leave it) without one."""
     text = env.get(ENV_USER_UMASK, "")
     try:
         return int(text, 8) & 0o777 if text else -1

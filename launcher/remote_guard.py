@@ -15,7 +15,7 @@ Under Slurm (`--slurm PRTED ARGS…`, launcher/slurm.py) srun starts the guard o
 layout comes in the environment, and Slurm, not a heartbeat, ends the step.
 
 With `--job-file`, the guard first writes the job's layout (mtrain.launcher.records.
-JobLayout) to that path template, "{host}" replaced by this host's name, for
+job_layout.JobLayout) to that path template, "{host}" replaced by this host's name, for
 the rank wrappers here, and removes it when the job ends.
 
 The preflight's probe becomes the guard when the launcher shares its SSH
@@ -43,9 +43,11 @@ import time
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
 from mtrain.launcher import job_files
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import (DAEMON_UMASK, ENV_JOB_FILE, ENV_JOB_LAYOUT, ENV_OPENMPI_SESSION_BASE, AgentEvent,
-                                     AgentEventKind, HostUpdates, JobLayout, event_line, host_path,
-                                     restore_user_tmpdir, signal_name, updates_file)
+from mtrain.launcher.records.agent_events import AgentEvent, AgentEventKind, event_line
+from mtrain.launcher.records.daemon_env import DAEMON_UMASK, ENV_OPENMPI_SESSION_BASE, restore_user_tmpdir
+from mtrain.launcher.records.elastic import HostUpdates, host_path, updates_file
+from mtrain.launcher.records.exits import signal_name
+from mtrain.launcher.records.job_layout import ENV_JOB_FILE, ENV_JOB_LAYOUT, JobLayout
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -219,7 +221,7 @@ def _guard(command: "str | list[str]", template: str | None, updates_path: str |
     become_subreaper()
     # Open MPI's daemon makes its session folder (open to all, whatever the umask) in a new 0700
     # folder of the job's (job_files.py), and runs with a private umask (the rank wrapper gives the
-    # user's program the user's umask back: records.ENV_USER_UMASK).
+    # user's program the user's umask back: records.daemon_env.ENV_USER_UMASK).
     session = (job_files.daemon_session(template, os.uname().nodename) if template
                else tempfile.mkdtemp(prefix="mtrain-prted-"))
     env = _daemon_environment()
@@ -269,7 +271,7 @@ def _run_daemon(command: "str | list[str]", env: "dict[str, str]", updates_path:
             status = os.waitstatus_to_exitcode(raw)
             child.returncode = status
             # Killed (or its shell says it was: 128+N), and not by the job's own end: tell the launcher
-            # now (records.EVENT_MARKER); its ranks, reparented to us, may take seconds more to go.
+            # now (records.agent_events.EVENT_MARKER); its ranks, reparented to us, may take seconds more to go.
             killer = -status if status < 0 else status - 128 if status > 128 else 0
             if killer and killer not in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT) and not ending.locked():
                 host = socket.gethostname()

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Mapping, Sequence
 
-from mtrain.launcher.records import signal_name
+from mtrain.launcher.records.exits import signal_name
 
 ENV_SLURM_JOB = "SLURM_JOB_ID"
 # The probe's own line is JSON; slurmstepd's lines about a node (what went wrong there) and srun's
@@ -193,7 +193,7 @@ def interrupted_line(job: str, number: int) -> str | None:
 def main(argv: "list[str]") -> int:
     """`python -m mtrain.launcher.slurm update TEMPLATE VERSION`: the step an elastic job's launcher runs
     on the other nodes of a generation to leave the new host-set version for the ranks there."""
-    from mtrain.launcher.records import HostUpdates, host_path, updates_file
+    from mtrain.launcher.records.elastic import HostUpdates, host_path, updates_file
     if len(argv) != 3 or argv[0] != "update" or "{host}" not in argv[1] or not argv[2].isdigit():
         print("usage: python -m mtrain.launcher.slurm update JOB-FILE-TEMPLATE VERSION", file=sys.stderr)
         return 2

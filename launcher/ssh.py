@@ -293,17 +293,12 @@ def start_command(client: paramiko.SSHClient, command: str, timeout: float,
     try:
         channel.settimeout(timeout)
         channel.exec_command(command)
-        out = bytearray()
-        while True:
-            data = channel.recv(65536)
-            if not data:
-                break
-            out += data
-            if b"\n" in data and answered(out.decode(errors="replace")):
-                channel.settimeout(None)  # from here on its reader waits as long as the job runs
-                return channel, None, out.decode(errors="replace"), ""
+        out, was_answered = _read_to_end(channel.recv, answered)
+        if was_answered:
+            channel.settimeout(None)  # from here on its reader waits as long as the job runs
+            return channel, None, out.decode(errors="replace"), ""
         channel.shutdown_write()
-        err = _read_to_end(channel.recv_stderr)
+        err, _ = _read_to_end(channel.recv_stderr)
         if not channel.status_event.wait(timeout):
             raise socket.timeout()
         status = channel.recv_exit_status()
@@ -317,14 +312,18 @@ def start_command(client: paramiko.SSHClient, command: str, timeout: float,
     return channel, status, out.decode(errors="replace"), err.decode(errors="replace")
 
 
-def _read_to_end(recv: Any) -> bytearray:
-    """Everything a channel stream gives until its end (``recv`` is channel.recv or recv_stderr)."""
+def _read_to_end(recv: Any, answered: "Callable[[str], bool] | None" = None) -> "tuple[bytearray, bool]":
+    """Everything a channel stream gives until its end (``recv`` is channel.recv or recv_stderr),
+    or until ``answered(all so far)`` is true after a chunk with a line end in it: (what was
+    read, whether it was answered)."""
     got = bytearray()
     while True:
         data = recv(65536)
         if not data:
-            return got
+            return got, False
         got += data
+        if answered is not None and b"\n" in data and answered(got.decode(errors="replace")):
+            return got, True
 
 
 def run_command(client: paramiko.SSHClient, command: str, timeout: float) -> tuple[int, str, str]:
@@ -334,8 +333,8 @@ def run_command(client: paramiko.SSHClient, command: str, timeout: float) -> tup
     channel.exec_command(command)
     channel.shutdown_write()
     try:
-        out = _read_to_end(channel.recv)
-        err = _read_to_end(channel.recv_stderr)
+        out, _ = _read_to_end(channel.recv)
+        err, _ = _read_to_end(channel.recv_stderr)
         if not channel.status_event.wait(timeout):
             raise socket.timeout()
         status = channel.recv_exit_status()

@@ -31,13 +31,13 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from mtrain.launcher.process_tools import die_with_parent, exit_now
 
 if TYPE_CHECKING:
     from mtrain.launcher.config import SshOptions
-    from mtrain.launcher.records import AgentEventKind
+    from mtrain.launcher.records.agent_events import AgentEventKind
 
 # Every rank's launch waits for its agents: the path through the connection master imports only
 # what it needs (the settings, records and paramiko are loaded when the agent connects itself).
@@ -53,7 +53,7 @@ def write_config(path: str, options: SshOptions, python: str, events_path: str |
                  master: str | None = None) -> None:
     """Write the agent's settings for `--config` (done by the launcher before mpirun starts).
 
-    With `gate` (a records.Gate path), the agent connects and authenticates at
+    With `gate` (a records.gate.Gate path), the agent connects and authenticates at
     once but runs nothing until the supervisor opens the gate (closed: give up
     quietly); that lets mpirun and the SSH handshakes start while the preflight runs.
     The gate opens with the job's layout, which the remote guard leaves in
@@ -101,12 +101,12 @@ def read_master(path: str | None) -> str | None:
 
 def wait_for_gate(gate: str | None, timeout: float, stop: threading.Event) -> bool:
     """True once the launcher opens the gate (or there is none); False if it closes or never opens."""
-    from mtrain.launcher.records import Gate
+    from mtrain.launcher.records.gate import Gate
     return gate is None or Gate(gate).wait(timeout, stop)
 
 
 def _report(events_path: str | None, kind: AgentEventKind, host: str, detail: str) -> None:
-    from mtrain.launcher.records import AgentEvent
+    from mtrain.launcher.records.agent_events import AgentEvent
     AgentEvent(kind, host, detail, time.time()).emit(events_path)
 
 
@@ -144,21 +144,13 @@ def remote_command(words: list[str], python: str, job_file: str | None = None, l
     return f"{guard} {shlex.quote(inner)}"
 
 
-def _pump(read, fd: int, events_path: str | None = None) -> None:
-    from mtrain.launcher.records import take_events
-    while True:
-        try:
-            data = read(65536)
-        except Exception:
-            return
-        if not data:
-            return
-        if fd == 2:
-            data = take_events(data, events_path)  # the guard's news of its daemon's death
-        try:
-            os.write(fd, data)
-        except OSError:
-            return
+def _copy(read: Callable[[int], bytes], fd: int, events_path: str | None = None) -> None:
+    """Copy a channel's stream to our `fd`; from stderr, the guard's news of its daemon's death
+    goes to `events_path` instead."""
+    from mtrain.launcher.records.agent_events import take_events
+    from mtrain.launcher.stream_pump import pump
+    take = (lambda data: take_events(data, events_path)) if fd == 2 else None
+    pump(read, lambda data: os.write(fd, data), take)
 
 
 def _through_master(path: str, host: str, words: list[str], events_path: str | None,
@@ -166,7 +158,7 @@ def _through_master(path: str, host: str, words: list[str], events_path: str | N
     """Run the command over the launcher's shared connection; our exit status, or None when
     the master is not there or has no connection to `host` (then we connect ourselves)."""
     from mtrain.launcher.ssh_master import MasterSession, Outcome
-    from mtrain.launcher.records import AgentEventKind
+    from mtrain.launcher.records.agent_events import AgentEventKind
     session = MasterSession(path)
     if not session.connect():
         return None
@@ -231,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         return 255
     from mtrain.launcher import ssh  # paramiko is imported only once we know we need it
     from mtrain.launcher.config import SshOptions
-    from mtrain.launcher.records import AgentEventKind, Gate, HostUpdates
+    from mtrain.launcher.records.agent_events import AgentEventKind
+    from mtrain.launcher.records.elastic import HostUpdates
+    from mtrain.launcher.records.gate import Gate
     if port is not None:
         options = SshOptions(port, options.identity_file, options.accept_new_hosts, options.connect_timeout)
     # Accepting new host keys writes known_hosts: leave that to the preflight alone.
@@ -257,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         _report(events_path, AgentEventKind.CONNECT_FAILED, host, f"host {host}: cannot start a session: {error}")
         print(f"mtrain-agent: host {host}: cannot start a session: {error}", file=sys.stderr)
         return 255
-    pumps = [threading.Thread(target=_pump, args=(channel.recv, 1), daemon=True),
-             threading.Thread(target=_pump, args=(channel.recv_stderr, 2, events_path), daemon=True)]
+    pumps = [threading.Thread(target=_copy, args=(channel.recv, 1), daemon=True),
+             threading.Thread(target=_copy, args=(channel.recv_stderr, 2, events_path), daemon=True)]
     for thread in pumps:
         thread.start()
 

@@ -171,7 +171,7 @@ class ConnectionMaster:
         self.expected = frozenset(hosts)
         self.remote_command, self.go_line = remote_command, go_line
         self.updates, self.session_timeout = updates, session_timeout
-        self.events = events  # the supervisor's agent-events file (records.AgentEvent)
+        self.events = events  # the supervisor's agent-events file (records.agent_events.AgentEvent)
         self._log = log or (lambda message: None)
         self.hosts: dict[str, _Host] = {}
         self.counters = Counters()
@@ -385,8 +385,8 @@ class ConnectionMaster:
         return channel
 
     def _lost(self, host: str, detail: str) -> None:
-        """Tell the supervisor that `host` was lost (its agent-events file, records.AgentEvent)."""
-        from mtrain.launcher.records import AgentEvent, AgentEventKind
+        """Tell the supervisor that `host` was lost (its agent-events file, records.agent_events.AgentEvent)."""
+        from mtrain.launcher.records.agent_events import AgentEvent, AgentEventKind
         with self._emitting:
             if self.events and not self._closed:
                 AgentEvent(AgentEventKind.HOST_LOST, host, detail, time.time()).emit(self.events)
@@ -396,29 +396,20 @@ class ConnectionMaster:
         done = threading.Event()
         closed_here = threading.Event()
 
-        def pump(read: Callable[[int], bytes], kind: FrameKind) -> None:
-            from mtrain.launcher.records import take_events
-            while True:
-                try:
-                    data = read(65536)
-                except Exception:
-                    return
-                if not data:
-                    return
-                if kind is FrameKind.STDERR:
-                    with self._emitting:  # the guard's news of its daemon's death
-                        data = take_events(data, None if self._closed else self.events)
-                    if not data:
-                        continue
-                try:
-                    send_frame(agent, kind, data, lock)
-                except OSError:
-                    return
+        from mtrain.launcher.records.agent_events import take_events
+        from mtrain.launcher.stream_pump import pump
+
+        def take(data: bytes) -> bytes:
+            with self._emitting:  # the guard's news of its daemon's death
+                return take_events(data, None if self._closed else self.events)
+
+        def copy(read: Callable[[int], bytes], kind: FrameKind) -> None:
+            pump(read, lambda data: send_frame(agent, kind, data, lock), take if kind is FrameKind.STDERR else None)
 
         def heartbeat() -> None:
             # Keeps the guard's watchdog fed and gives TCP something to time out on; carries
             # an elastic job's host-set versions to the guard.
-            from mtrain.launcher.records import HostUpdates
+            from mtrain.launcher.records.elastic import HostUpdates
             sent = 0
             while not done.is_set() and transport.is_active():
                 version = HostUpdates.read(self.updates) if self.updates else 0
@@ -438,14 +429,14 @@ class ConnectionMaster:
             if not done.is_set():
                 done.set()
                 # mpirun stops its agents as soon as it misses a daemon: what the guard said of
-                # that (its event line, records.EVENT_MARKER) may still be on its way.
+                # that (its event line, records.agent_events.EVENT_MARKER) may still be on its way.
                 pumps[1].join(timeout=DRAIN_SECONDS)
                 closed_here.set()  # (closing sets the channel's status event too: not news)
                 with contextlib.suppress(Exception):
                     channel.close()
 
-        pumps = [threading.Thread(target=pump, args=(channel.recv, FrameKind.STDOUT), daemon=True),
-                 threading.Thread(target=pump, args=(channel.recv_stderr, FrameKind.STDERR), daemon=True)]
+        pumps = [threading.Thread(target=copy, args=(channel.recv, FrameKind.STDOUT), daemon=True),
+                 threading.Thread(target=copy, args=(channel.recv_stderr, FrameKind.STDERR), daemon=True)]
         for thread in pumps + [threading.Thread(target=heartbeat, daemon=True),
                                threading.Thread(target=agent_gone, daemon=True)]:
             thread.start()

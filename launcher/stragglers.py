@@ -1,4 +1,4 @@
-"""Which rank is slow: the straggler table, from every rank's measured steps (records.StepSample).
+"""Which rank is slow: the straggler table, from every rank's measured steps (records.steps.StepSample).
 
 Each rank's runtime measures every training step (ringreduce/steps.py): its *compute* (from
 its previous step's last completion to this step's first submit: the time it spent in the
@@ -21,7 +21,7 @@ from collections import deque
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from mtrain.launcher.hang_report import ranks_text
-from mtrain.launcher.records import StepReport, StepSample
+from mtrain.launcher.records.steps import StepReport, StepSample
 
 ENV_THRESHOLD = "MTRAIN_STRAGGLER_THRESHOLD_PERCENT"
 DEFAULT_THRESHOLD_PERCENT = 20.0

@@ -7,9 +7,8 @@ after STOP_GRACE seconds, SIGKILL to everything left in the session; the
 agents' deaths close their SSH sessions, whose remote guards kill what
 remains on the hosts.  Every wait is bounded.
 
-Outcome, in priority order: interrupted (130/143) · a host lost or
-unreachable (255, naming it) · the *first* rank that failed on its own
-(its exit code, or 128+N for signal N) · mpirun's own failure.
+The outcome and the failure report are outcome.py's; the lines the user
+reads go through output.py's sink.
 
 What the user reads is mtrain's report.  The MPI launcher's own lines (the
 banners Open MPI prints around every failure) are kept out of the default
@@ -19,8 +18,8 @@ any rank could report why.
 """
 from __future__ import annotations
 
+import enum
 import os
-import re
 import select
 import signal
 import subprocess
@@ -32,13 +31,18 @@ from typing import IO, Callable, Sequence
 
 from mtrain.launcher.config import StepSettings
 from mtrain.launcher.hang_report import FAILURE_QUIET_SECONDS, Collector, HangReport
-from mtrain.launcher.process_tools import die_with_parent, exit_code, live_processes, signal_process
+from mtrain.launcher.process_tools import die_with_parent, live_processes, signal_process
+from mtrain.launcher.outcome import LOST_HOST_KINDS, JobEnd, exit_status
+from mtrain.launcher.output import RANK_PREFIX, OutputSink, log
 from mtrain.launcher.progress import ProgressDisplay, describe
-from mtrain.launcher.records import (DAEMON_UMASK, DUMP_MARKER, DUMP_REQUEST_MARKER, EVENT_MARKER, EXIT_MARKER,
-                                     PHASE_MARKER,
-                                     RESUME_MARKER, STEP_MARKER, AgentEvent, AgentEventKind, AgentEventReader,
-                                     DumpRequest, ElasticResume, ExitRecord, Gate, Phase, PhaseNote, RecorderDump,
-                                     StepReport, StopReason, signal_name, stuck_in_init)
+from mtrain.launcher.records.agent_events import EVENT_MARKER, AgentEvent, AgentEventReader
+from mtrain.launcher.records.daemon_env import DAEMON_UMASK
+from mtrain.launcher.records.elastic import RESUME_MARKER, ElasticResume
+from mtrain.launcher.records.exits import EXIT_MARKER, ExitRecord, signal_name
+from mtrain.launcher.records.flight_recorder import DUMP_MARKER, DUMP_REQUEST_MARKER, DumpRequest, RecorderDump
+from mtrain.launcher.records.gate import Gate
+from mtrain.launcher.records.phase import PHASE_MARKER, Phase, PhaseNote
+from mtrain.launcher.records.steps import STEP_MARKER, StepReport
 from mtrain.launcher.stragglers import MIN_STEPS, StepBoard, format_table, title_for
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session
@@ -46,104 +50,46 @@ LOST_HOST_GRACE = 2.0      # mpirun cannot stop a job cleanly through a dead dae
 FAILURE_GRACE = 2.0        # mpirun normally stops the job itself after a rank fails
 SESSION_DRAIN = 3.0        # time for agents to finish after mpirun has exited
 LATE_EVENT_GRACE = 3.0     # a host's news after mpirun's exit (ssh_master.DRAIN_SECONDS, and a moment)
-CAUSE_WINDOW = 1.0         # failures closer than this are ordered by evidence, not by clock
-STUCK_GRACE = 3.0          # a job that can never go on (records.stuck_in_init) is stopped after this
+STUCK_GRACE = 3.0          # a job that can never go on (stuck_in_init) is stopped after this
 LAUNCHER_TAIL = 40         # MPI launcher lines kept to explain a failure no rank reported
-_PREFIX = re.compile(rb"^\[(\d+)\]<(stdout|stderr)>:")
-# A host whose connection or whose MPI daemon died: the job there is gone.
-_LOST = (AgentEventKind.HOST_LOST, AgentEventKind.DAEMON_DIED)
+
+
+class StopReason(enum.Enum):
+    """Why the supervisor stopped a job itself (logged, and it picks the grace period)."""
+
+    INTERRUPTED = "interrupted"                 # Ctrl-C or SIGTERM reached mtrain
+    HOST_LOST = "a host was lost"               # an agent reported a dead connection
+    RANK_FAILED = "a rank failed and mpirun did not stop the job"
+    STUCK = "the job could never go on"         # ranks wait in init() for one whose program ended
+
+
+def stuck_in_init(waiting: "dict[int, tuple]", ended: "dict[int, int]") -> "str | None":
+    """Why the job can never go on, when ranks wait in init() for a rank whose program has ended
+    (with status 0: an error status ends the job by itself); None when it may.  ``waiting``: the
+    ranks each rank waits for in init() (records.phase.PhaseNote), ``ended``: programs' statuses."""
+    stuck = {rank: [r for r in ranks if ended.get(r) == 0] for rank, ranks in waiting.items()}
+    stuck = {rank: gone for rank, gone in stuck.items() if gone}
+    if not stuck:
+        return None
+    gone = sorted({r for ranks in stuck.values() for r in ranks})
+    who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
+    waiters = sorted(stuck)
+    them = f"rank {waiters[0]} waits" if len(waiters) == 1 else f"ranks {', '.join(map(str, waiters))} wait"
+    return (f"{who} ended (exit code 0) without calling init(), while {them} for it in init(); every rank must "
+            "call init() (or give init(comm=[...]) only the ranks that do)")
 
 
 def _take_marker(line: bytes, marker: bytes, take: Callable[[int, bytes], None]) -> bytes:
     """Hand the record after ``marker`` in a rank's line to ``take``, with the rank the line's
     prefix names; what remains of the line (b"" when nothing does)."""
     before, _, payload = line.partition(marker)
-    prefix = _PREFIX.match(before)
+    prefix = RANK_PREFIX.match(before)
     if prefix is not None:  # the rank wrapper's prefix names the rank
         take(int(prefix.group(1)), payload)
         before = before[prefix.end():]
     if not before.strip():
         return b""
     return (prefix.group(0) if prefix else b"") + before + b"\n"
-
-
-def first_failure(records: Sequence[ExitRecord]) -> ExitRecord | None:
-    """The root cause: of the ranks that failed on their own, the first, else the earliest failure.
-
-    Clocks cannot order failures that happen within a few milliseconds of each other
-    (a rank's death and its neighbours' MPI errors): inside CAUSE_WINDOW the stronger
-    evidence wins, then the earlier time.
-    """
-    failed = [r for r in records if r.failed]
-    own = [r for r in failed if not r.stopped]
-    if own:
-        start = min(r.time for r in own)
-        close = [r for r in own if r.time <= start + CAUSE_WINDOW]
-        return min(close, key=lambda r: (r.evidence, r.time, r.rank))
-    return min(failed, key=lambda r: (r.time, r.rank)) if failed else None
-
-
-class _OutputSink:
-    """Writes rank lines to our streams and, optionally, to DIR/rank.N/{stdout,stderr};
-    the MPI launcher's own lines go to DIR/mpirun.log (and to our stderr with `verbose`)."""
-
-    def __init__(self, output_dir: Path | None, ranks: int, verbose: bool, timestamp: bool = False) -> None:
-        self.output_dir, self.verbose = output_dir, verbose
-        self.timestamp = timestamp  # --prefix-output-with-timestamp: Horovod's `{asctime}[rank]<stream>:`
-        self.files: dict[tuple[int, str], IO[bytes]] = {}
-        self.launcher_log: IO[bytes] | None = None
-        self.lock = threading.Lock()
-        self.display: ProgressDisplay | None = None  # --progress: the ranks' lines scroll above its line
-        if output_dir is not None:
-            # Every rank gets both files, even one that never prints: scripts can rely on them.
-            for rank in range(ranks):
-                for stream in ("stdout", "stderr"):
-                    self._file(rank, stream)
-            self.launcher_log = open(output_dir / "mpirun.log", "ab")
-
-    def _file(self, rank: int, stream: str) -> IO[bytes]:
-        handle = self.files.get((rank, stream))
-        if handle is None:
-            directory = self.output_dir / f"rank.{rank}"
-            directory.mkdir(parents=True, exist_ok=True)
-            handle = self.files[(rank, stream)] = open(directory / stream, "ab")
-        return handle
-
-    def write(self, line: bytes, stream: IO[bytes]) -> None:
-        match = _PREFIX.match(line)
-        with self.lock:
-            if match is None:
-                self._launcher_line(line)
-                return
-            shown = time.asctime().encode() + line if self.timestamp else line
-            if self.display is None or not self.display.write(shown, stream):
-                stream.write(shown)
-                stream.flush()
-            if self.output_dir is not None:
-                handle = self._file(int(match.group(1)), match.group(2).decode())
-                handle.write(line[match.end():])
-                handle.flush()
-
-    def say(self, lines: Sequence[str]) -> None:
-        """mtrain's own lines on stderr, together, between the ranks' lines."""
-        with self.lock:
-            for line in lines:
-                if self.display is None or not self.display.write(f"{line}\n".encode()):
-                    sys.stderr.write(f"{line}\n")
-            sys.stderr.flush()
-
-    def _launcher_line(self, line: bytes) -> None:
-        if self.verbose:
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
-        if self.launcher_log is not None:
-            self.launcher_log.write(line)
-            self.launcher_log.flush()
-
-    def close(self) -> None:
-        with self.lock:
-            for handle in [*self.files.values(), *([self.launcher_log] if self.launcher_log else [])]:
-                handle.close()
 
 
 class Job:
@@ -168,16 +114,16 @@ class Job:
         self.host_problems: list[AgentEvent] = []
         self.quiet = False
         self.ranks = ranks
-        self.sink = _OutputSink(output_dir, ranks, verbose, prefix_timestamp)
+        self.sink = OutputSink(output_dir, ranks, verbose, prefix_timestamp)
         self.records: list[ExitRecord] = []
         self.launcher_tail: list[str] = []
         self.lock = threading.Lock()
         self.interrupted: int | None = None
-        # Where each rank's program is (records.PhaseNote): in init() for whom, or ended how.
+        # Where each rank's program is (records.phase.PhaseNote): in init() for whom, or ended how.
         self.in_init: dict[int, tuple] = {}
         self.ended: dict[int, int] = {}
         self.stuck: str | None = None  # why the job was stopped as one that could never go on
-        # Every rank's measured steps (records.StepReport): the straggler table and --progress.
+        # Every rank's measured steps (records.steps.StepReport): the straggler table and --progress.
         self.steps, self.board = steps, StepBoard(ranks)
         self.up: set[int] = set()  # ranks out of init(), whose program has not ended
         self._next_table = steps.every  # --straggler-report N: the step of the next table
@@ -187,8 +133,7 @@ class Job:
         self.usr1 = False  # mtrain run got SIGUSR1 (the handler only sets this: no locks in handlers)
 
     def log(self, message: str) -> None:
-        if self.verbose:
-            print(f"mtrain: [{_stamp()}] {message}", file=sys.stderr, flush=True)
+        log(self.verbose, message)
 
     def _read(self, pipe: IO[bytes], stream: IO[bytes], is_stderr: bool) -> None:
         for line in iter(pipe.readline, b""):
@@ -220,13 +165,13 @@ class Job:
                 continue
             if self.quiet:
                 continue
-            if not _PREFIX.match(line):
+            if not RANK_PREFIX.match(line):
                 with self.lock:
                     self.launcher_tail = (self.launcher_tail + [line.decode(errors="replace").rstrip()])[-LAUNCHER_TAIL:]
             self.sink.write(line, stream)
 
     def _take_event(self, line: bytes) -> bytes:
-        """A daemon's guard's event (records.EVENT_MARKER) in mpirun's own output: kept for the loop."""
+        """A daemon's guard's event (records.agent_events.EVENT_MARKER) in mpirun's own output: kept for the loop."""
         before, _, payload = line.partition(EVENT_MARKER)
         event = AgentEvent.decode(payload)
         if event is not None:
@@ -359,7 +304,7 @@ class Job:
     def _run(self, env: dict[str, str], reader: AgentEventReader | None) -> int:
         self.log("starting: " + " ".join(self.argv))
         try:
-            # umask: what Open MPI leaves in /tmp is private (see records.ENV_USER_UMASK).
+            # umask: what Open MPI leaves in /tmp is private (see records.daemon_env.ENV_USER_UMASK).
             process = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, umask=DAEMON_UMASK,
                                        start_new_session=True, preexec_fn=_mpirun_dies_with_us)
@@ -415,7 +360,7 @@ class Job:
                     stop_reason = StopReason.INTERRUPTED
                 elif stuck and now - stuck_since > STUCK_GRACE:
                     stop_reason, self.stuck = StopReason.STUCK, stuck
-                elif any(e.kind in _LOST for e in host_problems):
+                elif any(e.kind in LOST_HOST_KINDS for e in host_problems):
                     stop_reason = StopReason.HOST_LOST
                 elif failure_seen_at is not None and now - failure_seen_at > FAILURE_GRACE:
                     stop_reason = StopReason.RANK_FAILED
@@ -442,7 +387,7 @@ class Job:
         # Ranks that never reported an end, and no word of a host: their host's relay may still
         # be passing on what its guard said (the connection master outlives mpirun's agents).
         deadline = time.monotonic() + LATE_EVENT_GRACE
-        while ((reader or self.events_on_stderr) and not any(e.kind in _LOST for e in host_problems)
+        while ((reader or self.events_on_stderr) and not any(e.kind in LOST_HOST_KINDS for e in host_problems)
                and time.monotonic() < deadline
                and len({r.rank for r in self.records}) < self.ranks and self.interrupted is None):
             time.sleep(0.1)
@@ -452,6 +397,17 @@ class Job:
         self._stop_progress()
         self.print_straggler_table()
         return self._outcome(process.returncode, host_problems)
+
+    def _outcome(self, mpirun_status: int, host_problems: list[AgentEvent]) -> int:
+        """Print the outcome (outcome.py) and return mtrain's exit status."""
+        interrupted_line = (self.interrupted_line(self.interrupted)
+                            if self.interrupted is not None and self.interrupted_line else None)
+        return exit_status(JobEnd(
+            launcher=os.path.basename(self.argv[0]), launcher_status=mpirun_status, ranks=self.ranks,
+            records=tuple(self.records), host_problems=tuple(host_problems),
+            launcher_tail=tuple(self.launcher_tail), interrupted=self.interrupted,
+            interrupted_line=interrupted_line, stuck=self.stuck, verbose=self.verbose,
+            report_failures=self.report_failures))
 
     def _pass_gate(self, process: subprocess.Popen) -> bool:
         """Run the preflight while mpirun's agents connect; open or close their gate."""
@@ -469,80 +425,6 @@ class Job:
             pass
         wait_session_empty(process.pid, 2.0)
         return False
-
-    def _outcome(self, mpirun_status: int, host_problems: list[AgentEvent]) -> int:
-        records = list(self.records)
-        if self.interrupted is not None:
-            said = self.interrupted_line(self.interrupted) if self.interrupted_line else None
-            print(said or f"mtrain: {signal_name(self.interrupted)} received; all ranks were stopped", file=sys.stderr)
-            return 128 + self.interrupted
-        if self.stuck is not None:
-            print(f"mtrain: job stopped: it could never go on: {self.stuck}", file=sys.stderr)
-            return 1
-        failure = first_failure(records)
-        lost = [e for e in host_problems if e.kind in _LOST]
-        say = self.report_failures
-        if lost and (failure is None or failure.stopped or lost[0].time <= failure.time):
-            for event in lost if say else ():
-                print(f"mtrain: {event.detail}; the job was stopped", file=sys.stderr)
-            return 255
-        if failure is not None:
-            if failure.report and failure.returncode in (-signal.SIGTERM, -signal.SIGKILL):
-                # It raised, told the runtime so, and was aborting with status 1 when a peer's
-                # abort stopped it first (two ranks raising at once): its own status is 1.
-                failure = failure.replace(returncode=1)
-            if say:
-                print_failure_report(failure, records, self.verbose, self.ranks)
-            return exit_code(failure.returncode) or 1
-        unreachable = [e for e in host_problems if e.kind is AgentEventKind.CONNECT_FAILED]
-        if unreachable:
-            for event in unreachable if say else ():
-                print(f"mtrain: {event.detail}", file=sys.stderr)
-            return 255
-        # Every rank's wrapper writes a record however its rank ends, so a rank without one was
-        # killed with its wrapper: Open MPI 5's launcher exits 0 when a host's daemon dies
-        # (killed, with its ranks), and 0 must mean that every rank finished.
-        silent = sorted(set(range(self.ranks)) - {r.rank for r in records})
-        if mpirun_status != 0 or silent:
-            launcher = os.path.basename(self.argv[0])
-            if self.launcher_tail and not self.verbose:
-                print(f"mtrain: {launcher} said:", file=sys.stderr)
-                for line in self.launcher_tail:
-                    print(f"    {line}", file=sys.stderr)
-            if mpirun_status != 0:
-                print(f"mtrain: {launcher} failed with exit status {exit_code(mpirun_status)} "
-                      "before any rank reported a failure", file=sys.stderr)
-            else:
-                which = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}"
-                print(f"mtrain: {launcher} exited with status 0, but {which} of {self.ranks} never reported "
-                      "an end (killed with the rank wrapper, or the host's MPI daemon died): the job did not "
-                      "finish", file=sys.stderr)
-            return exit_code(mpirun_status) or 1
-        return 0
-
-def print_failure_report(failure: ExitRecord, records: Sequence[ExitRecord], verbose: bool,
-                         size: int = 0) -> None:
-    """mtrain's report of a failed job: the first failure in one line, then what followed.
-
-    Of a job of `size` ranks, a rank with no record was stopped before its wrapper could
-    write one: Open MPI's launcher sends SIGKILL to a rank's process group a moment after
-    SIGTERM (within milliseconds), so on a busy host a stopped wrapper often dies first.
-    """
-    print(f"mtrain: job failed; first failure: {failure.describe()}", file=sys.stderr)
-    # A reason in one line is enough (the full traceback is above, prefixed with the rank);
-    # without one, the rank's last words are the best clue (a signal, a silent exit).
-    if failure.stderr_tail and (verbose or not failure.reason):
-        print(f"mtrain: last stderr lines of rank {failure.rank}:", file=sys.stderr)
-        for line in failure.stderr_tail:
-            print(f"    {line}", file=sys.stderr)
-    reported = {r.rank for r in records}
-    silent = {rank for rank in range(size) if rank not in reported}
-    others = sorted({r.rank for r in records if r.failed and r.rank != failure.rank} | silent)
-    if len(others) == 1:
-        print(f"mtrain: rank {others[0]} was stopped or failed after it", file=sys.stderr)
-    elif others:
-        print(f"mtrain: ranks {', '.join(map(str, others))} were stopped or failed after it", file=sys.stderr)
-    sys.stderr.flush()
 
 
 class _EndWatch:
@@ -595,8 +477,3 @@ def wait_session_empty(session: int, timeout: float) -> bool:
             return False
         time.sleep(0.02)  # the agents usually end a moment after mpirun: look again soon
     return True
-
-
-def _stamp() -> str:
-    now = time.time()
-    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"

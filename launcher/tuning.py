@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
+
+if TYPE_CHECKING:  # config imports this module on every launch's path; only the CLI makes RunOptions
+    from mtrain.launcher.run_options import RunOptions
 
 # The runtime's variables (ringreduce/settings.py; the launcher may not import the runtime).
 FUSION_THRESHOLD = "MTRAIN_FUSION_THRESHOLD_BYTES"
@@ -198,14 +201,14 @@ def read_config_file(path: str) -> "list[ConfigValue]":
     return found
 
 
-def rank_settings(options: Mapping[str, Any], origins: Mapping[str, str]) -> "tuple[tuple[RankSetting, ...], tuple[str, ...]]":
+def rank_settings(options: "RunOptions", origins: Mapping[str, str]) -> "tuple[tuple[RankSetting, ...], tuple[str, ...]]":
     """The variables every rank gets from the flags in `options`, and the lines to print
     for flags that change nothing in mtrain.  `origins`: option -> where its value came
     from, for options set by the config file (default: the flag)."""
     settings: "list[RankSetting]" = []
     notes: "list[str]" = []
     for flag in FLAGS:
-        value = options.get(flag.option)
+        value = options.given(flag.option)
         if value is None:
             continue
         origin = origins.get(flag.option) or (flag.off_flag if value is False and flag.off_flag else flag.flag)
@@ -222,25 +225,15 @@ def _runtime_settings() -> Any:
     is plain Python (the standard library only), so this copy reads the environment exactly as
     every rank's ``init()`` will."""
     import importlib.util
-    import sys
-    name = "mtrain.launcher._runtime_settings"
-    if name in sys.modules:
-        return sys.modules[name]
+    from mtrain.launcher.module_files import load_module_file
     package = importlib.util.find_spec("mtrain.ringreduce")
     if package is None or not package.submodule_search_locations:
         return None
     path = os.path.join(list(package.submodule_search_locations)[0], "settings.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
     try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+        return load_module_file("mtrain.launcher._runtime_settings", path)
+    except ImportError:
+        return None
 
 
 def refused_variable(environ: Mapping[str, str]) -> "str | None":

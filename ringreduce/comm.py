@@ -12,7 +12,9 @@ import traceback
 # MULTIPLE by default, which also lets user code call MPI from its own threads.
 from mpi4py import MPI
 
-from mtrain.launcher.records import ExitRecord, FailureCause, own_failure_line, report_error, supervised, user_line
+from mtrain.launcher.records.errors import FailureCause, report_error, supervised
+from mtrain.launcher.records.exits import ExitRecord, own_failure_line
+from mtrain.launcher.records.frames import user_line
 
 from . import exits
 

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
-from mtrain.launcher.records import FailureCause, report_error
+from mtrain.launcher.records.errors import FailureCause, report_error
 
 from . import cuda, join, log, recorder, shm
 from .autotune import Decision, Knobs, Space, Tuner

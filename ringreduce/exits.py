@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 from mtrain.launcher import pymain
 from mtrain.launcher.pymain import status_of
-from mtrain.launcher.records import ExitRecord, own_failure_line, supervised
+from mtrain.launcher.records.errors import supervised
+from mtrain.launcher.records.exits import ExitRecord, own_failure_line
 
 _requested: "int | None" = None   # the status sys.exit() was last asked for
 _installed = False

@@ -9,9 +9,9 @@ dump reads them there. So submitting an op costs the recorder nothing.
 
 Besides the ops, each set says whether a user thread is blocked on it now and how long ago
 the program last submitted to it or came back from waiting on it, and the dump says where the
-main thread is in the program's own code (``records.frame_line``).
+main thread is in the program's own code (``records.frames.frame_line``).
 
-A dump is one ``records.RecorderDump`` marker line on stderr, for ``mtrain run``'s
+A dump is one ``records.flight_recorder.RecorderDump`` marker line on stderr, for ``mtrain run``'s
 supervisor (launcher/hang_report.py assembles every rank's into one table). It is made by a
 daemon thread, woken through a pipe that is also the interpreter's signal wake-up fd: a
 SIGUSR1 wakes it even while the main thread is stuck in C code. The handler is installed by
@@ -30,8 +30,10 @@ import threading
 import time
 from typing import Any, Callable, Iterable, NamedTuple
 
-from mtrain.launcher.records import (ENV_ERROR_FILE, ENV_FLIGHT_RECORDER_SIZE, DumpRequest, OpRecord, OpState,
-                                     RecorderDump, SetRecord, emit_marker, frame_line)
+from mtrain.launcher.records.errors import ENV_ERROR_FILE
+from mtrain.launcher.records.flight_recorder import (ENV_FLIGHT_RECORDER_SIZE, DumpRequest, OpRecord, OpState,
+                                                     RecorderDump, SetRecord)
+from mtrain.launcher.records.frames import frame_line
 
 from .collectives import Kind
 from .errors import Refusal
@@ -249,7 +251,7 @@ class Dumper:
     def dump(self, reason: str) -> None:
         """Write this rank's dump (any thread); never raises."""
         try:
-            emit_marker(self.collect(reason).encode())
+            self.collect(reason).emit()
         except Exception as error:  # a dump is a diagnosis aid: never let it hurt the job
             sys.stderr.write(f"mtrain: the flight recorder could not dump ({error!r})\n")
 
@@ -320,7 +322,7 @@ def stop() -> None:
 def request_dumps(reason: str) -> None:
     """Ask the supervisor to have every rank dump (a coordinator saw a stall)."""
     if _dumper is not None:
-        emit_marker(DumpRequest(reason).encode())
+        DumpRequest(reason).emit()
 
 
 def dump_now(reason: str) -> None:

@@ -10,7 +10,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mtrain.launcher.records import ENV_STRAGGLER_OFF, Phase, PhaseNote, StepSample, supervised
+from mtrain.launcher.records.errors import supervised
+from mtrain.launcher.records.phase import Phase, PhaseNote
+from mtrain.launcher.records.steps import ENV_STRAGGLER_OFF, StepSample
 from mtrain.launcher.stragglers import StragglerRow, straggler_table
 
 from . import comm as comm_module
@@ -80,7 +82,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         raise RuntimeError("MPI was initialized without thread support; mtrain's background engine needs "
                            "MPI_THREAD_SERIALIZED or higher: leave mpi4py.rc.thread_level at its default")
     # Until every rank of the communicator comes, init() waits in MPI, where nothing can tell a
-    # rank that is coming from one whose program ended: the supervisor can (records.PhaseNote).
+    # rank that is coming from one whose program ended: the supervisor can (records.phase.PhaseNote).
     PhaseNote(Phase.INIT_WAITING, ranks=tuple(_job_ranks_of(comm))).emit()
     if isinstance(comm, (list, tuple)):  # Horovod also takes a list of ranks here
         comm = _comm_of_ranks(list(comm))

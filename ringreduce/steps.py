@@ -15,7 +15,7 @@ learns that a step is over (it is idle again after a thread waited on a handle:
   without comparing clocks.
 
 Nothing extra goes on the wire between ranks: the samples go to ``mtrain run`` as marker lines
-on stderr (records.StepReport), every ``MTRAIN_STRAGGLER_EVERY`` steps, every
+on stderr (records.steps.StepReport), every ``MTRAIN_STRAGGLER_EVERY`` steps, every
 ``MTRAIN_STEP_REPORT_SECONDS``, and when the engine stops; and ``straggler_stats()`` gathers
 them when the program asks.
 """
@@ -27,7 +27,7 @@ import socket
 import time
 from collections import deque
 
-from mtrain.launcher.records import (ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, StepReport, StepSample)
+from mtrain.launcher.records.steps import ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, StepReport, StepSample
 
 KEPT = 4096               # the newest steps straggler_stats() sees
 DEFAULT_REPORT_SECONDS = 30.0

@@ -1,4 +1,4 @@
-"""What an elastic rank learns from its environment (the driver's side is mtrain.launcher.records).
+"""What an elastic rank learns from its environment (the driver's side is mtrain.launcher.records.elastic).
 
 Every value is read when it is needed, not at import: a rank's environment is the
 source of truth, and tests point each rank at its own folders.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from mtrain.launcher import records
+from mtrain.launcher.records import elastic as records
 from mtrain.launcher.private import private_folder
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import mtrain.ringreduce as rr
 from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records import RESET_EXIT_STATUS, ElasticResume
+from mtrain.launcher.records.elastic import RESET_EXIT_STATUS, ElasticResume
 
 from . import job, snapshot
 from .state import HostsUpdatedInterrupt, State

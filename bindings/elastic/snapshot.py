@@ -17,7 +17,7 @@ A snapshot is unpickled only when it is ours twice over: its folder and file bel
 this user and nobody else may use them (launcher/private.py), and its MAC, an HMAC-SHA256
 of the header under the job's secret key (the header holds the payload's SHA-256), is
 right.  The key is made by the launcher for each job and reaches the ranks only in their
-environment ($MTRAIN_JOB_SECRET, never on a command line: see mtrain.launcher.records), so a
+environment ($MTRAIN_JOB_SECRET, never on a command line: see mtrain.launcher.records.elastic), so a
 snapshot another job wrote, or one changed since, is refused with ``SnapshotRejected``.
 """
 from __future__ import annotations

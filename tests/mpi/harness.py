@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 import pytest
 
 from mtrain.launcher.job_files import SHARED_MEMORY_PARENT
-from mtrain.launcher.records import ENV_OPENMPI_SESSION_BASE
+from mtrain.launcher.records.daemon_env import ENV_OPENMPI_SESSION_BASE
 from tests.jobs import run_job
 
 REPO = Path(__file__).resolve().parents[2]

@@ -52,7 +52,7 @@ def test_the_hosts_whose_ranks_never_reported_an_end():
     # Ranks are placed in plan order: a:0-1, b:2-4, c:5. Open MPI's launcher exits 0 when b's
     # daemon dies with its ranks; their wrappers die too and write no record.
     from mtrain.launcher.elastic import silent_hosts
-    from mtrain.launcher.records import ExitRecord
+    from mtrain.launcher.records.exits import ExitRecord
     plan = [HostSlots("a", 2), HostSlots("b", 3), HostSlots("c", 1)]
     records = [ExitRecord(rank, "x", 0, False, 1.0, ()) for rank in (0, 1, 5)]
     assert silent_hosts(plan, records) == ["b"]
@@ -74,7 +74,8 @@ def test_a_reset_asked_for_by_a_rank_whose_peers_were_stopped_on_their_way_out()
     # Seen under Slurm: rank 3 exited with 75 first; Open MPI stopped the others, still leaving
     # MPI_Finalize, by SIGTERM. The generation asked for the next one all the same.
     from mtrain.launcher.elastic import reset_asked
-    from mtrain.launcher.records import RESET_EXIT_STATUS, ExitRecord
+    from mtrain.launcher.records.elastic import RESET_EXIT_STATUS
+    from mtrain.launcher.records.exits import ExitRecord
     asked = ExitRecord(3, "b", RESET_EXIT_STATUS, False, 1.0)
     stopped = [ExitRecord(rank, "a", -15, True, 1.1) for rank in (0, 1, 2)]
     assert reset_asked([asked] + stopped)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mtrain.launcher.records import OpState
+from mtrain.launcher.records.flight_recorder import OpState
 from mtrain.ringreduce.collectives import Kind
 from mtrain.ringreduce.errors import Refusal
 from mtrain.ringreduce.ops import dtype_code

@@ -18,7 +18,7 @@ from mtrain.launcher.config import MpiKind, MpiLauncher
 from mtrain.launcher.environment import forwarded_names
 from mtrain.launcher.hosts import HostSlots
 from mtrain.launcher.mpirun import build_argv
-from mtrain.launcher.supervise import _OutputSink
+from mtrain.launcher.output import OutputSink
 from mtrain.ringreduce import collectives, log, settings
 from mtrain.ringreduce.negotiation import Coordinator, ResponseCache
 from mtrain.ringreduce.settings import EngineConfig, LogLevel
@@ -299,7 +299,7 @@ class _Stream:
 
 def test_prefix_output_with_timestamp_stamps_rank_lines_like_horovod(tmp_path):
     stream = _Stream()
-    sink = _OutputSink(tmp_path, 1, False, timestamp=True)
+    sink = OutputSink(tmp_path, 1, False, timestamp=True)
     sink.write(b"[0]<stdout>:step 1\n", stream)
     sink.close()
     stamp, _, rest = stream.data.decode().partition("[0]")

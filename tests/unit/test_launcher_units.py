@@ -10,9 +10,13 @@ import pytest
 from mtrain.launcher.config import SshOptions
 from mtrain.launcher.rank import child_environment, exit_record
 from mtrain.launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
-from mtrain.launcher.supervise import Job, first_failure, print_failure_report
-from mtrain.launcher.records import (EXIT_MARKER, AgentEvent, AgentEventKind, AgentEventReader, ErrorReport, ExitRecord,
-                            FailureCause, Gate, Phase, PhaseNote, exception_line, report_error)
+from mtrain.launcher.outcome import first_failure, print_failure_report
+from mtrain.launcher.supervise import Job
+from mtrain.launcher.records.agent_events import AgentEvent, AgentEventKind, AgentEventReader
+from mtrain.launcher.records.errors import ErrorReport, FailureCause, report_error
+from mtrain.launcher.records.exits import EXIT_MARKER, ExitRecord, exception_line
+from mtrain.launcher.records.gate import Gate
+from mtrain.launcher.records.phase import Phase, PhaseNote
 
 
 def test_agent_parses_ssh_style_arguments():
@@ -94,7 +98,7 @@ def test_wrapper_hides_open_mpi_abort_delay_line_and_records_it():
 
 
 def test_wrapper_carries_the_runtimes_own_account_into_the_record():
-    code = ("from mtrain.launcher.records import FailureCause, report_error\n"
+    code = ("from mtrain.launcher.records.errors import FailureCause, report_error\n"
             "report_error('ShutdownError: rank 2 left\\nmore', FailureCause.PEER)\n"
             "report_error('second account, ignored', FailureCause.OWN)\n"
             "raise SystemExit(9)")
@@ -259,7 +263,7 @@ def test_paramiko_gets_its_version_without_importlib_metadata_which_still_works_
 
 def test_wrapper_leaves_its_scratch_directory_behind_in_no_case(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "OMPI_COMM_WORLD_RANK": "0"}
-    code = ("from mtrain.launcher.records import FailureCause, report_error\n"
+    code = ("from mtrain.launcher.records.errors import FailureCause, report_error\n"
             "report_error('it failed', FailureCause.OWN)\n"
             "raise SystemExit(4)")
     for argv in ([sys.executable, "-c", code], [sys.executable, "-c", "pass"], ["/nonexistent/program"]):
@@ -292,7 +296,7 @@ def test_records_are_frozen_compare_by_value_and_take_defaults():
 
 
 def test_phase_notes_round_trip_and_tell_a_job_stuck_in_init():
-    from mtrain.launcher.records import stuck_in_init
+    from mtrain.launcher.supervise import stuck_in_init
     for note in (PhaseNote(Phase.INIT_WAITING, (0, 1, 3)), PhaseNote(Phase.INIT_DONE), PhaseNote(Phase.ENDED, status=4),
                  PhaseNote(Phase.ENDED, status=1, where="train.py:7 in step")):
         marker, _, payload = note.encode().partition(b" ")
@@ -327,7 +331,7 @@ def test_the_supervisor_takes_phase_notes_out_of_the_ranks_output():
 def test_lines_that_mpirun_starts_with_nul_bytes_keep_their_rank():
     # Seen on the test cluster after a rank's abort: "\x00[0]<stderr>:@@mtrain-flight-recorder@@ ...".
     import io
-    from mtrain.launcher.records import RecorderDump
+    from mtrain.launcher.records.flight_recorder import RecorderDump
     job = Job(["mpirun"], {}, 2, None, False, None)
     dump = RecorderDump(1, "h1", "SIGUSR1", 5.0, ())
     text = (b"\0[0]<stderr>:" + PhaseNote(Phase.INIT_DONE).encode() + b"\0\0[1]<stderr>:" + dump.encode()
@@ -340,7 +344,7 @@ def test_lines_that_mpirun_starts_with_nul_bytes_keep_their_rank():
 
 
 def test_event_lines_are_taken_out_of_a_guards_stderr_and_appended(tmp_path):
-    from mtrain.launcher.records import event_line, take_events
+    from mtrain.launcher.records.agent_events import event_line, take_events
     events = str(tmp_path / "events")
     died = AgentEvent(AgentEventKind.DAEMON_DIED, "h2", "host h2: the MPI daemon there died (killed by SIGKILL)", 5.0)
     chunk = b"mtrain-guard: one\n" + event_line(died) + b"two, unterminated"
@@ -385,7 +389,7 @@ def _frozen_record() -> None:
 
 
 def test_user_line_is_the_innermost_frame_of_the_programs_own_code(monkeypatch):
-    from mtrain.launcher.records import user_line
+    from mtrain.launcher.records.frames import user_line
     here = os.path.dirname(os.path.abspath(__file__))
     name = os.path.basename(__file__)
     line = _bad_json.__code__.co_firstlineno + 2
@@ -420,7 +424,7 @@ def test_the_failure_report_says_where_a_failing_rank_left(capsys):
 def test_the_runtimes_records_on_stderr_are_never_a_ranks_last_words():
     # Seen under Slurm: a rank's last stderr line was its step meter's record, which then stood in
     # as the reason of its failure ("exit code 75 (@@mtrain-steps@@ {...})").
-    from mtrain.launcher.records import StepReport, StepSample
+    from mtrain.launcher.records.steps import StepReport, StepSample
     report = StepReport("node-1", (StepSample(1, 7, 1.0, 0.5, 0.25, 64),)).encode()
     code = ("import os, sys\n"
             "print('the last words', file=sys.stderr)\n"

@@ -6,7 +6,7 @@ import pytest
 from mtrain.launcher.hosts import HostSlots
 from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
 from mtrain.launcher.netif import choose_interface
-from mtrain.launcher.records import JobLayout
+from mtrain.launcher.records.job_layout import JobLayout
 
 PLAN = [HostSlots("a", 2), HostSlots("b", 3)]
 FACTS = {

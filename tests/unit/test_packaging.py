@@ -36,7 +36,7 @@ def test_wheel_holds_only_mtrain_and_works_from_its_own_install(tmp_path):
                    "mtrain/torch/sync_batch_norm.py", "mtrain/distributed/__init__.py", "mtrain/keras.py",
                    "mtrain/tensorflow/__init__.py", "mtrain/tensorflow/mpi_ops.py",
                    "mtrain/tensorflow/gradient_tape.py", "mtrain/tensorflow/keras/__init__.py",
-                   "mtrain/launcher/rank.py", "mtrain/launcher/records.py", "mtrain/launcher/ssh_agent.py",
+                   "mtrain/launcher/rank.py", "mtrain/launcher/records/__init__.py", "mtrain/launcher/ssh_agent.py",
                    "mtrain/ringreduce/ring.py"):
         assert module in names, module
     import mtrain

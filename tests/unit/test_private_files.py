@@ -16,7 +16,8 @@ import pytest
 
 from mtrain.elastic import snapshot
 from mtrain.launcher.private import PrivatePathError, private_folder, read_private, remove_private, write_private
-from mtrain.launcher.records import HostUpdates, JobLayout
+from mtrain.launcher.records.elastic import HostUpdates
+from mtrain.launcher.records.job_layout import JobLayout
 
 OTHER_UID = 65534  # nobody
 KEY = b"k" * 64  # the job's key

@@ -20,7 +20,7 @@ from mtrain.launcher import remote_guard, ssh_agent, ssh_master
 from mtrain.launcher.config import SshOptions
 from mtrain.launcher.ssh_master import (ConnectionMaster, FrameKind, MasterSession, Outcome, ProtocolError,
                                         decode_request, encode_request, receive_frame, send_frame)
-from mtrain.launcher.records import AgentEventKind, AgentEventReader
+from mtrain.launcher.records.agent_events import AgentEventKind, AgentEventReader
 
 WORDS = ["PATH=/p;export PATH;", "prted", "--daemonize", "--x", '"a b"']
 

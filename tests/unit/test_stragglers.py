@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 
 from mtrain.launcher.progress import ProgressDisplay, describe
-from mtrain.launcher.records import STEP_MARKER, StepReport, StepSample
+from mtrain.launcher.records.steps import STEP_MARKER, StepReport, StepSample
 from mtrain.launcher.stragglers import (MIN_EXCESS_SECONDS, ROWS_SHOWN, StepBoard, format_table,
                                         straggler_table, title_for)
 
