@@ -135,7 +135,7 @@ class Job:
     def log(self, message: str) -> None:
         log(self.verbose, message)
 
-    def _read(self, pipe: IO[bytes], stream: IO[bytes], is_stderr: bool) -> None:
+    def read_stream(self, pipe: IO[bytes], stream: IO[bytes], is_stderr: bool) -> None:
         for line in iter(pipe.readline, b""):
             # mpirun's forwarding sometimes starts a line with NUL bytes (seen on the test cluster
             # once a rank has aborted): without them the rank's prefix is found again, so its
@@ -281,7 +281,7 @@ class Job:
         if rows:
             self.sink.say(format_table(rows, title_for("the whole job")))
 
-    def _stuck_now(self) -> str | None:
+    def stuck_now(self) -> str | None:
         with self.lock:
             return stuck_in_init(dict(self.in_init), dict(self.ended))
 
@@ -312,8 +312,8 @@ class Job:
             print(f"mtrain: cannot start {self.argv[0]}: {error.strerror}", file=sys.stderr)
             return 1
         self.mpirun_pid = process.pid
-        readers = [threading.Thread(target=self._read, args=(process.stdout, sys.stdout.buffer, False), daemon=True),
-                   threading.Thread(target=self._read, args=(process.stderr, sys.stderr.buffer, True), daemon=True)]
+        readers = [threading.Thread(target=self.read_stream, args=(process.stdout, sys.stdout.buffer, False), daemon=True),
+                   threading.Thread(target=self.read_stream, args=(process.stderr, sys.stderr.buffer, True), daemon=True)]
         for thread in readers:
             thread.start()
         if self.steps.progress:
@@ -353,7 +353,7 @@ class Job:
             self._print_report(self.collector.poll(self._live_ranks()))
             # Held for a moment first: a rank's note that it left init() may come a little
             # after a peer's note that its program ended, through another pipe.
-            stuck = self._stuck_now()
+            stuck = self.stuck_now()
             stuck_since = (stuck_since or now) if stuck else None
             if stop_reason is None:
                 if self.interrupted is not None:
@@ -396,9 +396,9 @@ class Job:
         self._print_report(self.collector.finish(set()))  # a collection the job's end cut short
         self._stop_progress()
         self.print_straggler_table()
-        return self._outcome(process.returncode, host_problems)
+        return self.outcome(process.returncode, host_problems)
 
-    def _outcome(self, mpirun_status: int, host_problems: list[AgentEvent]) -> int:
+    def outcome(self, mpirun_status: int, host_problems: list[AgentEvent]) -> int:
         """Print the outcome (outcome.py) and return mtrain's exit status."""
         interrupted_line = (self.interrupted_line(self.interrupted)
                             if self.interrupted is not None and self.interrupted_line else None)

@@ -37,7 +37,7 @@ def _reduce(xp: Any, dst: Any, src: Any, op: ReduceOp) -> None:
     reducer(xp, op, dst.dtype)(dst, src, out=dst)
 
 
-def _scale(xp: Any, buf: Any, factor: float) -> None:
+def scale_in_place(xp: Any, buf: Any, factor: float) -> None:
     """``buf *= factor`` in place by Horovod's CPU rule (horovod/common/ops/collective_operations.h,
     ``ScaleBufferCPUImpl``): the product is taken in float64 for integers, float32 and float64,
     and in float32, with the factor rounded to float32, for 16-bit floats; then it is rounded back
@@ -130,10 +130,10 @@ class NumpyBackend:
         _NUMPY_REDUCERS(op, dst.dtype)(dst, src, out=dst)
 
     def scale(self, buf: np.ndarray, factor: float) -> None:
-        """buf *= factor in place, by Horovod's rule (``_scale``)."""
+        """buf *= factor in place, by Horovod's rule (``scale_in_place``)."""
         if factor == 1.0 or buf.size == 0:
             return
-        _scale(np, buf, factor)
+        scale_in_place(np, buf, factor)
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
@@ -236,7 +236,7 @@ class DeviceBackend:
 
     def scale(self, buf: Any, factor: float) -> None:
         if factor != 1.0 and buf.size:
-            self.device.launch(_scale, self.xp, buf, factor)
+            self.device.launch(scale_in_place, self.xp, buf, factor)
 
     def copy(self, dst: Any, src: Any) -> None:
         self.device.launch(self.xp.copyto, dst, src)
@@ -299,7 +299,7 @@ class StagedBackend(DeviceBackend):
         return _per_thread(self._local, "pinned")
 
     @property
-    def _lane_free(self) -> "dict[int, Event]":  # lane -> event after the copy that empties it
+    def lane_free(self) -> "dict[int, Event]":  # lane -> event after the copy that empties it
         return _per_thread(self._local, "lane_free")
 
     def staging(self, key: Any, nbytes: int) -> np.ndarray:
@@ -331,7 +331,7 @@ class StagedBackend(DeviceBackend):
         return requests
 
     def irecv(self, comm: Any, view: Any, source: int, tag: int, lane: int = 0) -> _StagedReceive:
-        emptied = self._lane_free.pop(lane, None)
+        emptied = self.lane_free.pop(lane, None)
         if emptied is not None:
             emptied.synchronize()  # the lane's last pinned→device copy has read its bytes
         staging = self.staging(("recv", lane), view.nbytes)
@@ -342,7 +342,7 @@ class StagedBackend(DeviceBackend):
         for p in pending:
             if isinstance(p, _StagedReceive):
                 self.device.to_device(p.target.view(np.uint8), p.staging)
-                self._lane_free[p.lane] = self.device.record()
+                self.lane_free[p.lane] = self.device.record()
 
     def allgather(self, comm: Any, mine: Any, gathered: Any) -> None:
         send = self.staging("send", mine.nbytes)
@@ -370,23 +370,23 @@ Backend = Union[NumpyBackend, DeviceBackend]
 
 _NUMPY = NumpyBackend()
 # Device arrays by the top-level module of their type ("cupy") -> the backend of one such array.
-_DEVICE_BACKENDS: "dict[str, Callable[[Any], Backend]]" = {}
+DEVICE_BACKENDS: "dict[str, Callable[[Any], Backend]]" = {}
 
 
 def register_device_arrays(module: str, backend_of: Callable[[Any], Backend]) -> None:
     """Arrays whose type comes from package ``module`` are reduced by ``backend_of(array)``."""
-    _DEVICE_BACKENDS[module] = backend_of
+    DEVICE_BACKENDS[module] = backend_of
 
 
 def is_device_array(array: Any) -> bool:
-    return type(array).__module__.partition(".")[0] in _DEVICE_BACKENDS
+    return type(array).__module__.partition(".")[0] in DEVICE_BACKENDS
 
 
 def backend_for(array: Any) -> Backend:
     """The backend that owns ``array``; TypeError for anything that is not an array we know."""
     if isinstance(array, np.ndarray):
         return _NUMPY
-    backend_of = _DEVICE_BACKENDS.get(type(array).__module__.partition(".")[0])
+    backend_of = DEVICE_BACKENDS.get(type(array).__module__.partition(".")[0])
     if backend_of is not None:
         return backend_of(array)
     raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(array).__name__}; "

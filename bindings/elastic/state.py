@@ -38,7 +38,7 @@ class State:
 
     Subclasses implement ``save`` (copy the current values aside), ``restore`` (put
     the copies back), ``sync`` (make every rank's values rank 0's) and, to be
-    snapshotted, ``_committed()`` / ``_load_committed(values)``.
+    snapshotted, ``committed_values()`` / ``load_committed(values)``.
     """
 
     def __init__(self, bcast_object: "Callable[..., Any] | None" = None,
@@ -96,13 +96,13 @@ class State:
     def _prepare_commit(self) -> None:
         """Collective work every rank does before ``save`` in a commit (nothing by default)."""
 
-    def _committed(self) -> Any:
+    def committed_values(self) -> Any:
         """The values ``save`` set aside, picklable (the snapshot's payload)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be snapshotted: implement _committed()")
+        raise NotImplementedError(f"{type(self).__name__} cannot be snapshotted: implement committed_values()")
 
-    def _load_committed(self, values: Any) -> None:
-        """Take `values` (another rank's ``_committed()``) as the committed state and restore it."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be snapshotted: implement _load_committed()")
+    def load_committed(self, values: Any) -> None:
+        """Take `values` (another rank's ``committed_values()``) as the committed state and restore it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be snapshotted: implement load_committed()")
 
     @property
     def commit_number(self) -> int:
@@ -113,7 +113,7 @@ class State:
         # Every rank holds the same committed state: one writer per host is enough.
         if rr.local_rank() != 0:
             return
-        snapshot.write(job.state_folder(), snapshot.new_header(self._commit_number, rr.size()), self._committed(),
+        snapshot.write(job.state_folder(), snapshot.new_header(self._commit_number, rr.size()), self.committed_values(),
                        job.secret())
 
 
@@ -145,9 +145,9 @@ class ObjectState(State):
         for name, value in self._saved_state.items():
             setattr(self, name, copy.deepcopy(value))  # later changes never reach the commit
 
-    def _committed(self) -> Any:
+    def committed_values(self) -> Any:
         return {"objects": self._saved_state}
 
-    def _load_committed(self, values: Any) -> None:
+    def load_committed(self, values: Any) -> None:
         self._saved_state = dict(values["objects"])
         self.restore()

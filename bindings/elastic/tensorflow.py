@@ -60,14 +60,14 @@ class TensorFlowState(ObjectState):
                                                     name="mtrain.elastic.tf.variables"), "TensorFlowState.sync")
         super().sync()
 
-    def _committed(self) -> Any:
-        values = super()._committed()
+    def committed_values(self) -> Any:
+        values = super().committed_values()
         values["variables"] = self._saved_variables
         return values
 
-    def _load_committed(self, values: Any) -> None:
+    def load_committed(self, values: Any) -> None:
         self._saved_variables = list(values["variables"])
-        super()._load_committed(values)
+        super().load_committed(values)
 
 
 class TensorFlowKerasState(ObjectState):
@@ -112,14 +112,14 @@ class TensorFlowKerasState(ObjectState):
         self._load(model_values, optimizer_values, "sync")
         super().sync()
 
-    def _committed(self) -> Any:
-        values = super()._committed()
+    def committed_values(self) -> Any:
+        values = super().committed_values()
         values["model"], values["optimizer"] = self._saved_model, self._saved_optimizer
         return values
 
-    def _load_committed(self, values: Any) -> None:
+    def load_committed(self, values: Any) -> None:
         self._saved_model, self._saved_optimizer = list(values["model"]), list(values["optimizer"])
-        super()._load_committed(values)
+        super().load_committed(values)
 
 
 class KerasState(TensorFlowKerasState):

@@ -196,13 +196,13 @@ class TorchState(ObjectState):
             handler.sync()
         super().sync()
 
-    def _committed(self) -> Any:
-        values = super()._committed()
+    def committed_values(self) -> Any:
+        values = super().committed_values()
         values["handlers"] = {name: handler.saved for name, handler in self._handlers.items()}
         return values
 
-    def _load_committed(self, values: Any) -> None:
+    def load_committed(self, values: Any) -> None:
         for name, saved in values.get("handlers", {}).items():
             if name in self._handlers:
                 self._handlers[name].saved = saved
-        super()._load_committed(values)  # restores every handler too
+        super().load_committed(values)  # restores every handler too

@@ -103,7 +103,7 @@ def test_tensorflow_and_keras_states_callbacks_and_resume():
                        "MTRAIN_JOB_SECRET": "fedcba9876543210" * 4})
     if me == 1:  # this "host" committed the trained state (optimizer built) as commit 11
         snapshot.write(os.path.join(base, "rank1", os.uname().nodename), snapshot.new_header(11, 2),
-                       state._committed(), os.environ["MTRAIN_JOB_SECRET"].encode())
+                       state.committed_values(), os.environ["MTRAIN_JOB_SECRET"].encode())
     want = rr.broadcast_object(committed, 1)
     fresh = _model(keras, seed=40 + me)
     fresh.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9), loss="mse")

@@ -145,7 +145,7 @@ def test_a_generation_resumes_from_the_newest_commit_any_host_holds():
         old.save()  # collective: the sampler's record becomes every rank's
         if commits[me] >= 0:
             snapshot.write(os.path.join(base, f"rank{me}", os.uname().nodename),
-                           snapshot.new_header(commits[me], 7), old._committed(), KEY.encode())
+                           snapshot.new_header(commits[me], 7), old.committed_values(), KEY.encode())
         newest = max(commits)
         source = commits.index(newest)
         want_flat = hvd.broadcast_object(_flat(old_model), source)
@@ -262,7 +262,7 @@ def test_elastic_sampler_partitions_and_resumes_after_recorded_batches():
             assert sampler.processed_indices == processed, what
             # A new generation (simulated: a fresh sampler loads the commit) partitions the rest.
             resumed = elastic.ElasticSampler(list(range(length)), shuffle=shuffle, seed=11)
-            resumed.load_state_dict(state._committed()["handlers"]["sampler"])
+            resumed.load_state_dict(state.committed_values()["handlers"]["sampler"])
             rest = hvd.allgather_object(list(resumed))
             assert set().union(*map(set, rest)) == set(range(length)) - processed, what
             assert not set().union(*map(set, rest)) & processed, f"{what}: a processed index repeats"

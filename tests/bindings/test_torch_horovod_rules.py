@@ -14,7 +14,7 @@ require("torch", "pip install '.[torch]'")
 
 import torch  # noqa: E402
 
-from tests.bindings.test_torch_parity import _data, _rows_of  # noqa: E402  (distinct per rank and element)
+from tests.bindings.test_torch_parity import rank_data, rows_of  # noqa: E402  (distinct per rank and element)
 from tests.mpi.harness import mpi_test  # noqa: E402
 
 
@@ -51,12 +51,12 @@ def test_backward_of_each_collective_is_horovods():
     # allgather: rows differ per rank (odd sizes); rank r's output is the whole concatenation.
     rows = [2 * r + 1 for r in range(n)]
     lo = sum(rows[:me])
-    x = _data(me, (rows[me], 3)).requires_grad_()
+    x = rank_data(me, (rows[me], 3)).requires_grad_()
     out = hvd.allgather(x)
     (got,) = _grads(out, [x], me)
     _same("allgather", got, sum(_upstream(out.shape, r) for r in range(n))[lo:lo + rows[me]] / n)
 
-    a, b = _data(me, (rows[me], 2)).requires_grad_(), _data(me + 5, (me + 1,)).requires_grad_()
+    a, b = rank_data(me, (rows[me], 2)).requires_grad_(), rank_data(me + 5, (me + 1,)).requires_grad_()
     outs = hvd.grouped_allgather([a, b])
     got_a, got_b = _grads(outs, [a, b], me)
     _same("grouped_allgather[0]", got_a, sum(_upstream(outs[0].shape, r) for r in range(n))[lo:lo + rows[me]] / n)
@@ -64,7 +64,7 @@ def test_backward_of_each_collective_is_horovods():
     _same("grouped_allgather[1]", got_b, sum(_upstream(outs[1].shape, r) for r in range(n))[lo_b:lo_b + me + 1] / n)
 
     for root in range(n):
-        x = _data(me, (3, 5)).requires_grad_()
+        x = rank_data(me, (3, 5)).requires_grad_()
         (got,) = _grads(hvd.broadcast(x, root), [x], me)
         want = sum(_upstream((3, 5), r) for r in range(n)) / n if me == root else torch.zeros(3, 5, dtype=torch.float64)
         _same(f"broadcast root {root}", got, want)
@@ -72,23 +72,23 @@ def test_backward_of_each_collective_is_horovods():
     total = 2 * n + 1  # uneven split: the first total % n ranks get one more row
     for op, pre, post in ((hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 1.0), (hvd.Sum, 0.5, 3.0), (hvd.Average, 2.0, 0.25)):
         factor = pre * post * (n if op == hvd.Sum else 1)
-        x = _data(me, (total, 2)).requires_grad_()
+        x = rank_data(me, (total, 2)).requires_grad_()
         (got,) = _grads(hvd.reducescatter(x, op=op, prescale_factor=pre, postscale_factor=post), [x], me)
-        gathered = torch.cat([_upstream((_rows_of(total, n, r)[1] - _rows_of(total, n, r)[0], 2), r)
+        gathered = torch.cat([_upstream((rows_of(total, n, r)[1] - rows_of(total, n, r)[0], 2), r)
                               for r in range(n)])
         _same(f"reducescatter {op!r} {pre} {post}", got, gathered * factor)
-        a, b = _data(me, (total, 2)).requires_grad_(), _data(me + 1, (n + 2,)).requires_grad_()
+        a, b = rank_data(me, (total, 2)).requires_grad_(), rank_data(me + 1, (n + 2,)).requires_grad_()
         outs = hvd.grouped_reducescatter([a, b], op=op, prescale_factor=pre, postscale_factor=post)
         got_a, got_b = _grads(outs, [a, b], me)
         _same(f"grouped_reducescatter[0] {op!r}", got_a, gathered * factor)
-        gathered_b = torch.cat([_upstream((_rows_of(n + 2, n, r)[1] - _rows_of(n + 2, n, r)[0],), r)
+        gathered_b = torch.cat([_upstream((rows_of(n + 2, n, r)[1] - rows_of(n + 2, n, r)[0],), r)
                                 for r in range(n)])
         _same(f"grouped_reducescatter[1] {op!r}", got_b, gathered_b * factor)
 
     # alltoall: rank r sends splits[r][d] rows to rank d; the gradient of the rows rank me sent to d
     # is what d's upstream holds where d received them.
     splits = [[(r + 2 * d) % 3 + (r == d) for d in range(n)] for r in range(n)]
-    x = _data(me, (sum(splits[me]), 2)).requires_grad_()
+    x = rank_data(me, (sum(splits[me]), 2)).requires_grad_()
     received, _ = hvd.alltoall(x, splits=torch.tensor(splits[me], dtype=torch.int32))
     (got,) = _grads(received, [x], me)
     parts = []
@@ -112,7 +112,7 @@ def test_distributed_optimizer_outside_its_set_sparse_as_dense_and_the_step_warn
     subset = hvd.add_process_set(members)
 
     def batch(r: int, step: int):
-        x = _data(r + step, (r + 2, 3))
+        x = rank_data(r + step, (r + 2, 3))
         return x, x.sum(dim=1, keepdim=True) * 0.5 - r
 
     torch.manual_seed(3)
@@ -214,7 +214,7 @@ def test_optimizer_state_broadcast_leaves_zero_gradients_and_refusals_are_runtim
             call()
         assert isinstance(caught.value, ValueError), "still the ValueError mtrain raised before"
 
-    t = _data(me, (n, 2))
+    t = rank_data(me, (n, 2))
     refused(lambda: hvd.allreduce(t, op=hvd.Adasum), "Adasum")
     refused(lambda: hvd.allreduce_async_(t.clone(), name="rules.adasum", op=hvd.Adasum), "Adasum")
     refused(lambda: hvd.grouped_allreduce([t, t * 2], op=hvd.Adasum), "Adasum")
@@ -228,10 +228,10 @@ def test_optimizer_state_broadcast_leaves_zero_gradients_and_refusals_are_runtim
     hvd.shutdown()
     refused(lambda: hvd.allreduce(t), "not initialized")
     hvd.init()  # the harness shuts it down after the body
-    assert torch.equal(hvd.broadcast(t, root_rank=0), _data(0, (n, 2)))
+    assert torch.equal(hvd.broadcast(t, root_rank=0), rank_data(0, (n, 2)))
 
     # Horovod's parameter order of the reduce-scatters, called positionally (rows: an uneven split).
-    rows = _data(me, (2 * n + 1, 2))
+    rows = rank_data(me, (2 * n + 1, 2))
     want = hvd.reducescatter(rows, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
     assert not torch.equal(want, hvd.reducescatter(rows, op=hvd.Sum))  # the factors count
     none, world = hvd.Compression.none, hvd.global_process_set

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from tests.mpi.harness import mpi_test  # noqa: E402
 
 
-def _data(r: int, shape, dtype=torch.float64) -> torch.Tensor:
+def rank_data(r: int, shape, dtype=torch.float64) -> torch.Tensor:
     """Distinct per rank and per element."""
     count = int(np.prod(shape)) if len(shape) else 1
     values = torch.arange(count, dtype=torch.float64) * 0.37 - 1.1 * r + 0.01 * r * r + 0.5
@@ -186,7 +186,7 @@ def test_optimizer_state_broadcast_with_missing_gradients_and_step_after_synchro
 
 # -- 3. differentiable collectives -------------------------------------------------------------------
 
-def _rows_of(total: int, n: int, r: int) -> "tuple[int, int]":
+def rows_of(total: int, n: int, r: int) -> "tuple[int, int]":
     lo = sum(total // n + (1 if k < total % n else 0) for k in range(r))
     return lo, lo + total // n + (1 if r < total % n else 0)
 
@@ -208,12 +208,12 @@ def test_collectives_are_differentiable_with_horovods_gradients():
     def check(label, distributed, reference, shapes, grad_scale=1.0):
         """distributed(tensors) -> outputs on this rank; reference(per-rank tensors, r) -> rank r's outputs;
         grad_scale: Horovod's gradient over the textbook one."""
-        mine = [_data(me, s(me)).requires_grad_() for s in shapes]
+        mine = [rank_data(me, s(me)).requires_grad_() for s in shapes]
         outs = distributed(mine)
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         assert all(o.grad_fn is not None for o in outs), f"{label}: no grad_fn"
         sum((o * _weights(o.shape, me)).sum() for o in outs).backward()
-        every = [[_data(r, s(r)).requires_grad_() for s in shapes] for r in range(n)]
+        every = [[rank_data(r, s(r)).requires_grad_() for s in shapes] for r in range(n)]
         total = 0
         for r in range(n):
             ref = reference(every, r)
@@ -266,17 +266,17 @@ def test_collectives_are_differentiable_with_horovods_gradients():
         scale = pre * post / (n if op == hvd.Average else 1)
         check(f"reducescatter {op} {pre} {post}",
               lambda ts: hvd.reducescatter(ts[0], op=op, prescale_factor=pre, postscale_factor=post),
-              lambda ev, r: (sum(e[0] for e in ev) * scale)[slice(*_rows_of(total_rows, n, r))],
+              lambda ev, r: (sum(e[0] for e in ev) * scale)[slice(*rows_of(total_rows, n, r))],
               [lambda r: (total_rows, 2)], n)
         check(f"grouped_reducescatter {op}",
               lambda ts: hvd.grouped_reducescatter([ts[0], ts[1]], op=op, prescale_factor=pre, postscale_factor=post),
-              lambda ev, r: [(sum(e[0] for e in ev) * scale)[slice(*_rows_of(total_rows, n, r))],
-                             (sum(e[1] for e in ev) * scale)[slice(*_rows_of(n + 2, n, r))]],
+              lambda ev, r: [(sum(e[0] for e in ev) * scale)[slice(*rows_of(total_rows, n, r))],
+                             (sum(e[1] for e in ev) * scale)[slice(*rows_of(n + 2, n, r))]],
               [lambda r: (total_rows, 2), lambda r: (n + 2,)], n)
     # Without requires_grad: plain tensors, no graph.
-    assert hvd.allgather(_data(me, (2,))).grad_fn is None
+    assert hvd.allgather(rank_data(me, (2,))).grad_fn is None
     with torch.no_grad():
-        assert hvd.broadcast(_data(me, (2,)).requires_grad_(), 0).grad_fn is None
+        assert hvd.broadcast(rank_data(me, (2,)).requires_grad_(), 0).grad_fn is None
 
 
 # -- 4. grouped gather / scatter -------------------------------------------------------------------
@@ -286,8 +286,8 @@ def test_grouped_allgather_and_reducescatter():
     import mtrain.torch as hvd
     n, me = hvd.size(), hvd.rank()
     shapes = [(me + 1, 3), (2 * me + 1,), (1, 2, 2)]
-    mine = [_data(me, s) + k for k, s in enumerate(shapes)]
-    every = [[_data(r, s) + k for k, s in enumerate([(r + 1, 3), (2 * r + 1,), (1, 2, 2)])] for r in range(n)]
+    mine = [rank_data(me, s) + k for k, s in enumerate(shapes)]
+    every = [[rank_data(r, s) + k for k, s in enumerate([(r + 1, 3), (2 * r + 1,), (1, 2, 2)])] for r in range(n)]
     gathered = hvd.grouped_allgather(mine, name="g.ag")
     for k, got in enumerate(gathered):
         assert torch.equal(got, torch.cat([e[k] for e in every])), k
@@ -295,8 +295,8 @@ def test_grouped_allgather_and_reducescatter():
     assert [torch.equal(g, torch.cat([e[k].float() for e in every])) for k, g in enumerate(hvd.synchronize(handle))] \
         == [True] * 3
     rs_shapes = [(2 * n + 1, 2), (n,), (n + 2, 1, 3)]
-    rs_mine = [_data(me, s) * (k + 1) for k, s in enumerate(rs_shapes)]
-    rs_every = [[_data(r, s) * (k + 1) for k, s in enumerate(rs_shapes)] for r in range(n)]
+    rs_mine = [rank_data(me, s) * (k + 1) for k, s in enumerate(rs_shapes)]
+    rs_every = [[rank_data(r, s) * (k + 1) for k, s in enumerate(rs_shapes)] for r in range(n)]
     for op, pre, post in ((hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 1.0), (hvd.Sum, 0.5, 3.0)):
         scale = pre * post / (n if op == hvd.Average else 1)
         results = [hvd.grouped_reducescatter(rs_mine, op=op, prescale_factor=pre, postscale_factor=post),
@@ -305,7 +305,7 @@ def test_grouped_allgather_and_reducescatter():
         for got in results:
             for k, part in enumerate(got):
                 full = sum(e[k] for e in rs_every) * scale
-                assert torch.allclose(part, full[slice(*_rows_of(rs_shapes[k][0], n, me))], atol=1e-12), (op, k)
+                assert torch.allclose(part, full[slice(*rows_of(rs_shapes[k][0], n, me))], atol=1e-12), (op, k)
 
 
 # -- 5. sparse --------------------------------------------------------------------------------------
@@ -415,7 +415,7 @@ def test_sync_batch_norm_equals_batch_norm_on_the_concatenated_batch():
     n, me = hvd.size(), hvd.rank()
     for shape, momentum, affine in (((4, 3), 0.1, True), ((3, 2, 5, 2), None, True), ((2, 4, 3), 0.3, False)):
         b, channels = shape[0], shape[1]
-        whole = torch.cat([_data(r, shape) * (1 + 0.2 * r) + torch.arange(channels, dtype=torch.float64)
+        whole = torch.cat([rank_data(r, shape) * (1 + 0.2 * r) + torch.arange(channels, dtype=torch.float64)
                            .reshape([1, channels] + [1] * (len(shape) - 2)) * r for r in range(n)])
         reference = torch.nn.BatchNorm1d(channels, momentum=momentum, affine=affine).double() if len(shape) < 4 \
             else torch.nn.BatchNorm2d(channels, momentum=momentum, affine=affine).double()

@@ -11,7 +11,7 @@ require("torch", "pip install '.[torch]'")
 
 import torch  # noqa: E402
 
-from tests.bindings.test_torch_parity import _data  # noqa: E402  (distinct per rank and element)
+from tests.bindings.test_torch_parity import rank_data  # noqa: E402  (distinct per rank and element)
 from tests.mpi.harness import mpi_test  # noqa: E402
 
 
@@ -29,18 +29,18 @@ def test_ops_on_two_sets_interleaved_with_their_gradients():
     mine = even if me != 1 else odd
     members = mine.ranks
     # Interleave: a global op in flight while set ops run, in a different order per rank.
-    pending = hvd.allreduce_async(_data(me, (5,)), op=hvd.Sum, name="global.first")
-    x = _data(me, (3, 4)).requires_grad_()
+    pending = hvd.allreduce_async(rank_data(me, (5,)), op=hvd.Sum, name="global.first")
+    x = rank_data(me, (3, 4)).requires_grad_()
     reduced = hvd.allreduce(x, name="set.ar", process_set=mine)
-    expected = sum(_data(r, (3, 4)) for r in members) / len(members)
+    expected = sum(rank_data(r, (3, 4)) for r in members) / len(members)
     assert torch.allclose(reduced, expected)
     reduced.backward(torch.full((3, 4), 2.0, dtype=torch.float64))
     # The gradient of an average is the average of the gradients, over the set.
     assert torch.allclose(x.grad, torch.full((3, 4), 2.0, dtype=torch.float64))
     rows = 1 + 2 * mine.rank()  # odd sizes, different per rank of the set
-    y = _data(me, (rows, 3)).requires_grad_()
+    y = rank_data(me, (rows, 3)).requires_grad_()
     gathered = hvd.allgather(y, name="set.ag", process_set=mine)
-    assert torch.equal(gathered.detach(), torch.cat([_data(r, (1 + 2 * members.index(r), 3)) for r in members]))
+    assert torch.equal(gathered.detach(), torch.cat([rank_data(r, (1 + 2 * members.index(r), 3)) for r in members]))
     (gathered * torch.arange(gathered.numel(), dtype=torch.float64).reshape(gathered.shape)).sum().backward()
     # Backward: this rank's rows of the gradient averaged over the set (Horovod's
     # HorovodAllgather.backward, horovod/torch/mpi_ops.py); every rank's upstream is the same here.
@@ -48,24 +48,24 @@ def test_ops_on_two_sets_interleaved_with_their_gradients():
     weights = torch.arange(gathered.numel(), dtype=torch.float64).reshape(gathered.shape)
     assert torch.allclose(y.grad, weights[start:start + rows])
     root = members[-1]  # a global rank
-    b = hvd.broadcast(_data(me, (2, 2)), root_rank=root, name="set.bc", process_set=mine)
-    assert torch.equal(b, _data(root, (2, 2)))
-    scattered = hvd.reducescatter(_data(me, (5, 2)), op=hvd.Sum, name="set.rs", process_set=mine)
-    total = sum(_data(r, (5, 2)) for r in members)
+    b = hvd.broadcast(rank_data(me, (2, 2)), root_rank=root, name="set.bc", process_set=mine)
+    assert torch.equal(b, rank_data(root, (2, 2)))
+    scattered = hvd.reducescatter(rank_data(me, (5, 2)), op=hvd.Sum, name="set.rs", process_set=mine)
+    total = sum(rank_data(r, (5, 2)) for r in members)
     lo = sum(len(c) for c in np.array_split(np.arange(5), len(members))[:mine.rank()])
     assert torch.allclose(scattered, total[lo:lo + scattered.shape[0]])
-    grouped = hvd.grouped_allreduce([_data(me, (3,)), _data(me, (0,)), _data(me, (1, 1))], op=hvd.Sum,
+    grouped = hvd.grouped_allreduce([rank_data(me, (3,)), rank_data(me, (0,)), rank_data(me, (1, 1))], op=hvd.Sum,
                                     name="set.gar", process_set=mine)
     for got, shape in zip(grouped, [(3,), (0,), (1, 1)]):
-        assert torch.allclose(got, sum(_data(r, shape) for r in members))
-    received, splits = hvd.alltoall(_data(me, (len(members), 2)), splits=[1] * len(members), name="set.a2a",
+        assert torch.allclose(got, sum(rank_data(r, shape) for r in members))
+    received, splits = hvd.alltoall(rank_data(me, (len(members), 2)), splits=[1] * len(members), name="set.a2a",
                                     process_set=mine)
     assert splits.tolist() == [1] * len(members)
-    assert torch.equal(received, torch.stack([_data(r, (len(members), 2))[mine.rank()] for r in members]))
+    assert torch.equal(received, torch.stack([rank_data(r, (len(members), 2))[mine.rank()] for r in members]))
     assert hvd.allgather_object({"rank": me}, process_set=mine) == [{"rank": r} for r in members]
     assert hvd.broadcast_object(me * 10, root_rank=root, process_set=mine) == root * 10
     hvd.barrier(process_set=mine)
-    assert torch.allclose(hvd.synchronize(pending), sum(_data(r, (5,)) for r in range(3)))
+    assert torch.allclose(hvd.synchronize(pending), sum(rank_data(r, (5,)) for r in range(3)))
 
 
 @mpi_test(nps=(3,))
@@ -107,7 +107,7 @@ def test_distributed_optimizer_on_a_set_equals_one_process_on_the_sets_batch():
                                        named_parameters=model.named_parameters(), process_set=pair)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         for step in range(3):
-            batch = {r: _data(r + step, (2 * (r + 1), 3)) for r in pair.ranks}
+            batch = {r: rank_data(r + step, (2 * (r + 1), 3)) for r in pair.ranks}
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(batch[me]), batch[me].sum(dim=1, keepdim=True)).backward()
             opt.step()
@@ -141,26 +141,26 @@ def test_join_with_ranks_finishing_at_different_steps():
     steps = [2 + 2 * r for r in range(n)]  # rank r stops after steps[r]: the last rank trains longest
     for step in range(steps[me]):
         active = [r for r in range(n) if steps[r] > step]
-        summed = hvd.allreduce(_data(me + step, (3, 5)), op=hvd.Sum, name="join.sum")
-        assert torch.allclose(summed, sum(_data(r + step, (3, 5)) for r in active)), step
+        summed = hvd.allreduce(rank_data(me + step, (3, 5)), op=hvd.Sum, name="join.sum")
+        assert torch.allclose(summed, sum(rank_data(r + step, (3, 5)) for r in active)), step
         # Average divides by every rank: the joined ones count as zeros (as Horovod).
-        averaged = hvd.allreduce(_data(me + step, (7,)), name="join.avg")
-        assert torch.allclose(averaged, sum(_data(r + step, (7,)) for r in active) / n)
-        lowest = hvd.allreduce(_data(me + step, (4,)), op=hvd.Min, name="join.min")
-        assert torch.allclose(lowest, torch.stack([_data(r + step, (4,)) for r in active]).min(dim=0).values)
+        averaged = hvd.allreduce(rank_data(me + step, (7,)), name="join.avg")
+        assert torch.allclose(averaged, sum(rank_data(r + step, (7,)) for r in active) / n)
+        lowest = hvd.allreduce(rank_data(me + step, (4,)), op=hvd.Min, name="join.min")
+        assert torch.allclose(lowest, torch.stack([rank_data(r + step, (4,)) for r in active]).min(dim=0).values)
         refused = {
-            "Allgather": lambda: hvd.allgather(_data(me, (me + 1, 2)), name="join.ag"),
-            "Alltoall": lambda: hvd.alltoall(_data(me, (n, 3)), name="join.a2a"),
-            "Reducescatter": lambda: hvd.reducescatter(_data(me, (n + 1, 2)), op=hvd.Sum, name="join.rs"),
-            "Broadcast": lambda: hvd.broadcast(_data(me, (2,)), root_rank=n - 1, name="join.bc.live"),
+            "Allgather": lambda: hvd.allgather(rank_data(me, (me + 1, 2)), name="join.ag"),
+            "Alltoall": lambda: hvd.alltoall(rank_data(me, (n, 3)), name="join.a2a"),
+            "Reducescatter": lambda: hvd.reducescatter(rank_data(me, (n + 1, 2)), op=hvd.Sum, name="join.rs"),
+            "Broadcast": lambda: hvd.broadcast(rank_data(me, (2,)), root_rank=n - 1, name="join.bc.live"),
         }
         if len(active) < n:
             for what, call in refused.items():
                 with _pytest.raises(RuntimeError, match=f"{what} is not supported with Join"):
                     call()
         else:
-            assert torch.equal(refused["Allgather"](), torch.cat([_data(r, (r + 1, 2)) for r in range(n)]))
-            assert torch.equal(refused["Broadcast"](), _data(n - 1, (2,)))
+            assert torch.equal(refused["Allgather"](), torch.cat([rank_data(r, (r + 1, 2)) for r in range(n)]))
+            assert torch.equal(refused["Broadcast"](), rank_data(n - 1, (2,)))
     assert hvd.join() == n - 1
     # After every rank joined, the job carries on together, unnamed ops included.
     assert torch.allclose(hvd.allreduce(torch.full((2,), float(me)), op=hvd.Sum), torch.full((2,), float(sum(range(n)))))
@@ -183,12 +183,12 @@ def test_distributed_optimizer_keeps_training_after_a_rank_joined():
         active = [r for r in range(n) if steps[r] > step]
         if me in active:
             opt.zero_grad()
-            model(_data(me + step, (2, 4))).pow(2).sum().backward()
+            model(rank_data(me + step, (2, 4))).pow(2).sum().backward()
             opt.step()
         if me in active:
             # The reference: the gradients of the active ranks, summed, divided by every rank.
             ref_opt.zero_grad()
-            sum(reference(_data(r + step, (2, 4))).pow(2).sum() for r in active).div(n).backward()
+            sum(reference(rank_data(r + step, (2, 4))).pow(2).sum() for r in active).div(n).backward()
             ref_opt.step()
         if step == steps[me] - 1:
             last = hvd.join()
@@ -207,7 +207,7 @@ def test_sync_batch_norm_float32_keeps_the_variance_of_data_far_from_zero():
     import mtrain.torch as hvd
     hvd.init()
     n, me = hvd.size(), hvd.rank()
-    whole = torch.cat([(_data(r, (5, 3)) * 0.01 + 3000.0 + r) for r in range(n)]).float()
+    whole = torch.cat([(rank_data(r, (5, 3)) * 0.01 + 3000.0 + r) for r in range(n)]).float()
     reference = torch.nn.BatchNorm1d(3)
     sync = hvd.SyncBatchNorm(3)
     out_all = reference(whole)
@@ -228,10 +228,10 @@ def test_join_stands_in_on_every_set_the_rank_belongs_to():
     me = hvd.rank()
     if me == 2:
         for step in range(3):
-            got = hvd.allreduce(_data(step, (4,)), op=hvd.Sum, name="pair.sum", process_set=pair)
-            assert torch.equal(got, _data(step, (4,))), step  # rank 0 stands in with zeros
+            got = hvd.allreduce(rank_data(step, (4,)), op=hvd.Sum, name="pair.sum", process_set=pair)
+            assert torch.equal(got, rank_data(step, (4,))), step  # rank 0 stands in with zeros
             with _pytest.raises(RuntimeError, match=r"Allgather is not supported with Join.*\[0\]"):
-                hvd.allgather(_data(me, (2, 1)), name="pair.ag", process_set=pair)
+                hvd.allgather(rank_data(me, (2, 1)), name="pair.ag", process_set=pair)
     assert hvd.join() == 2
     if pair.included():
         got = hvd.allreduce(torch.full((2,), float(me)), op=hvd.Sum, name="pair.after", process_set=pair)
@@ -251,12 +251,12 @@ def test_send_and_recv_of_tensors_along_a_pipeline_of_ranks():
         activation = torch.zeros(shape, dtype=dtype)
         if me > 0:
             assert hvd.recv(activation, me - 1, tag=1) is activation
-        activation += _data(me, shape, dtype)
+        activation += rank_data(me, shape, dtype)
         if me < size - 1:
             hvd.synchronize(hvd.send_async(activation, me + 1, tag=1))
         want = torch.zeros(shape, dtype=dtype)
         for r in range(me + 1):  # the same additions, in the same order and dtype
-            want += _data(r, shape, dtype)
+            want += rank_data(r, shape, dtype)
         assert torch.equal(activation, want), f"{dtype} on rank {me}"
     # Backwards into a non-contiguous view (a transposed buffer's column).
     grad = torch.zeros(4, 6)

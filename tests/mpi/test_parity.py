@@ -19,7 +19,7 @@ def test_error_classes_are_runtime_errors():
 
 
 def test_integer_scaling_truncates_toward_zero():
-    from mtrain.ringreduce.backend import NumpyBackend, _scale
+    from mtrain.ringreduce.backend import NumpyBackend, scale_in_place
     for dtype in (np.int8, np.int32, np.int64, np.uint16):
         values = np.array([-37, 37, -3, 3, -1, 1, 0, 101], dtype=np.int64)
         if np.dtype(dtype).kind == "u":
@@ -28,7 +28,7 @@ def test_integer_scaling_truncates_toward_zero():
         NumpyBackend().scale(buf, 0.5)
         assert buf.tolist() == np.trunc(values * 0.5).astype(np.int64).tolist(), dtype
         device_rule = values.astype(dtype)
-        _scale(np, device_rule, 0.5)  # the rule as the device backend runs it (xp = CuPy there)
+        scale_in_place(np, device_rule, 0.5)  # the rule as the device backend runs it (xp = CuPy there)
         assert device_rule.tolist() == buf.tolist(), dtype
 
 

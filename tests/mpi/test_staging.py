@@ -273,7 +273,7 @@ class _ReusesLaneTooSoon(StagedBackend):
     """Broken on purpose: receives into a lane whose pinned→device copy the host never waited for."""
 
     def irecv(self, comm, view, source, tag, lane=0):
-        self._lane_free.pop(lane, None)
+        self.lane_free.pop(lane, None)
         return super().irecv(comm, view, source, tag, lane)
 
 

@@ -10,13 +10,13 @@ from mtrain.ringreduce import backend, cuda
 
 
 def test_cupy_arrays_are_registered_by_the_cuda_module():
-    assert backend._DEVICE_BACKENDS["cupy"] is cuda.backend
+    assert backend.DEVICE_BACKENDS["cupy"] is cuda.backend
 
 
 def test_backend_for_dispatches_on_the_arrays_package(monkeypatch):
     fake_array_type = type("ndarray", (), {"__module__": "fakedev._core"})
     seen = []
-    monkeypatch.setitem(backend._DEVICE_BACKENDS, "fakedev", lambda array: seen.append(array) or "fake-backend")
+    monkeypatch.setitem(backend.DEVICE_BACKENDS, "fakedev", lambda array: seen.append(array) or "fake-backend")
     array = fake_array_type()
     assert backend.is_device_array(array) and not backend.is_device_array(np.zeros(2))
     assert backend.backend_for(array) == "fake-backend" and seen == [array]

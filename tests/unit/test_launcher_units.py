@@ -156,13 +156,13 @@ def test_mpirun_status_0_is_no_success_while_ranks_never_reported_an_end(capsys)
     # wrappers, which never write a record); only every rank's record makes a job a success.
     job = Job(["mpirun"], {}, 4, None, False, None)
     job.records = [_exit(0, 0, False, 1.0), _exit(1, 0, False, 1.0)]
-    assert job._outcome(0, []) == 1
+    assert job.outcome(0, []) == 1
     assert "mpirun exited with status 0, but ranks 2, 3 of 4 never reported an end" in capsys.readouterr().err
     job.records.append(_exit(2, 0, False, 1.0))
-    assert job._outcome(0, []) == 1
+    assert job.outcome(0, []) == 1
     assert "but rank 3 of 4 never reported" in capsys.readouterr().err
     job.records.append(_exit(3, 0, False, 1.0))
-    assert job._outcome(0, []) == 0
+    assert job.outcome(0, []) == 0
     assert capsys.readouterr().err == ""
 
 
@@ -320,12 +320,12 @@ def test_the_supervisor_takes_phase_notes_out_of_the_ranks_output():
             + b"[1]<stderr>:half a line" + PhaseNote(Phase.ENDED, status=0).encode()
             + b"[1]<stderr>:still talking\n")
     shown = io.BytesIO()
-    job._read(io.BytesIO(text), shown, True)
+    job.read_stream(io.BytesIO(text), shown, True)
     assert job.in_init == {0: (0, 1)} and job.ended == {1: 0}
-    assert job._stuck_now().startswith("rank 1 ended (exit code 0) without calling init(), while rank 0 waits")
+    assert job.stuck_now().startswith("rank 1 ended (exit code 0) without calling init(), while rank 0 waits")
     assert shown.getvalue() == b"[1]<stderr>:half a line\n[1]<stderr>:still talking\n"
-    job._read(io.BytesIO(b"[0]<stderr>:" + PhaseNote(Phase.INIT_DONE).encode()), io.BytesIO(), True)
-    assert job.in_init == {} and job._stuck_now() is None
+    job.read_stream(io.BytesIO(b"[0]<stderr>:" + PhaseNote(Phase.INIT_DONE).encode()), io.BytesIO(), True)
+    assert job.in_init == {} and job.stuck_now() is None
 
 
 def test_lines_that_mpirun_starts_with_nul_bytes_keep_their_rank():
@@ -337,7 +337,7 @@ def test_lines_that_mpirun_starts_with_nul_bytes_keep_their_rank():
     text = (b"\0[0]<stderr>:" + PhaseNote(Phase.INIT_DONE).encode() + b"\0\0[1]<stderr>:" + dump.encode()
             + b"\0[1]<stdout>:step 7\n")
     shown = io.BytesIO()
-    job._read(io.BytesIO(text), shown, True)
+    job.read_stream(io.BytesIO(text), shown, True)
     assert job.up == {0}
     assert [d.rank for d in job.collector.dumps.values()] == [1]
     assert shown.getvalue() == b"[1]<stdout>:step 7\n"
@@ -413,7 +413,7 @@ def test_the_failure_report_says_where_a_failing_rank_left(capsys):
     assert failed.describe() == "rank 1 on b: exit code 1 (ValueError: x) at train.py:7 in step"
     killed = ExitRecord(1, "b", -9, False, 3.0, where="train.py:7 in step")
     assert killed.describe() == "rank 1 on b: killed by SIGKILL"  # a signal has no line of its own
-    # The first failure's status replaced (see Job._outcome) is still that rank, not one after it.
+    # The first failure's status replaced (see Job.outcome) is still that rank, not one after it.
     other = ExitRecord(0, "a", 1, True, 3.5)
     print_failure_report(failed.replace(returncode=3), [failed, other], False, 2)
     err = capsys.readouterr().err
