@@ -54,7 +54,8 @@ def _entry(job_file: str, host: str, suffix: str) -> str:
     return os.path.join(_folder(job_file), f"{host}.g{_generation(job_file)}{suffix}")
 
 
-def shared_memory_folder(job_file: str, host: str) -> str:
+def shared_memory_path(job_file: str, host: str) -> str:
+    """Where `shared_memory_folder` makes its folder (nothing is made here)."""
     return os.path.join(SHARED_MEMORY_PARENT, os.path.basename(_folder(job_file)), f"{host}.g{_generation(job_file)}")
 
 
@@ -80,7 +81,7 @@ def rank_scratch(job_file: str, host: str, rank: int) -> str:
 def shared_memory_folder(job_file: str, host: str) -> str:
     """The private folder where Open MPI puts the shared-memory segments of the job's ranks on
     `host` (made if needed: every rank of the host asks for it)."""
-    return private_folder(shared_memory_folder(job_file, host), parents=1)
+    return private_folder(shared_memory_path(job_file, host), parents=1)
 
 
 def remove_host(job_file: str, host: str, earlier: bool = False) -> None:
@@ -95,7 +96,7 @@ def remove_host(job_file: str, host: str, earlier: bool = False) -> None:
         found = ours.fullmatch(name)
         return found is not None and (int(found.group(1)) < now if earlier else int(found.group(1)) == now)
 
-    for parent in (_folder(job_file), os.path.dirname(shared_memory_folder(job_file, host))):
+    for parent in (_folder(job_file), os.path.dirname(shared_memory_path(job_file, host))):
         try:
             check_private(parent, os.lstat(parent), "folder")
             names = os.listdir(parent)

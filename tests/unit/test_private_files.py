@@ -218,7 +218,7 @@ def test_a_job_folder_another_hosts_cleanup_removes_as_it_is_made_is_made_again(
     os.makedirs(tmp_path / "tmp", mode=0o700)
     os.makedirs(tmp_path / "shm", mode=0o700)
     template = job_files.template("race")
-    job_folders = (os.path.dirname(template), os.path.dirname(job_files.shared_memory_folder(template, "a")))
+    job_folders = (os.path.dirname(template), os.path.dirname(job_files.shared_memory_path(template, "a")))
     real_open, real_mkdir = os.open, os.mkdir
     removed = []
 
