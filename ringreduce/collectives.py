@@ -1,7 +1,7 @@
 """Collectives on NumPy (or device) arrays, one at a time, once every rank has agreed to run them.
 
-Nothing here checks arguments. ``runtime.py`` validates each one once, in the
-caller's thread (dtype, op, root, splits; objects are pickled and unpickled there too), and the engine's
+Nothing here checks arguments. ``submit.py`` validates each one once, in the
+caller's thread (dtype, op, root, splits; objects are pickled there, unpickled in api.py), and the engine's
 negotiation (``negotiation.py``) runs an op only once every rank has
 submitted it under the same name with the same collective, dtype, shape, op,
 root and scaling, so a mismatch is an error on every rank, never a hang. The
