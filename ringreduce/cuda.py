@@ -37,9 +37,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import settings
 from .backend import DeviceBackend, StagedBackend, register_device_arrays
 
-CUDA_AWARE_ENV = "MTRAIN_CUDA_AWARE"
+CUDA_AWARE_ENV = settings.CUDA_AWARE.ours
 
 
 class CupyDevice:
@@ -115,14 +116,9 @@ def query_cuda_support() -> "bool | None":
 
 def cuda_aware() -> bool:
     """Whether device buffers may go to MPI directly: MTRAIN_CUDA_AWARE=0/1, else ask MPI."""
-    raw = os.environ.get(CUDA_AWARE_ENV, "").strip().lower()
-    if raw in ("1", "true", "yes"):
-        return True
-    if raw in ("0", "false", "no"):
-        return False
-    if raw:
-        raise ValueError(f"{CUDA_AWARE_ENV}={raw!r}: use 1 (MPI reads GPU memory), 0 (stage through "
-                         "host memory), or leave it unset to ask MPI")
+    forced = settings.CUDA_AWARE.read()
+    if forced is not None:
+        return forced
     return bool(query_cuda_support())
 
 
