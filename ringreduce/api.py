@@ -9,11 +9,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mtrain.launcher.records import StepSample
-from mtrain.launcher.straggler_rows import StragglerRow, straggler_table
+from mtrain.launcher.straggler_rows import StragglerRow
 
 from . import comm as comm_module
-from . import exits, p2p
+from . import exits, p2p, steps
 from .engine import EngineStats
 from .ops import Average, ReduceOp
 from .process_sets import ProcessSet, current, global_process_set
@@ -79,12 +78,8 @@ def straggler_stats() -> "list[StragglerRow]":
     A collective on the job's ranks: every rank must call it (each returns the same table). With
     MTRAIN_STRAGGLER_REPORT_DISABLE=1 (``mtrain run --no-straggler-report``) nothing is measured,
     and the table is empty."""
-    meter = current().engine.steps
-    mine = (meter.host, [sample._asdict() for sample in meter.recent()]) if meter is not None else ("", [])
-    gathered = allgather_object(mine, name="mtrain.straggler_stats")
-    hosts = {rank: host for rank, (host, _) in enumerate(gathered)}
-    samples = {rank: [StepSample(**row) for row in rows] for rank, (_, rows) in enumerate(gathered)}
-    return straggler_table(samples, hosts)
+    gathered = allgather_object(steps.measured(current().engine.steps), name="mtrain.straggler_stats")
+    return steps.straggler_rows(gathered)
 
 
 def mpi_threads_supported() -> bool:

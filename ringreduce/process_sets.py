@@ -19,6 +19,8 @@ id that ``process_set_by_id`` finds, and ``join()`` does not join it.
 
 ``Registry`` is this rank's runtime state behind ``runtime.py``: the job's
 communicators, the global engine, and the registered and private sets (``SetState``).
+``runtime.init()`` installs it here (``install``), where ``current()`` finds it: for
+``ProcessSet``'s own queries, and for the runtime's callers (``runtime.current()``).
 """
 from __future__ import annotations
 
@@ -357,6 +359,23 @@ class Registry:
         state.engine = self._make_engine(state.comms)
         self.private[state.id] = state
         return state
+
+    def remove(self, process_set: ProcessSet) -> bool:
+        """Unregister ``process_set`` (``runtime.remove_process_set``): every rank makes the call, for a
+        private set its members alone. Returns False for the global set, which stays."""
+        state = self.state(process_set)
+        if state.id == 0:
+            return False
+        if state.id < 0:  # a private set: nothing to agree on with the ranks outside it
+            self.drop_private(state)
+            process_set._invalidate()
+            return True
+        self.gate()  # every rank agrees before the members stop the set's engine
+        state.stop()
+        del self.sets[state.id]
+        for holder in list(state.holders) + [process_set]:
+            holder._invalidate()
+        return True
 
     def drop_private(self, state: SetState) -> None:
         """Stop a private set's engine (ops in flight fail on every member) and forget the set."""

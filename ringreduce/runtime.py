@@ -13,17 +13,16 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mtrain.launcher.records import ENV_STRAGGLER_OFF, Phase, PhaseNote, supervised
+from mtrain.launcher.records import Phase, PhaseNote, supervised
 
 from . import comm as comm_module
-from . import cuda, exits, log, process_sets as _ps, recorder, ring
+from . import cuda, exits, log, process_sets as _ps, recorder, ring, settings
 from .collectives import Executor
 from .engine import Engine
 from .errors import InvalidArgumentError
 from .process_sets import NotInitializedError, ProcessSet, global_process_set  # noqa: F401  (re-exported)
-from . import settings
 from .settings import AutotuneConfig, EngineConfig
-from .steps import StepMeter
+from .steps import job_meter
 from .timeline import TraceLink
 
 
@@ -98,7 +97,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         executor = Executor(set_comms.world, segment, small, set_comms.local, set_comms.cross,
                             tunable=set_config.autotune.enabled)
         # The straggler report measures the job's steps, which the job's engine runs.
-        steps = StepMeter() if set_comms is comms and os.environ.get(ENV_STRAGGLER_OFF) != "1" else None
+        steps = job_meter() if set_comms is comms else None
         return Engine(executor, set_comms.world.Dup(), set_config, members, steps,
                       trace_link=trace_link if set_comms is comms else None)
 
@@ -233,20 +232,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (every rank makes the same call; for a private set,
     ``private_process_set``, its members alone). Its ops still in flight end with an error.
     Returns False for the global set, which stays."""
-    runtime = current()
-    state = runtime.state(process_set)
-    if state.id == 0:
-        return False
-    if state.id < 0:  # a private set: nothing to agree on with the ranks outside it
-        runtime.drop_private(state)
-        process_set._invalidate()
-        return True
-    runtime.gate()  # every rank agrees before the members stop the set's engine
-    state.stop()
-    del runtime.sets[state.id]
-    for holder in list(state.holders) + [process_set]:
-        holder._invalidate()
-    return True
+    return current().remove(process_set)
 
 
 def shutdown() -> None:
