@@ -21,8 +21,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 from mtrain.launcher.hang_report import ranks_text
 from mtrain.launcher.records import StepReport, StepSample
-from mtrain.launcher.straggler_rows import (MIN_EXCESS_SECONDS, StragglerRow, straggler_table,  # noqa: F401
-                                            threshold_percent)
+from mtrain.launcher.straggler_rows import StragglerRow, straggler_table, threshold_percent
 
 MIN_STEPS = 10          # the table at exit needs at least this many measured steps
 ROWS_SHOWN = 32         # larger jobs: the flagged ranks and the fastest and slowest others
