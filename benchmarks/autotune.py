@@ -46,7 +46,7 @@ def worker(workload: str, budget: float) -> None:
     from mtrain.ringreduce import runtime
     from allreduce import timed_side_by_side  # a sibling benchmark (repo_helpers.py says why so)
     rr.init()
-    engine = runtime._rt().engine
+    engine = runtime.current().engine
     tuner = engine._tuner
     if tuner is None:
         raise SystemExit("autotune is off in this job; run it with --autotune")

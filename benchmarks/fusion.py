@@ -66,7 +66,7 @@ def main() -> None:
     hvd = None
     if torch is not None:
         import mtrain.torch as hvd  # the same runtime: init() above already started it
-    engine = runtime._rt().sets[0].engine
+    engine = runtime.current().sets[0].engine
     defaults = engine.config
     executor = engine.executor
     # The paths this job can take: the ring always; shared memory when the ranks share a host,

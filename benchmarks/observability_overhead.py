@@ -36,7 +36,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     hvd.init()
-    engine = runtime._rt().engine
+    engine = runtime.current().engine
     recorder, meter = engine._flight, engine.steps
     if recorder is None and args.what != "steps":
         raise SystemExit("the flight recorder is off (MTRAIN_FLIGHT_RECORDER_SIZE=0): unset it to compare")

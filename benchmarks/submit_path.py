@@ -4,7 +4,7 @@ Run as ``mpirun -np 2 python benchmarks/submit_path.py`` (or ``mtrain run -np 2 
 A step of N small in-place all-reduces (default 1,000 × 1 KiB, as a model with many
 small gradients submits them), each variant taking turns in the same run:
 
-* one object: ``rr.allreduce_async_`` → ``runtime.submit_allreduce``, which makes one
+* one object: ``rr.allreduce_async_`` → ``submit.submit_allreduce``, which makes one
   ``AllreduceOp`` (request and handle in one) and queues it through ``Engine._enqueue``;
 * request + handle: what every other op takes, a ``Handle`` and a ``Request`` per tensor
   (``requests.make_request``), queued by ``Engine.submit`` through the same ``_enqueue``;
@@ -38,7 +38,7 @@ def main() -> None:
     rr.init()
     comm = MPI.COMM_WORLD
     me, n = comm.Get_rank(), comm.Get_size()
-    engine = runtime._rt().sets[0].engine  # benchmark only: the general submit, driven directly
+    engine = runtime.current().sets[0].engine  # benchmark only: the general submit, driven directly
     arrays = {key: [np.zeros(args.elements, np.float32) for _ in range(args.tensors)] for key in "abm"}
     names = {key: [f"{key}.{i}" for i in range(args.tensors)] for key in "ab"}
 

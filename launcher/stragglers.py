@@ -8,89 +8,24 @@ the rank that submitted last waited least, so the step's last rank is the one wi
 smallest wait, among the ranks that measured the same step (the same engine cycle ran its
 last ops on every rank: ``StepSample.cycle``).  Clocks never need to agree across hosts.
 
-Both halves of mtrain use this module: ``mtrain run`` (a table at exit, every N steps with
-``--straggler-report N``, and the live ``--progress`` line) and ``hvd.straggler_stats()``
-in the program.  Standard library only.
+``mtrain run`` uses this module: a table at exit, every N steps with ``--straggler-report N``,
+and the live ``--progress`` line.  The rows themselves (straggler_rows.py) are computed the
+same way by ``hvd.straggler_stats()`` in the program.  Standard library only.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 from collections import deque
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from mtrain.launcher.hang_report import ranks_text
 from mtrain.launcher.records.steps import StepReport, StepSample
+from mtrain.launcher.straggler_rows import StragglerRow, straggler_table, threshold_percent
 
-ENV_THRESHOLD = "MTRAIN_STRAGGLER_THRESHOLD_PERCENT"
-DEFAULT_THRESHOLD_PERCENT = 20.0
-# A rank is flagged only when it is also this much slower than the median in absolute terms:
-# steps of a few hundred microseconds differ by more than 20% from scheduling noise alone.
-MIN_EXCESS_SECONDS = 0.002
 MIN_STEPS = 10          # the table at exit needs at least this many measured steps
 ROWS_SHOWN = 32         # larger jobs: the flagged ranks and the fastest and slowest others
 KEPT_PER_RANK = 100_000  # the launcher's memory of each rank's steps
-
-
-class StragglerRow(NamedTuple):
-    """One rank's line of the straggler table."""
-
-    rank: int
-    host: str
-    steps: int
-    compute: float      # median compute time per step, seconds
-    wait: float         # median wait per step, seconds
-    last_share: float   # the share of measured steps (seen by every rank) in which it submitted last
-    slow: bool          # more than the threshold slower than the median rank
-    ratio: float        # its median compute over the median rank's (the lower median for an even count)
-
-
-def threshold_percent(environ: Mapping[str, str] = os.environ) -> float:
-    try:
-        value = float(environ.get(ENV_THRESHOLD, DEFAULT_THRESHOLD_PERCENT))
-    except ValueError:
-        return DEFAULT_THRESHOLD_PERCENT
-    return value if value >= 0 else DEFAULT_THRESHOLD_PERCENT
-
-
-def straggler_table(samples: Mapping[int, Sequence[StepSample]], hosts: Mapping[int, str],
-                    threshold: "float | None" = None) -> "list[StragglerRow]":
-    """One row per rank that measured at least one step, in rank order."""
-    measured = {rank: list(rows) for rank, rows in samples.items() if rows}
-    if not measured:
-        return []
-    threshold = threshold_percent() if threshold is None else threshold
-    last = _last_counts(measured)
-    aligned = max(sum(last.values()), 1)
-    medians = {rank: (statistics.median(s.compute for s in rows), statistics.median(s.wait for s in rows))
-               for rank, rows in measured.items()}
-    # The lower median for an even count: half the ranks being slow (a throttled host of two)
-    # must not pull the reference up to their own speed.
-    typical = statistics.median_low(compute for compute, _ in medians.values())
-    table = []
-    for rank in sorted(measured):
-        compute, wait = medians[rank]
-        slow = (len(measured) > 1 and compute > typical * (1 + threshold / 100)
-                and compute - typical > MIN_EXCESS_SECONDS)
-        table.append(StragglerRow(rank, hosts.get(rank, "?"), len(measured[rank]), compute, wait,
-                                  last.get(rank, 0) / aligned, slow, compute / typical if typical > 0 else 1.0))
-    return table
-
-
-def _last_counts(measured: Mapping[int, Sequence[StepSample]]) -> "dict[int, int]":
-    """How often each rank submitted last, over the steps every rank measured (by engine cycle)."""
-    by_cycle: "dict[int, dict[int, float]]" = {}
-    for rank, rows in measured.items():
-        for sample in rows:
-            by_cycle.setdefault(sample.cycle, {})[rank] = sample.wait
-    counts: "dict[int, int]" = {}
-    everyone = len(measured)
-    for waits in by_cycle.values():
-        if len(waits) == everyone and everyone > 1:
-            last = min(waits, key=lambda rank: (waits[rank], rank))
-            counts[last] = counts.get(last, 0) + 1
-    return counts
 
 
 def format_table(rows: Sequence[StragglerRow], title: str) -> "list[str]":

@@ -28,7 +28,14 @@ from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
     NotInitializedError,
     add_process_set,
+    init,
+    is_initialized,
+    private_process_set,
+    process_set_by_id,
     remove_process_set,
+    shutdown,
+)
+from .api import (
     allgather,
     allgather_async,
     allgather_object,
@@ -56,15 +63,11 @@ from .runtime import (
     grouped_reducescatter,
     grouped_reducescatter_async,
     is_homogeneous,
-    init,
-    is_initialized,
     join,
     local_rank,
     local_size,
     mpi_threads_supported,
     poll,
-    private_process_set,
-    process_set_by_id,
     rank,
     recv,
     recv_async,
@@ -72,14 +75,13 @@ from .runtime import (
     reducescatter_async,
     send,
     send_async,
-    shutdown,
     size,
     start_timeline,
     stop_timeline,
     straggler_stats,
-    submit_allreduce,
     synchronize,
 )
+from .submit import submit_allreduce
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum",

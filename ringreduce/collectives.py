@@ -1,7 +1,7 @@
 """Collectives on NumPy (or device) arrays, one at a time, once every rank has agreed to run them.
 
-Nothing here checks arguments. ``runtime.py`` validates each one once, in the
-caller's thread (dtype, op, root, splits; objects are pickled and unpickled there too), and the engine's
+Nothing here checks arguments. ``submit.py`` validates each one once, in the
+caller's thread (dtype, op, root, splits; objects are pickled there, unpickled in api.py), and the engine's
 negotiation (``negotiation.py``) runs an op only once every rank has
 submitted it under the same name with the same collective, dtype, shape, op,
 root and scaling, so a mismatch is an error on every rank, never a hang. The
@@ -60,55 +60,37 @@ class Algorithm(str, enum.Enum):
             raise ValueError(f"unknown all-reduce algorithm {value!r}; use one of {_choices(cls)}") from None
 
 
-ALGORITHM_VARIABLE = "MTRAIN_ALLREDUCE_ALGORITHM"
-STRIPE_VARIABLE = "MTRAIN_SHM_STRIPE_BYTES"  # the shared-memory path's stripe (shm.py); tuning and tests
-TRANSPORT_VARIABLE = "MTRAIN_SHM_TRANSPORT"  # a shm.Transport's text
-
-
-def _choices(kind: "type[enum.Enum]") -> str:
-    return ", ".join(member.value for member in kind)
+ALGORITHM_VARIABLE = settings.ALLREDUCE_ALGORITHM.ours
+STRIPE_VARIABLE = settings.SHM_STRIPE_BYTES.ours  # the shared-memory path's stripe (shm.py); tuning and tests
+TRANSPORT_VARIABLE = settings.SHM_TRANSPORT.ours  # a shm.Transport's text
+# settings.py spells the choices (and the stripe's default, for its message) out for the launcher,
+# which reads the table without the runtime.
+if (tuple(a.value for a in Algorithm) != settings.ALLREDUCE_ALGORITHMS
+        or tuple(t.value for t in shm.Transport) != settings.SHM_TRANSPORTS
+        or shm.DEFAULT_STRIPE_BYTES != settings.DEFAULT_SHM_STRIPE_BYTES):  # pragma: no cover
+    raise ImportError("settings.py's all-reduce algorithms, shared-memory transports or stripe default differ "
+                      "from collectives.Algorithm's, shm.Transport's or shm.DEFAULT_STRIPE_BYTES")
 
 
 def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> Algorithm:
     """The all-reduce algorithm asked for: MTRAIN_ALLREDUCE_ALGORITHM, else Horovod's
     HOROVOD_HIERARCHICAL_ALLREDUCE=1 (hierarchical), else auto."""
     environ = os.environ if environ is None else environ
-    text = environ.get(ALGORITHM_VARIABLE, "").strip().lower()
-    if not text:
+    text = settings.ALLREDUCE_ALGORITHM.read(environ)
+    if text is None:
         # Horovod's flag (parsed as Horovod does): on is hierarchical; off is Horovod's default, so ours.
         return Algorithm.HIERARCHICAL if settings.HIERARCHICAL_ALLREDUCE.read(environ) else Algorithm.AUTO
-    try:
-        return Algorithm(text)
-    except ValueError:
-        raise ValueError(f"{ALGORITHM_VARIABLE}={environ[ALGORITHM_VARIABLE]!r} is not an all-reduce "
-                         f"algorithm; set it to one of {_choices(Algorithm)} (or unset it for auto)") from None
+    return Algorithm(text)
 
 
 def transport_from_environment(environ: "dict[str, str] | None" = None) -> shm.Transport:
     """The shared-memory transport asked for: MTRAIN_SHM_TRANSPORT, else auto."""
-    environ = os.environ if environ is None else environ
-    text = environ.get(TRANSPORT_VARIABLE, "").strip().lower()
-    if not text:
-        return shm.Transport.AUTO
-    try:
-        return shm.Transport(text)
-    except ValueError:
-        raise ValueError(f"{TRANSPORT_VARIABLE}={environ[TRANSPORT_VARIABLE]!r} is not a shared-memory "
-                         f"transport; set it to one of {_choices(shm.Transport)} (or unset it for auto)") from None
+    text = settings.SHM_TRANSPORT.read(environ)
+    return shm.Transport.AUTO if text is None else shm.Transport(text)
 
 
 def _stripe_from_environment() -> "int | None":
-    text = os.environ.get(STRIPE_VARIABLE, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{STRIPE_VARIABLE}={text!r} is not a positive number of bytes; "
-                         f"set it to one (default {shm.DEFAULT_STRIPE_BYTES}) or unset it")
-    return value
+    return settings.SHM_STRIPE_BYTES.read()
 
 
 class Executor:

@@ -37,9 +37,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import settings
 from .backend import DeviceBackend, StagedBackend, register_device_arrays
 
-CUDA_AWARE_ENV = "MTRAIN_CUDA_AWARE"
+CUDA_AWARE_ENV = settings.CUDA_AWARE.ours
 
 
 class CupyDevice:
@@ -51,7 +52,7 @@ class CupyDevice:
         self.xp = cupy
         self.id = device_id
         self._cupyx = cupyx
-        self._runtime = cupy.cuda.runtime
+        self._cudart = cupy.cuda.runtime
         self._stream = cupy.cuda.Stream.null  # the legacy default stream (handle 0)
 
     def activate(self) -> None:
@@ -60,8 +61,8 @@ class CupyDevice:
         The engine thread is the only caller; binding it also puts the engine's own
         CuPy calls (result copies, ``out[...] = ...``) on this GPU and this stream.
         """
-        if self._runtime.getDevice() != self.id:
-            self._runtime.setDevice(self.id)
+        if self._cudart.getDevice() != self.id:
+            self._cudart.setDevice(self.id)
         if self.xp.cuda.get_current_stream().ptr != self._stream.ptr:
             self._stream.use()
 
@@ -81,14 +82,14 @@ class CupyDevice:
     def to_host(self, dst: np.ndarray, src: Any) -> None:
         if dst.nbytes:
             self.activate()
-            self._runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
-                                      self._runtime.memcpyDeviceToHost, self._stream.ptr)
+            self._cudart.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
+                                      self._cudart.memcpyDeviceToHost, self._stream.ptr)
 
     def to_device(self, dst: Any, src: np.ndarray) -> None:
         if src.nbytes:
             self.activate()
-            self._runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
-                                      self._runtime.memcpyHostToDevice, self._stream.ptr)
+            self._cudart.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
+                                      self._cudart.memcpyHostToDevice, self._stream.ptr)
 
     def record(self) -> Any:
         self.activate()
@@ -115,14 +116,9 @@ def query_cuda_support() -> "bool | None":
 
 def cuda_aware() -> bool:
     """Whether device buffers may go to MPI directly: MTRAIN_CUDA_AWARE=0/1, else ask MPI."""
-    raw = os.environ.get(CUDA_AWARE_ENV, "").strip().lower()
-    if raw in ("1", "true", "yes"):
-        return True
-    if raw in ("0", "false", "no"):
-        return False
-    if raw:
-        raise ValueError(f"{CUDA_AWARE_ENV}={raw!r}: use 1 (MPI reads GPU memory), 0 (stage through "
-                         "host memory), or leave it unset to ask MPI")
+    forced = settings.CUDA_AWARE.read()
+    if forced is not None:
+        return forced
     return bool(query_cuda_support())
 
 

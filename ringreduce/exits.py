@@ -49,6 +49,12 @@ def note_status(status: int) -> None:
     _requested = status
 
 
+def noted_status() -> "int | None":
+    """The status ``sys.exit`` (or ``exit``/``quit``) was last asked for in the main thread and
+    not forgotten since; None when none is noted."""
+    return _requested
+
+
 def forget_status() -> None:
     """The program went on (it caught the SystemExit): the status noted is not its exit status."""
     global _requested

@@ -19,6 +19,8 @@ id that ``process_set_by_id`` finds, and ``join()`` does not join it.
 
 ``Registry`` is this rank's runtime state behind ``runtime.py``: the job's
 communicators, the global engine, and the registered and private sets (``SetState``).
+``runtime.init()`` installs it here (``install``), where ``current()`` finds it: for
+``ProcessSet``'s own queries, and for the runtime's callers (``runtime.current()``).
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ class ProcessSet:
         """Number of ranks in the set, or None before the set is registered."""
         if self.process_set_id is None:
             return None
-        return _registry().state(self).size
+        return current().state(self).size
 
     def rank(self) -> Optional[int]:
         """This process's rank within the set, or None before the set is registered.
@@ -80,7 +82,7 @@ class ProcessSet:
         allgather's. Raises ValueError on a rank outside the set."""
         if self.process_set_id is None:
             return None
-        state = _registry().state(self)
+        state = current().state(self)
         if state.rank < 0:
             raise ValueError(f"this process (rank {state.global_rank}) is not part of {self}")
         return state.rank
@@ -89,7 +91,7 @@ class ProcessSet:
         """Whether this process belongs to the set, or None before the set is registered."""
         if self.ranks is None or self.process_set_id is None:
             return None
-        return _registry().state(self).rank >= 0
+        return current().state(self).rank >= 0
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
@@ -100,13 +102,37 @@ class ProcessSet:
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
-_registry_of: "Any" = None  # set by runtime.py: a callable returning the live registry
 
 
-def _registry() -> Any:
-    if _registry_of is None:  # pragma: no cover - runtime.py sets it on import
-        raise RuntimeError("mtrain's runtime is not loaded")
-    return _registry_of()
+class NotInitializedError(ValueError, RuntimeError):
+    """A collective was called before ``init()``: a ValueError, as Horovod's ``rank()`` raises, and a
+    RuntimeError, as its collectives raise (horovod/torch/mpi_ops.py wraps them in HorovodInternalError)."""
+
+
+# The registry of the running runtime (None: not initialized). Kept here, beside the class, so that
+# ProcessSet's queries find it without importing runtime.py, which installs it (init/shutdown).
+_live: "Registry | None" = None
+
+
+def install(registry: "Registry | None") -> "Registry | None":
+    """Make ``registry`` the live one (None: the runtime is shut down); returns the one before."""
+    global _live
+    previous, _live = _live, registry
+    return previous
+
+
+def installed() -> "Registry | None":
+    """The live registry, or None before ``init()`` and after ``shutdown()``."""
+    return _live
+
+
+def current() -> "Registry":
+    """The live registry; NotInitializedError before ``init()``."""
+    registry = _live
+    if registry is None:
+        raise NotInitializedError("ringreduce is not initialized: call init() first "
+                                  "(for example `import mtrain.ringreduce as rr; rr.init()`)")
+    return registry
 
 
 @dataclasses.dataclass
@@ -333,6 +359,23 @@ class Registry:
         state.engine = self._make_engine(state.comms)
         self.private[state.id] = state
         return state
+
+    def remove(self, process_set: ProcessSet) -> bool:
+        """Unregister ``process_set`` (``runtime.remove_process_set``): every rank makes the call, for a
+        private set its members alone. Returns False for the global set, which stays."""
+        state = self.state(process_set)
+        if state.id == 0:
+            return False
+        if state.id < 0:  # a private set: nothing to agree on with the ranks outside it
+            self.drop_private(state)
+            process_set._invalidate()
+            return True
+        self.gate()  # every rank agrees before the members stop the set's engine
+        state.stop()
+        del self.sets[state.id]
+        for holder in list(state.holders) + [process_set]:
+            holder._invalidate()
+        return True
 
     def drop_private(self, state: SetState) -> None:
         """Stop a private set's engine (ops in flight fail on every member) and forget the set."""

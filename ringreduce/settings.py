@@ -81,15 +81,22 @@ def _text(text: str) -> str:
     return text
 
 
+_REFUSAL = "{name}={raw!r} is not {accepts}; set it to one or unset it"
+
+
 class Setting(NamedTuple):
     """One variable the runtime reads: ours, Horovod's twin (either may be None), the
-    parser of its text, what the parser accepts (for the error), and the default."""
+    parser of its text, what the parser accepts (for the error), and the default.
+
+    ``refusal`` is the error's text, a format with ``name``, ``raw`` (the value as set),
+    ``text`` (stripped), ``lowered`` (stripped, lower case) and ``accepts``."""
 
     ours: "str | None"
     horovod: "str | None"
     parse: Callable[[str], Any]
     accepts: str
     default: Any
+    refusal: str = _REFUSAL
 
     def read(self, environ: "Mapping[str, str] | None" = None) -> Any:
         """The value from ``environ`` (default os.environ): ours if set, else Horovod's, else the default.
@@ -102,7 +109,9 @@ class Setting(NamedTuple):
             try:
                 return self.parse(raw.strip())
             except (ValueError, KeyError):
-                raise ValueError(f"{name}={raw!r} is not {self.accepts}; set it to one or unset it") from None
+                text = raw.strip()
+                raise ValueError(self.refusal.format(name=name, raw=raw, text=text, lowered=text.lower(),
+                                                     accepts=self.accepts)) from None
         return self.default
 
     def source(self, environ: "Mapping[str, str] | None" = None) -> "str | None":
@@ -112,6 +121,32 @@ class Setting(NamedTuple):
             if name and environ.get(name, "").strip():
                 return name
         return None
+
+
+def _choice(choices: "tuple[str, ...]") -> Callable[[str], str]:
+    """A parser that takes one of ``choices``, in any case."""
+    def parse(text: str) -> str:
+        value = text.lower()
+        if value not in choices:
+            raise ValueError
+        return value
+    return parse
+
+
+def _positive_bytes(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError
+    return value
+
+
+def _on_off(text: str) -> bool:
+    value = text.lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise ValueError
 
 
 _SECONDS = "a number of seconds >= 0"
@@ -135,7 +170,7 @@ TIMELINE_MARK_CYCLES = Setting("MTRAIN_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_
 LOG_LEVEL = Setting("MTRAIN_LOG_LEVEL", "HOROVOD_LOG_LEVEL", _level,
                     "one of " + ", ".join(level.name.lower() for level in LogLevel), LogLevel.WARNING)
 # Horovod's alone: mtrain's variable for the all-reduce path is MTRAIN_ALLREDUCE_ALGORITHM (a
-# choice, not a flag; collectives.algorithm_from_environment, where ours wins too).
+# choice, not a flag: ALLREDUCE_ALGORITHM; collectives.algorithm_from_environment, where ours wins too).
 HIERARCHICAL_ALLREDUCE = Setting(None, "HOROVOD_HIERARCHICAL_ALLREDUCE", _flag, _FLAG, False)
 # Read so that a bad value is still an error; mtrain has no hierarchical allgather (init says so
 # once), its runtime messages carry no timestamp, and its process sets may always be added.
@@ -158,12 +193,34 @@ AUTOTUNE_GAUSSIAN_PROCESS_NOISE = Setting("MTRAIN_AUTOTUNE_GAUSSIAN_PROCESS_NOIS
                                           "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _positive_number,
                                           "a number > 0", 0.8)
 
+# The collectives' own (mtrain's alone). The choices are collectives.Algorithm's and
+# shm.Transport's texts (collectives.py checks that they agree); None defaults: the path's own.
+ALLREDUCE_ALGORITHMS = ("auto", "ring", "shm", "hierarchical")
+SHM_TRANSPORTS = ("auto", "cma", "segment")
+DEFAULT_SHM_STRIPE_BYTES = 2 << 20  # shm.DEFAULT_STRIPE_BYTES (collectives.py checks that they agree)
+RING_SEGMENT_BYTES = Setting("MTRAIN_RING_SEGMENT_BYTES", None, _number, "a number >= 0", None)
+SMALL_ALLREDUCE_BYTES = Setting("MTRAIN_SMALL_ALLREDUCE_BYTES", None, _number, "a number >= 0", None)
+ALLREDUCE_ALGORITHM = Setting(
+    "MTRAIN_ALLREDUCE_ALGORITHM", None, _choice(ALLREDUCE_ALGORITHMS), "an all-reduce algorithm", None,
+    "{name}={raw!r} is not {accepts}; set it to one of " + ", ".join(ALLREDUCE_ALGORITHMS) + " (or unset it for auto)")
+SHM_TRANSPORT = Setting(
+    "MTRAIN_SHM_TRANSPORT", None, _choice(SHM_TRANSPORTS), "a shared-memory transport", None,
+    "{name}={raw!r} is not {accepts}; set it to one of " + ", ".join(SHM_TRANSPORTS) + " (or unset it for auto)")
+SHM_STRIPE_BYTES = Setting(
+    "MTRAIN_SHM_STRIPE_BYTES", None, _positive_bytes, "a positive number of bytes", None,
+    "{name}={text!r} is not {accepts}; set it to one (default " + str(DEFAULT_SHM_STRIPE_BYTES) + ") or unset it")
+# None: ask MPI whether it reads device memory (cuda.py).
+CUDA_AWARE = Setting(
+    "MTRAIN_CUDA_AWARE", None, _on_off, "1 or 0", None,
+    "{name}={lowered!r}: use 1 (MPI reads GPU memory), 0 (stage through host memory), or leave it unset to ask MPI")
+
 SETTINGS: "tuple[Setting, ...]" = (
     CYCLE_TIME_MS, FUSION_THRESHOLD_BYTES, INPLACE_MIN_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
     STALL_WARNING_SECONDS, STALL_SHUTDOWN_SECONDS, TIMELINE, TIMELINE_MARK_CYCLES, LOG_LEVEL,
     HIERARCHICAL_ALLREDUCE, HIERARCHICAL_ALLGATHER, LOG_HIDE_TIME, DYNAMIC_PROCESS_SETS,
     AUTOTUNE, AUTOTUNE_LOG, AUTOTUNE_WARMUP_SAMPLES, AUTOTUNE_STEPS_PER_SAMPLE, AUTOTUNE_BAYES_OPT_MAX_SAMPLES,
-    AUTOTUNE_GAUSSIAN_PROCESS_NOISE,
+    AUTOTUNE_GAUSSIAN_PROCESS_NOISE, RING_SEGMENT_BYTES, SMALL_ALLREDUCE_BYTES, ALLREDUCE_ALGORITHM, SHM_TRANSPORT,
+    SHM_STRIPE_BYTES, CUDA_AWARE,
 )
 
 

@@ -1,4 +1,4 @@
-"""Per-step timings of one rank, for the straggler report (launcher/stragglers.py).
+"""Per-step timings of one rank, for ``mtrain run``'s straggler report and ``straggler_stats()``.
 
 The engine of the job's process set calls ``StepMeter`` from its own thread only: ``batch``
 when it runs a batch of ops, ``done`` when the batch has completed, and ``step_end`` when it
@@ -26,8 +26,11 @@ import os
 import socket
 import time
 from collections import deque
+from typing import Any, NamedTuple, Sequence
 
-from mtrain.launcher.records.steps import ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, StepReport, StepSample
+from mtrain.launcher.records.steps import (ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, ENV_STRAGGLER_OFF,
+                                           StepReport, StepSample)
+from mtrain.launcher.straggler_rows import StragglerRow, straggler_table
 
 KEPT = 4096               # the newest steps straggler_stats() sees
 DEFAULT_REPORT_SECONDS = 30.0
@@ -111,3 +114,30 @@ class StepMeter:
     def recent(self) -> "list[StepSample]":
         """The kept samples (any thread: a C-level copy under the GIL)."""
         return list(self.kept)
+
+
+def job_meter() -> "StepMeter | None":
+    """The job's engine's meter, or None when the straggler report is off
+    (MTRAIN_STRAGGLER_REPORT_DISABLE=1: ``mtrain run --no-straggler-report``)."""
+    return StepMeter() if os.environ.get(ENV_STRAGGLER_OFF) != "1" else None
+
+
+class MeasuredSteps(NamedTuple):
+    """What one rank sends for ``straggler_stats()``: its host and its kept samples as plain rows."""
+
+    host: str
+    rows: "list[dict[str, Any]]"  # StepSample._asdict()
+
+
+def measured(meter: "StepMeter | None") -> MeasuredSteps:
+    """This rank's share of ``straggler_stats()`` (nothing when it measures nothing)."""
+    if meter is None:
+        return MeasuredSteps("", [])
+    return MeasuredSteps(meter.host, [sample._asdict() for sample in meter.recent()])
+
+
+def straggler_rows(gathered: "Sequence[MeasuredSteps]") -> "list[StragglerRow]":
+    """The straggler table from every rank's ``measured`` (in rank order)."""
+    hosts = {rank: part.host for rank, part in enumerate(gathered)}
+    samples = {rank: [StepSample(**row) for row in part.rows] for rank, part in enumerate(gathered)}
+    return straggler_table(samples, hosts)

@@ -58,7 +58,7 @@ for c, got in zip((5, 70_000, 3_000_001), group):
 print(json.dumps({
     "rank": rank, "size": size, "host": socket.gethostname(), "local_size": rr.local_size(),
     "cross_size": rr.cross_size(), "algorithm": os.environ.get("MTRAIN_ALLREDUCE_ALGORITHM", ""),
-    "path": runtime._runtime.engine.executor.allreduce_path, "problems": problems,
-    "transport": getattr(runtime._runtime.engine.executor.shared, "transport", None),
+    "path": runtime.current().engine.executor.allreduce_path, "problems": problems,
+    "transport": getattr(runtime.current().engine.executor.shared, "transport", None),
 }), flush=True)
 rr.shutdown()

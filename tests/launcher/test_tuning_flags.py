@@ -16,7 +16,7 @@ from mtrain.ringreduce import runtime
 rr.init()
 for _ in range(3):
     out = rr.allreduce(np.full(4, rr.rank() + 1.0), op=rr.Sum, name="grad.w")
-engine = runtime._rt().engine
+engine = runtime.current().engine
 c = engine.config
 print("settings", c.fusion_threshold_bytes, f"{c.cycle_time_s * 1000:g}", c.cache_capacity,
       f"{c.stall_warning_s:g}", c.log_level.name, len(engine._cache.names), out.tolist(),

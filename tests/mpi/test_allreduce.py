@@ -70,7 +70,7 @@ def test_allreduce_past_segments_and_stripes():
     """Every op on a few MiB at the default segment and stripe sizes, on the path the job
     takes: shared memory on one host (MTRAIN_ALLREDUCE_ALGORITHM=ring: the ring)."""
     n, me = rr.size(), rr.rank()
-    executor = runtime._runtime.engine.executor
+    executor = runtime.current().engine.executor
     forced = os.environ.get("MTRAIN_ALLREDUCE_ALGORITHM", "auto")
     expected_path = "ring" if forced == "ring" or n == 1 else "shm"
     assert executor.allreduce_path == expected_path, (forced, n, executor.allreduce_path)

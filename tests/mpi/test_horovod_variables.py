@@ -12,7 +12,7 @@ HOROVOD_ONLY = {"HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_FUSION_THRESHOLD": "2097
 
 @mpi_test(nps=(2,), env=HOROVOD_ONLY)
 def test_horovod_variables_set_the_engine_and_a_cache_of_zero_caches_nothing():
-    engine = runtime._rt().engine
+    engine = runtime.current().engine
     config = engine.config
     assert (config.fusion_threshold_bytes, config.cache_capacity, config.stall_shutdown_s) == (2097152, 0, 45.0)
     assert config.cycle_time_s == 0.004  # MTRAIN_CYCLE_TIME_MS wins over HOROVOD_CYCLE_TIME

@@ -215,7 +215,7 @@ def test_api_auto():
     """rr.allreduce at every dtype, op and shape, with the algorithm the environment forces."""
     n, me = rr.size(), rr.rank()
     algorithm = os.environ.get("MTRAIN_ALLREDUCE_ALGORITHM", "auto")
-    executor = rr.runtime._runtime.engine.executor
+    executor = rr.runtime.current().engine.executor
     expected_path = "ring" if algorithm == "ring" or n == 1 else "shm"  # one host: hierarchical is shm
     assert executor.allreduce_path == expected_path, (algorithm, executor.allreduce_path)
     exact = expected_path == "shm"
@@ -267,7 +267,7 @@ def test_grouped_through_the_engine():
     read piece by piece), through the transport the environment forces."""
     n, me = rr.size(), rr.rank()
     transport = os.environ["MTRAIN_SHM_TRANSPORT"]
-    shared = rr.runtime._runtime.engine.executor.shared
+    shared = rr.runtime.current().engine.executor.shared
     if transport == "segment":
         assert shared.transport == "segment"
     else:

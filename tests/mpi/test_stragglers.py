@@ -47,14 +47,14 @@ def test_straggler_stats_names_the_slow_rank_on_every_rank():
     # Every rank got the same table.
     everyone = rr.allgather_object([tuple(row) for row in rows], name="tables")
     assert all(table == everyone[0] for table in everyone)
-    meter = rr.runtime._rt().engine.steps
+    meter = rr.runtime.current().engine.steps
     assert all(sample.nbytes == nbytes for sample in meter.recent()[:-2]), [s.nbytes for s in meter.recent()]
 
 
 @mpi_test(nps=(2,), env={"MTRAIN_STRAGGLER_REPORT_DISABLE": "1"})
 def test_no_steps_are_measured_when_the_report_is_off():
     _train(1, 0.0)
-    assert rr.runtime._rt().engine.steps is None
+    assert rr.runtime.current().engine.steps is None
     assert rr.straggler_stats() == []
 
 
@@ -70,5 +70,5 @@ def test_steps_beside_a_joined_rank_measure_only_what_was_submitted():
     assert [row.rank for row in rows] == list(range(rr.size())), rows
     for row in rows:
         assert row.wait < 5 and row.compute < 5, rows
-    meter = rr.runtime._rt().engine.steps
+    meter = rr.runtime.current().engine.steps
     assert all(sample.wait < 5 for sample in meter.recent()), meter.recent()

@@ -23,7 +23,7 @@ def test_sys_exit_and_builtins_note_the_status_and_still_exit():
             "exits.install(lambda: None)\n"
             "import atexit\n"
             "atexit.unregister(exits.leave)  # the real handler would start MPI to abort\n"
-            "atexit.register(lambda: print('noted', exits._requested, flush=True))\n"
+            "atexit.register(lambda: print('noted', exits.noted_status(), flush=True))\n"
             "{call}\n")
     for call, status in (("sys.exit(7)", 7), ("exit(3)", 3), ("quit('bye')", 1), ("sys.exit()", 0), ("pass", None)):
         done = subprocess.run([sys.executable, "-c", code.format(call=call)], capture_output=True, text=True)
@@ -38,11 +38,11 @@ def test_only_the_main_threads_exit_and_not_a_caught_one_is_noted():
             "import atexit\n"
             "atexit.unregister(exits.leave)\n"
             "worker = threading.Thread(target=sys.exit, args=(5,)); worker.start(); worker.join()\n"
-            "print('after thread', exits._requested)\n"
+            "print('after thread', exits.noted_status())\n"
             "try:\n    sys.exit(2)\nexcept SystemExit:\n    pass\n"
-            "print('caught', exits._requested)\n"
+            "print('caught', exits.noted_status())\n"
             "exits.forget_status()  # what init() and every submit do: the program went on\n"
-            "print('going on', exits._requested)\n")
+            "print('going on', exits.noted_status())\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == ["after thread None", "caught 2", "going on None"]

@@ -1,0 +1,136 @@
+"""No module reaches into another's underscored names: not the runtime (ringreduce/), the
+launcher (launcher/), the bindings (bindings/), the benchmarks, the examples or the tests.
+
+Two ways in are checked, statically:
+
+* `from mtrain.x import _name` (or a relative import) of a module other than the file's own;
+* `thing._name` where the file itself defines no `_name` (no `def _name`, `class _name`,
+  `_name = ...` or `self._name = ...`): the name belongs to another module's object. A class
+  may still use its own private names on another instance of itself (`other._x` in `__eq__`).
+
+What a module shares with others it makes public, under a name without the underscore.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FOLDERS = ("bindings", "ringreduce", "launcher", "benchmarks", "examples", "tests")
+INSTALLED = {"bindings": "mtrain", "ringreduce": "mtrain.ringreduce", "launcher": "mtrain.launcher"}
+# Underscored names that are public API of the standard library or a dependency.
+PUBLIC_ELSEWHERE = {
+    "_replace", "_asdict", "_fields", "_make", "_field_defaults",  # namedtuple
+    "_exit", "_getframe", "_current_frames", "_clear_type_cache",  # os, sys
+    "_value_", "_name_", "_missing_", "_generate_next_value_", "_member_map_", "_value2member_map_",  # enum
+}
+# Private names of the frameworks and libraries we adapt to, which offer no public way to the
+# same thing; each is named here with why, so a new one is a decision, not an accident.
+FRAMEWORK_PRIVATE = {
+    "_Environ": "os: the type of os.environ",
+    "_set_abort_status": "mpi4py: the status MPI_Abort gives when the interpreter exits with an error",
+    "_plugins": "torch.distributed.Backend: whether a third-party backend is registered already",
+    "_register_backend": "torch ProcessGroup: how a backend object is attached to a group",
+    "_indices": "torch sparse COO tensors (uncoalesced access)",
+    "_values": "torch sparse COO tensors (uncoalesced access)",
+    "_BatchNorm": "torch.nn: the base class of the batch-norm layers SyncBatchNorm stands in for",
+    "_make_nccl_premul_sum": "torch.distributed: the only way to build a PREMUL_SUM op",
+    "_get_default_store": "torch.distributed: the default group's store",
+    "_DistributedBackendOptions": "torch: what a backend's creator receives",
+    "_get_control_flow_context": "TensorFlow graphs: whether an op is built inside a loop or cond",
+    "_trainable_variables": "Keras 3 optimizers: the variables a built optimizer tracks",
+    "_create_all_weights": "Keras 2 (tf_keras) optimizers: build the slots before the first step",
+    "_hyper": "Keras 2 (tf_keras) optimizers: their hyperparameters",
+    "_get_hyper": "Keras 2 (tf_keras) optimizers: one hyperparameter",
+    "_compute_gradients": "Keras 2 (tf_keras) optimizers: the method Horovod's wrapper overrides",
+}
+OURS = ("mtrain", "tests", "benchmarks", "examples")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    if parts[0] in INSTALLED:
+        parts = (*INSTALLED[parts[0]].split("."), *parts[1:])
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def import_source(here: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = here.split(".")
+    if not is_package:
+        package = package[:-1]
+    base = package[: len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def own_private_names(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    # __slots__ and dataclass fields declared by annotation are the class's own too.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_"):
+            names.add(node.value)  # __slots__ = ("_x",), getattr(self, "_x")
+    return {name for name in names if name.startswith("_")}
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) \
+        and name not in PUBLIC_ELSEWHERE and name not in FRAMEWORK_PRIVATE
+
+
+def offenders_in(text: str, where: str, here: str, is_package: bool = False) -> list[str]:
+    """The reach-ins in one module's source `text` (`here` is its dotted name)."""
+    tree = ast.parse(text, where)
+    own = own_private_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = import_source(here, is_package, node)
+            for alias in node.names:
+                if private(alias.name) and source != here and source.split(".")[0] in OURS:
+                    found.append(f"{where}:{node.lineno} imports {alias.name} from {source}")
+        elif isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own:
+            found.append(f"{where}:{node.lineno} uses {ast.unparse(node)}")
+    return found
+
+
+def offenders_in_file(path: Path) -> list[str]:
+    return offenders_in(path.read_text(), str(path.relative_to(REPO)), module_name(path), path.name == "__init__.py")
+
+
+def sources() -> list[Path]:
+    return sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py"))
+
+
+def test_no_underscored_name_is_used_across_modules():
+    offenders = [line for path in sources() for line in offenders_in_file(path)]
+    assert not offenders, f"{len(offenders)} uses of another module's private names:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("code, bad", [
+    ("from mtrain.ringreduce.runtime import _rt\n", True),
+    ("from .engine import _Thing\n", True),
+    ("import mtrain.ringreduce.runtime as runtime\nruntime._rt()\n", True),
+    ("class A:\n    def __init__(self):\n        self._x = 1\n    def same(self, other):\n        return other._x\n", False),
+    ("from collections import namedtuple\nP = namedtuple('P', 'a')\nP(1)._replace(a=2)\n", False),
+    ("import os\nos._exit(0)\n", False),
+    ("def f(engine):\n    return engine._flight\n", True),
+])
+def test_the_check_sees_a_reach_in(code, bad):
+    found = offenders_in(code, "probe.py", "mtrain.ringreduce.probe")
+    assert bool(found) is bad, found
