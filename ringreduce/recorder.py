@@ -258,22 +258,13 @@ class Dumper:
         sets = []
         for view in self.sets():
             engine = view.engine
-            recorder = engine._flight
+            recorder = engine.flight_recorder
             if recorder is None:
                 continue
-            ops: "list[OpRecord]" = []
-            for _ in range(3):  # copied while the engine thread changed it: try again
-                try:
-                    with engine._lock:
-                        incoming = list(engine._incoming)
-                    pending = list(engine._pending.values()) + incoming
-                    ops = recorder.records(pending, now)
-                    break
-                except RuntimeError:
-                    continue
-            ops = _shown(ops)
-            active = max(engine._last_submit, engine._waited_at)
-            sets.append(SetRecord(view.set_id, tuple(view.members), tuple(ops), engine._waiters,
+            queue = engine.queue.snapshot()  # the ops not run yet, and who waits: one moment's
+            ops = _shown(recorder.records(queue.waiting, now))
+            active = queue.last_active
+            sets.append(SetRecord(view.set_id, tuple(view.members), tuple(ops), queue.waiters,
                                   round(now - active, 3) if active > 0 else -1.0))
         frame = sys._current_frames().get(threading.main_thread().ident)
         return RecorderDump(self.rank, self.host, reason, time.time(), tuple(sets),
