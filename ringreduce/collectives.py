@@ -35,38 +35,24 @@ class Kind(enum.IntEnum):
     ALLGATHER_OBJECT = 8
 
 
-class Algorithm(str, enum.Enum):
+class Algorithm(settings.TextChoice):
     """The all-reduce algorithm asked for (MTRAIN_ALLREDUCE_ALGORITHM), and what an Executor
-    runs (``Executor.allreduce_path``: RING, SHM or HIERARCHICAL, never AUTO).
-
-    A str equal to the setting's text (``str()`` and f-strings give that text too), so
-    callers that pass or compare the text keep working.
-    """
+    runs (``Executor.allreduce_path``: RING, SHM or HIERARCHICAL, never AUTO). Its text is
+    the setting's (``settings.TextChoice``)."""
 
     AUTO = "auto"                  # shared memory where it can run and pays, else the ring
     RING = "ring"                  # ring.allreduce over the whole communicator
     SHM = "shm"                    # shared memory on each host (hierarchical on several)
     HIERARCHICAL = "hierarchical"  # the same path as SHM, under Horovod's name
 
-    def __str__(self) -> str:
-        return self.value
-
     @classmethod
-    def of(cls, value: "Algorithm | str") -> "Algorithm":
-        """``value`` (an Algorithm or its text) as an Algorithm; ValueError naming the choices."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown all-reduce algorithm {value!r}; use one of {_choices(cls)}") from None
+    def noun(cls) -> str:
+        return "all-reduce algorithm"
 
 
 ALGORITHM_VARIABLE = "MTRAIN_ALLREDUCE_ALGORITHM"
 STRIPE_VARIABLE = "MTRAIN_SHM_STRIPE_BYTES"  # the shared-memory path's stripe (shm.py); tuning and tests
 TRANSPORT_VARIABLE = "MTRAIN_SHM_TRANSPORT"  # a shm.Transport's text
-
-
-def _choices(kind: "type[enum.Enum]") -> str:
-    return ", ".join(member.value for member in kind)
 
 
 def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> Algorithm:
@@ -81,7 +67,7 @@ def algorithm_from_environment(environ: "dict[str, str] | None" = None) -> Algor
         return Algorithm(text)
     except ValueError:
         raise ValueError(f"{ALGORITHM_VARIABLE}={environ[ALGORITHM_VARIABLE]!r} is not an all-reduce "
-                         f"algorithm; set it to one of {_choices(Algorithm)} (or unset it for auto)") from None
+                         f"algorithm; set it to one of {Algorithm.choices()} (or unset it for auto)") from None
 
 
 def transport_from_environment(environ: "dict[str, str] | None" = None) -> shm.Transport:
@@ -94,7 +80,7 @@ def transport_from_environment(environ: "dict[str, str] | None" = None) -> shm.T
         return shm.Transport(text)
     except ValueError:
         raise ValueError(f"{TRANSPORT_VARIABLE}={environ[TRANSPORT_VARIABLE]!r} is not a shared-memory "
-                         f"transport; set it to one of {_choices(shm.Transport)} (or unset it for auto)") from None
+                         f"transport; set it to one of {shm.Transport.choices()} (or unset it for auto)") from None
 
 
 def _stripe_from_environment() -> "int | None":

@@ -142,18 +142,26 @@ def _op(seq: int, name: str, signature: Any, state: OpState, submitted: float, s
                     round(now - ended, 3) if ended >= 0 else -1.0)
 
 
+# Kinds that carry no array, and kinds whose first dimension may differ per rank.
+_SHAPELESS = frozenset((Kind.BARRIER, Kind.BROADCAST_OBJECT, Kind.ALLGATHER_OBJECT))
+_FIRST_DIMENSION_FREE = frozenset((Kind.ALLGATHER, Kind.ALLTOALL))
+REFUSED = "refused"  # an OpRecord's kind for an op this rank refused (``errors.Refusal``)
+
+
 def _kind_and_what(signature: Any) -> "tuple[str, str]":
+    """An OpRecord's kind (the Kind's name in lower case, or REFUSED) and what the op moves."""
     if type(signature) is Refusal:
-        return "refused", signature.text
-    kind = Kind(signature.kind).name.lower()
-    if not signature.shape and kind in ("barrier", "broadcast_object", "allgather_object"):
-        return kind, ""
+        return REFUSED, signature.text
+    kind = Kind(signature.kind)
+    text = kind.name.lower()
+    if not signature.shape and kind in _SHAPELESS:
+        return text, ""
     try:
         dtype = str(dtype_from_code(signature.dtype))
     except (IndexError, TypeError):
         dtype = "?"
     shape = list(signature.shape)
-    return kind, f"{dtype}{shape}" if kind not in ("allgather", "alltoall") else f"{dtype}[*, {str(shape)[1:]}"
+    return text, f"{dtype}{shape}" if kind not in _FIRST_DIMENSION_FREE else f"{dtype}[*, {str(shape)[1:]}"
 
 
 # A dump shows at most this many ended ops per set (the newest), and this many pending ones (the
