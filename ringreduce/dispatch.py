@@ -80,6 +80,11 @@ class Dispatcher:
         config = self.config
         return self.plans.plan(ready, config.fusion_threshold_bytes, config.inplace_min_bytes)
 
+    def keep_plan(self, plan: "Plan | None", ready: "list[Request]") -> Plan:
+        """``plan``, kept with a steady batch, while it fits the fusion settings; else a new one."""
+        config = self.config
+        return self.plans.keep(plan, ready, config.fusion_threshold_bytes, config.inplace_min_bytes)
+
     def execute(self, ready: "list[Request]", cycle: int, plan: "Plan | None" = None,
                 names: "list[str] | None" = None, first_submit: "float | None" = None,
                 nbytes: "int | None" = None) -> None:

@@ -329,12 +329,8 @@ class Engine:
                     coordinator.forget(name)
             self._stall_check_next = coordinator.stall_check_due(time.monotonic())
         ready = list(map(incoming.__getitem__, steady.order))
-        config = self.config
         dispatch = self._dispatch
-        if steady.plan is None or not steady.plan.fits(config.fusion_threshold_bytes, config.inplace_min_bytes):
-            steady.plan = dispatch.plan(ready)
-        else:
-            dispatch.plans.reused += 1
+        steady.plan = dispatch.keep_plan(steady.plan, ready)
         self._steady_cycles += 1
         dispatch.execute(ready, self._cycles, steady.plan, steady.ready_names, incoming[0].submitted, steady.nbytes)
         dispatch.wake_waiters()
