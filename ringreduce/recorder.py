@@ -5,7 +5,8 @@ last K of them: one entry per batch the engine ran ``(names, signatures, started
 (a steady step's names and signatures are the same lists every step: nothing is done per
 op), and one per group of ops that failed. The ops not run yet are not recorded at all:
 the engine's own pending requests carry their name, kind, signature and submit time, and a
-dump reads them there. So submitting an op costs the recorder nothing.
+dump reads them in one snapshot of the engine's submit queue (``SubmitQueue.snapshot``).
+So submitting an op costs the recorder nothing.
 
 Besides the ops, each set says whether a user thread is blocked on it now and how long ago
 the program last submitted to it or came back from waiting on it, and the dump says where the
@@ -181,7 +182,7 @@ class SetView(NamedTuple):
 
     set_id: int
     members: "list[int]"
-    engine: Any  # engine.Engine (not imported: the engine imports this module)
+    engine: Any  # engine.Engine (not imported: the engine imports this module): its flight_recorder, queue
 
 
 # -- the dumper ---------------------------------------------------------------------------------
