@@ -119,7 +119,8 @@ class Transfer:
         self._payload: Optional[np.ndarray] = None  # a large transfer's payload bytes (uint8)
         self._posted = 0                            # of which this many are posted, in chunks
         self._inflight: Deque[MPI.Request] = collections.deque()
-        # send: PAYLOAD (until every message is out) -> DONE; recv: HEADER -> PAYLOAD (large only) -> DONE
+        # send: PAYLOAD (until every message is out) -> DONE
+        # recv: HEADER -> PAYLOAD (large only) -> DONE
         self._phase = Phase.HEADER if kind is Direction.RECV else Phase.PAYLOAD
         self._error: Optional[BaseException] = None
         self._channel: Optional[Deque["Transfer"]] = None
@@ -131,7 +132,8 @@ class Transfer:
 
     def describe(self) -> str:
         way = "to" if self.kind is Direction.SEND else "from"
-        return f"{self.kind.value} of {self.array.dtype.name}{list(self.array.shape)} {way} rank {self.peer} (tag {self.tag})"
+        what = f"{self.array.dtype.name}{list(self.array.shape)}"
+        return f"{self.kind.value} of {what} {way} rank {self.peer} (tag {self.tag})"
 
     # -- what poll / synchronize call ----------------------------------------------
     def done(self) -> bool:
