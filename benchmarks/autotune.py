@@ -47,7 +47,7 @@ def worker(workload: str, budget: float) -> None:
     from allreduce import timed_side_by_side  # a sibling benchmark (repo_helpers.py says why so)
     rr.init()
     engine = runtime.current().engine
-    tuner = engine._tuner
+    tuner = engine.tuner
     if tuner is None:
         raise SystemExit("autotune is off in this job; run it with --autotune")
     start = tuner.current
@@ -65,7 +65,7 @@ def worker(workload: str, budget: float) -> None:
         for _ in range(10):
             step()
         taken += 10
-        if rr.allreduce(np.array([int(engine._tuner is None)]), op=rr.Min, name="bench.done")[0]:
+        if rr.allreduce(np.array([int(engine.tuner is None)]), op=rr.Min, name="bench.done")[0]:
             break
     tuned = tuner.current
     cache = tuned.cache_enabled  # as the tuner left it (only the engine thread may turn the cache)
@@ -74,7 +74,7 @@ def worker(workload: str, budget: float) -> None:
         knobs = knobs._replace(cache_enabled=cache)
 
         def run() -> None:
-            engine._apply(knobs)
+            engine.apply(knobs)
             step()
         return run
 

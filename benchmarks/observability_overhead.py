@@ -3,7 +3,7 @@ same steps with them on and off, alternating.
 
 Run as ``mpirun -np 2 python benchmarks/observability_overhead.py [--what both|steps|recorder]``
 (or ``mtrain run -np 2 …``). One process, one runtime: every step swaps the global engine's
-step meter (``Engine.steps``) and/or its flight recorder (``Engine._flight``), both read by the
+step meter (``Engine.steps``) and/or its flight recorder (``Engine.flight_recorder``), both read by the
 engine once per batch, in or out, in lockstep on every rank and in the order on-off-off-on, so
 a machine whose speed drifts favours neither side. (Whole runs with the two on and off, taking
 turns, differ by more than 2% from run to run on a 2-core host: only steps within one run can
@@ -37,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(1)
     hvd.init()
     engine = runtime.current().engine
-    recorder, meter = engine._flight, engine.steps
+    recorder, meter = engine.flight_recorder, engine.steps
     if recorder is None and args.what != "steps":
         raise SystemExit("the flight recorder is off (MTRAIN_FLIGHT_RECORDER_SIZE=0): unset it to compare")
     if meter is None and args.what != "recorder":
@@ -47,7 +47,7 @@ def main() -> None:
 
     def use(on: bool) -> None:
         if swap_recorder:
-            engine._flight = recorder if on else None
+            engine.flight_recorder = recorder if on else None
         if swap_meter:
             engine.steps = meter if on else None
 

@@ -5,9 +5,9 @@ A step of N small in-place all-reduces (default 1,000 × 1 KiB, as a model with 
 small gradients submits them), each variant taking turns in the same run:
 
 * one object: ``rr.allreduce_async_`` → ``submit.submit_allreduce``, which makes one
-  ``AllreduceOp`` (request and handle in one) and queues it through ``Engine._enqueue``;
+  ``AllreduceOp`` (request and handle in one) and queues it through ``SubmitQueue.submit_one``;
 * request + handle: what every other op takes, a ``Handle`` and a ``Request`` per tensor
-  (``requests.make_request``), queued by ``Engine.submit`` through the same ``_enqueue``;
+  (``requests.make_request``), queued by ``Engine.submit`` through the same queue core;
 * MPI_Allreduce per tensor (mpi4py, in place), for scale.
 
 Both mtrain variants give the same results (checked); time per step is the median over

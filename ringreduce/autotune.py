@@ -13,7 +13,7 @@ the job reduces per microsecond, then keeps the best. How a score is taken is Ho
   end of a sample after the same cycle. There the engine gathers each rank's score on rank 0
   over its control communicator, rank 0 (this module's ``Tuner.decide``) takes the slowest
   rank's score, chooses the next setting, and broadcasts it; every rank applies it before
-  its next cycle (``Engine._retune``): the same point of the op stream everywhere.
+  its next cycle (``exchange``, then ``Engine.apply``): the same point of the op stream everywhere.
 
 What is tuned (``Space``): jointly, by Bayesian optimisation (``optim.py``), the fusion
 threshold, the cycle time, the ring's segment size and the shared-memory stripe size, for
@@ -37,8 +37,10 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from . import log
+from .collectives import Algorithm, Executor
 from .optim import BayesianOptimizer
-from .settings import AutotuneConfig
+from .settings import AutotuneConfig, EngineConfig
+from .shm import Transport
 
 SUBSAMPLES = 5  # Horovod's SAMPLES: a sample's score is the median of this many sub-samples
 # Horovod 0.28's header. Its data lines put ", " after torus_allreduce (a quirk of its writer);
@@ -56,8 +58,8 @@ class Knobs(NamedTuple):
     cycle_time_ms: float
     segment_bytes: int      # the ring's
     stripe_bytes: int       # the shared-memory segment's (0: no segment)
-    algorithm: str          # collectives.Algorithm's text: auto, ring or shm
-    transport: str          # shm.Transport's text: segment or cma ("": no shared memory)
+    algorithm: Algorithm    # auto, ring or shm
+    transport: "Transport | None"  # segment or cma (None: no shared memory)
     cache_enabled: bool
 
     def describe(self) -> str:
@@ -89,7 +91,7 @@ class Space:
     """What this job can tune, from what its engine has: the joint dimensions and the categorical
     knobs with their values (a knob with one value is not tuned)."""
 
-    def __init__(self, algorithms: Sequence[str], transports: Sequence[str], stripes: bool) -> None:
+    def __init__(self, algorithms: Sequence[Algorithm], transports: Sequence[Transport], stripes: bool) -> None:
         self.dimensions: "tuple[Dimension, ...]" = (FUSION, CYCLE, SEGMENT) + ((STRIPE,) if stripes else ())
         choices = {"algorithm": tuple(algorithms), "transport": tuple(transports), "cache_enabled": (True, False)}
         self.categorical: "tuple[tuple[str, tuple[Any, ...]], ...]" = tuple(
@@ -227,7 +229,7 @@ class Tuner:
 
     # -- rank 0 ---------------------------------------------------------------------
     def _hierarchical(self, knobs: Knobs) -> bool:
-        return self.hosts > 1 and knobs.algorithm != "ring" and bool(knobs.transport)
+        return self.hosts > 1 and knobs.algorithm != Algorithm.RING and bool(knobs.transport)
 
     def _write(self, line: str) -> None:
         if self._log is not None:
@@ -262,3 +264,49 @@ class Tuner:
 
     def best(self) -> Knobs:
         return max(self.scored, key=lambda pair: pair[1])[0]
+
+
+# -- the engine's side (``Engine``): every rank, at the same point of the op stream ----------------
+
+def start_tuner(executor: Executor, config: EngineConfig, rank: int) -> Tuner:
+    """The tuner of an engine that runs ``executor`` by ``config``, starting from what it runs now."""
+    shared = executor.shared
+    if shared is None:
+        algorithm = Algorithm.RING
+    else:
+        algorithm = Algorithm.AUTO if executor.algorithm is Algorithm.AUTO else Algorithm.SHM
+    start = Knobs(config.fusion_threshold_bytes, round(config.cycle_time_s * 1000, 6), executor.segment_bytes,
+                  shared.stripe_bytes if shared is not None else 0, algorithm,
+                  Transport(shared.transport) if shared is not None else None, config.cache_capacity > 0)
+    space = Space(list(executor.algorithms()), list(shared.transports) if shared is not None else [],
+                  stripes=shared is not None and shared.segment is not None)
+    hosts = executor.cross.Get_size() if executor.cross is not None else 1
+    return Tuner(config.autotune, space, start, rank, hosts)
+
+
+def exchange(tuner: Tuner, control: Any, rank: int) -> Decision:
+    """The end of an autotune sample, reached by every rank after the same cycle: rank 0 takes
+    every rank's score (over ``control``, the engine's communicator) and says what runs next."""
+    scores = control.gather(tuner.score(), root=0)
+    decision = None
+    if rank == 0:
+        try:
+            decision = tuner.decide(scores)
+        except Exception as error:  # never leave the other ranks waiting in the broadcast
+            log.warning(f"autotune failed ({error!r}); keeping {tuner.current.describe()}")
+            decision = Decision(tuner.current, False)
+    return control.bcast(decision, root=0)
+
+
+def config_with(config: EngineConfig, knobs: Knobs) -> EngineConfig:
+    """``config`` with the engine's own knobs taken from ``knobs``."""
+    return dataclasses.replace(config, fusion_threshold_bytes=knobs.fusion_threshold_bytes,
+                               cycle_time_s=knobs.cycle_time_ms / 1000)
+
+
+def use_on_executor(executor: Executor, knobs: Knobs) -> None:
+    """Run the collectives by ``knobs`` from the next all-reduce on."""
+    executor.use(Algorithm(knobs.algorithm), knobs.segment_bytes)
+    shared = executor.shared
+    if shared is not None:
+        shared.use(Transport(knobs.transport), knobs.stripe_bytes)

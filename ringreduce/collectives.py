@@ -35,29 +35,19 @@ class Kind(enum.IntEnum):
     ALLGATHER_OBJECT = 8
 
 
-class Algorithm(str, enum.Enum):
+class Algorithm(settings.TextChoice):
     """The all-reduce algorithm asked for (MTRAIN_ALLREDUCE_ALGORITHM), and what an Executor
-    runs (``Executor.allreduce_path``: RING, SHM or HIERARCHICAL, never AUTO).
-
-    A str equal to the setting's text (``str()`` and f-strings give that text too), so
-    callers that pass or compare the text keep working.
-    """
+    runs (``Executor.allreduce_path``: RING, SHM or HIERARCHICAL, never AUTO). Its text is
+    the setting's (``settings.TextChoice``)."""
 
     AUTO = "auto"                  # shared memory where it can run and pays, else the ring
     RING = "ring"                  # ring.allreduce over the whole communicator
     SHM = "shm"                    # shared memory on each host (hierarchical on several)
     HIERARCHICAL = "hierarchical"  # the same path as SHM, under Horovod's name
 
-    def __str__(self) -> str:
-        return self.value
-
     @classmethod
-    def of(cls, value: "Algorithm | str") -> "Algorithm":
-        """``value`` (an Algorithm or its text) as an Algorithm; ValueError naming the choices."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown all-reduce algorithm {value!r}; use one of {_choices(cls)}") from None
+    def noun(cls) -> str:
+        return "all-reduce algorithm"
 
 
 ALGORITHM_VARIABLE = settings.ALLREDUCE_ALGORITHM.ours

@@ -211,6 +211,14 @@ class PlanCache:
             self.reused += 1
         return plan
 
+    def keep(self, plan: "Plan | None", ready: "list[Any]", threshold: int, inplace_min: int) -> Plan:
+        """A plan kept with the batch itself (a steady batch's): reused while it fits the fusion
+        settings, else planned again (``plan``)."""
+        if plan is None or not plan.fits(threshold, inplace_min):
+            return self.plan(ready, threshold, inplace_min)
+        self.reused += 1
+        return plan
+
 
 class FusionBuffers:
     """One reusable fusion buffer per backend (host memory for host arrays, device memory for

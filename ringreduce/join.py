@@ -24,13 +24,12 @@ from .requests import PLACEHOLDER, Handle, Request, Signature
 
 
 class JoinState:
-    """This rank's view of a join in progress. ``handle`` is set by the user thread
-    (``Engine.submit_join``); the rest belongs to the engine thread."""
+    """This rank's view of a join in progress (engine thread). The join handle itself waits in the
+    submit queue (``SubmitQueue.offer_join``), where the user's thread puts it."""
 
-    __slots__ = ("handle", "active", "seen", "last")
+    __slots__ = ("active", "seen", "last")
 
     def __init__(self) -> None:
-        self.handle: "Handle | None" = None
         self.active = False  # this rank stands in for every op with zeros
         self.seen: "set[int]" = set()  # ranks (of the engine's communicator) known to have joined
         self.last = -1
@@ -43,22 +42,21 @@ class JoinState:
         self.seen = set(joined)
         return bool(new)
 
-    def finish(self) -> "tuple[Handle | None, int]":
-        """Every rank has joined: this rank's join handle and the rank that joined last; reset."""
-        handle, last = self.handle, self.last
-        self.handle, self.active, self.seen, self.last = None, False, set(), -1
-        return handle, last
+    def finish(self) -> int:
+        """Every rank has joined: the rank that joined last; reset."""
+        last = self.last
+        self.active, self.seen, self.last = False, set(), -1
+        return last
 
 
-def runnable(ready: "list[str]", pending: "dict[str, Request]", ready_meta: "dict[str, Signature]",
+def runnable(ready: "list[str]", own: "list[Request | None]", ready_meta: "dict[str, Signature]",
              cached: "dict[str, tuple[int, Signature]]", joined: "list[int]",
              done_cv: Any) -> "tuple[list[Request], list[tuple[Request, JoinedError]]]":
     """The ready ops (by name, in the agreed order) as this rank runs them while ``joined`` (job
-    ranks) have joined: its own pending ones (taken out of ``pending``), a stand-in where it has
-    none (it has joined itself); and its ops that cannot run, with the error each ends with."""
+    ranks) have joined: its own (``own``, None where it has none: it has joined itself), a
+    stand-in where it has none; and its ops that cannot run, with the error each ends with."""
     runnable, refused = [], []
-    for name in ready:
-        request = pending.pop(name, None)
+    for name, request in zip(ready, own):
         signature = request.signature if request is not None else (
             ready_meta[name] if name in ready_meta else cached[name][1])
         why = problem(signature, joined)

@@ -115,6 +115,22 @@ class ResponseCache:
     def words(self) -> int:
         return (len(self.names) + 63) // 64
 
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def enable(self, capacity: int) -> None:
+        """Hand out up to ``capacity`` bits from now on (every rank at the same point)."""
+        self.capacity = capacity
+
+    def disable(self) -> None:
+        """Cache nothing from now on, and forget every name: what was learned from the bits is
+        stale (``version``), and ops pending by their bit must go to the coordinator again."""
+        self.capacity = 0
+        self.entries.clear()
+        self.names.clear()
+        self.version += 1
+
     def lookup(self, name: str, meta: Any) -> int:
         """The cache bit of ``name`` submitted with ``meta``, or -1."""
         entry = self.entries.get(name)

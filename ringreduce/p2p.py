@@ -46,6 +46,7 @@ set's engine hears of the leaving rank within a cycle), never a hang; this rank'
 from __future__ import annotations
 
 import collections
+import enum
 import struct
 import threading
 import time
@@ -86,6 +87,21 @@ def _header(buffer: np.ndarray, separate: bool) -> bytes:
     return _HEADER.pack(name, buffer.size, separate)
 
 
+class Direction(str, enum.Enum):
+    """Which way a transfer moves an array (its text is the API's verb)."""
+
+    SEND = "send"
+    RECV = "recv"
+
+
+class Phase(enum.Enum):
+    """Where a transfer is (``Transfer._phase``)."""
+
+    HEADER = "header"
+    PAYLOAD = "payload"
+    DONE = "done"
+
+
 class Transfer:
     """One send or recv in flight: its handle too (``poll``/``synchronize`` take it)."""
 
@@ -94,7 +110,7 @@ class Transfer:
     # ``array``: the caller's array (NumPy, or CuPy: then ``_buffer`` is its host copy, and a recv
     # lands there first, ``_land``)
 
-    def __init__(self, kind: str, state: Any, peer: int, tag: int, array: np.ndarray, mover: "_Mover") -> None:
+    def __init__(self, kind: Direction, state: Any, peer: int, tag: int, array: np.ndarray, mover: "_Mover") -> None:
         self.kind, self.state, self.peer, self.tag, self.array = kind, state, peer, tag, array
         self._buffer: np.ndarray = array
         self._land = False          # a recv into a non-contiguous array copies back at the end
@@ -103,34 +119,35 @@ class Transfer:
         self._payload: Optional[np.ndarray] = None  # a large transfer's payload bytes (uint8)
         self._posted = 0                            # of which this many are posted, in chunks
         self._inflight: Deque[MPI.Request] = collections.deque()
-        # send: "payload" (until every message is out) -> "done"
-        # recv: "header" -> "payload" (large only) -> "done"
-        self._phase = "header" if kind == "recv" else "payload"
+        # send: PAYLOAD (until every message is out) -> DONE
+        # recv: HEADER -> PAYLOAD (large only) -> DONE
+        self._phase = Phase.HEADER if kind is Direction.RECV else Phase.PAYLOAD
         self._error: Optional[BaseException] = None
         self._channel: Optional[Deque["Transfer"]] = None
         self._mover = mover
         self._callbacks: Optional[List[Callable[["Transfer"], None]]] = None
 
     def __repr__(self) -> str:
-        return f"<mtrain {self.describe()}: {self._phase}>"
+        return f"<mtrain {self.describe()}: {self._phase.value}>"
 
     def describe(self) -> str:
-        way = "to" if self.kind == "send" else "from"
-        return f"{self.kind} of {self.array.dtype.name}{list(self.array.shape)} {way} rank {self.peer} (tag {self.tag})"
+        way = "to" if self.kind is Direction.SEND else "from"
+        what = f"{self.array.dtype.name}{list(self.array.shape)}"
+        return f"{self.kind.value} of {what} {way} rank {self.peer} (tag {self.tag})"
 
     # -- what poll / synchronize call ----------------------------------------------
     def done(self) -> bool:
         """Whether the transfer has ended (driving its progress once, if nobody else is)."""
-        if self._phase != "done":
+        if self._phase is not Phase.DONE:
             self._mover.poll()
-        return self._phase == "done"
+        return self._phase is Phase.DONE
 
     def wait(self) -> Any:
-        if self._phase != "done":
+        if self._phase is not Phase.DONE:
             self._mover.wait_for(self)
         if self._error is not None:
             raise self._error
-        return self.array if self.kind == "recv" else None
+        return self.array if self.kind is Direction.RECV else None
 
     def error(self) -> Optional[BaseException]:
         """The transfer's error once it is done (None: it succeeded, or is not done)."""
@@ -153,7 +170,7 @@ class Transfer:
                     _host_to_device(self.array, self._buffer)
             except Exception as failure:  # a device copy that failed: the transfer's error
                 self._error = failure
-        self._phase = "done"
+        self._phase = Phase.DONE
         self._first, self._scratch, self._payload = None, None, None
         if self._callbacks:
             self._mover.ready.append(self)
@@ -162,17 +179,17 @@ class Transfer:
         """Move on as far as MPI allows; True when anything changed. ``head``: this transfer is the
         first of its channel, the one whose payload chunks may be posted now."""
         changed = False
-        if self._first is not None and (self._phase != "header" or head):
+        if self._first is not None and (self._phase is not Phase.HEADER or head):
             if self._first.Test():
                 self._first = None
                 changed = True
-                if self._phase == "header":
+                if self._phase is Phase.HEADER:
                     self._read_header()
-                    if self._phase == "done":
+                    if self._phase is Phase.DONE:
                         return True
-            elif self._phase == "header":
+            elif self._phase is Phase.HEADER:
                 return False
-        if self._phase != "payload":
+        if self._phase is not Phase.PAYLOAD:
             return changed
         while self._inflight and self._inflight[0].Test():  # chunks complete in the order posted
             self._inflight.popleft()
@@ -180,7 +197,7 @@ class Transfer:
         payload = self._payload
         if payload is not None and head and self._posted < payload.nbytes:
             comm, peer = self.state.comms.p2p, self.state.set_rank_of(self.peer)
-            post = comm.Isend if self.kind == "send" else comm.Irecv
+            post = comm.Isend if self.kind is Direction.SEND else comm.Irecv
             while self._posted < payload.nbytes and len(self._inflight) < window:
                 piece = payload[self._posted:self._posted + chunk]
                 self._inflight.append(post([piece, MPI.BYTE], peer, 2 * self.tag + 1))
@@ -208,7 +225,7 @@ class Transfer:
                 self._buffer.reshape(-1).view(np.uint8)[...] = payload
             self._finish(problem)
             return
-        self._phase = "payload"
+        self._phase = Phase.PAYLOAD
         if problem is None:
             self._payload = _bytes_of(self._buffer)
         else:  # drained into scratch, so that the sender's transfer ends too
@@ -218,9 +235,9 @@ class Transfer:
 
     def _out_of_channel(self) -> bool:
         """Whether this transfer no longer holds up the next one of its channel."""
-        if self._phase == "done":
+        if self._phase is Phase.DONE:
             return True
-        if self._phase == "header":
+        if self._phase is Phase.HEADER:
             return False
         return self._payload is None or self._posted >= self._payload.nbytes
 
@@ -280,8 +297,8 @@ class _Mover:
         state, comm = transfer.state, transfer.state.comms.p2p
         peer = state.set_rank_of(transfer.peer)
         buffer, eager = transfer._buffer, self.eager
-        large = transfer.kind == "send" and buffer.nbytes > eager
-        if transfer.kind == "send":
+        large = transfer.kind is Direction.SEND and buffer.nbytes > eager
+        if transfer.kind is Direction.SEND:
             header = np.frombuffer(_header(buffer, large), np.uint8)
             if large:
                 transfer._scratch = header
@@ -295,9 +312,9 @@ class _Mover:
         with self._lock:
             if self._closing:
                 raise ShutdownError("mtrain was shut down; call init() again before sending")
-            post = comm.Isend if transfer.kind == "send" else comm.Irecv
+            post = comm.Isend if transfer.kind is Direction.SEND else comm.Irecv
             transfer._first = post([transfer._scratch, MPI.BYTE], peer, 2 * transfer.tag)
-            if transfer.kind == "recv" or large:
+            if transfer.kind is Direction.RECV or large:
                 key = (id(comm), transfer.kind, peer, transfer.tag)
                 channel = self._channels.get(key)
                 if channel is None:
@@ -313,7 +330,7 @@ class _Mover:
 
     def add_callback(self, transfer: Transfer, callback: Callable[[Transfer], None]) -> None:
         with self._lock:
-            if transfer._phase != "done":
+            if transfer._phase is not Phase.DONE:
                 transfer._callbacks = (transfer._callbacks or []) + [callback]
                 return
         callback(transfer)
@@ -341,7 +358,7 @@ class _Mover:
             if head and channel is not None and transfer._out_of_channel():
                 channel.popleft()
                 transfer._channel = None
-            if transfer._phase == "done":
+            if transfer._phase is Phase.DONE:
                 self._active.remove(transfer)
                 continue
             engine = transfer.state.engine
@@ -359,7 +376,7 @@ class _Mover:
     def _fail(self, transfer: Transfer, why: BaseException) -> None:
         peers = getattr(why, "peers", [])
         error = ShutdownError(f"{transfer.describe()} cannot finish: {why}", peers=peers)
-        if transfer.kind == "recv":  # a send cannot be taken back; its requests are let go
+        if transfer.kind is Direction.RECV:  # a send cannot be taken back; its requests are let go
             for request in [transfer._first, *transfer._inflight]:
                 if request is not None:
                     try:
@@ -393,7 +410,7 @@ class _Mover:
         try:
             while True:
                 with self._lock:
-                    if transfer._phase == "done":
+                    if transfer._phase is Phase.DONE:
                         return
                     if self._progress():
                         spin_end, delay = None, 0.0
@@ -523,14 +540,14 @@ def check_tag(tag: Any) -> int:
     return int(tag)
 
 
-def _checked_array(array: Any, what: str) -> Any:
+def _checked_array(array: Any, what: Direction) -> Any:
     """``array`` if a transfer takes it: a NumPy array, or a CuPy one (staged through the host)."""
     if is_device_array(array):
         return array
     if isinstance(array, np.generic):
         array = np.asarray(array)
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"{what} takes a numpy.ndarray (or a cupy.ndarray), got {type(array).__name__}")
+        raise TypeError(f"{what.value} takes a numpy.ndarray (or a cupy.ndarray), got {type(array).__name__}")
     if array.dtype.hasobject:
         raise TypeError(f"{what} cannot move an array of Python objects; use broadcast_object/allgather_object")
     return array
@@ -560,10 +577,10 @@ def _host_to_device(array: Any, host: np.ndarray) -> None:
 def start_send(state: Any, array: Any, dest: Any, tag: Any = 0, wake: bool = True) -> Transfer:
     """Start sending ``array`` to global rank ``dest`` of the set whose state is ``state``. A CuPy
     array is copied to the host first (here, before this returns: it may be changed at once)."""
-    array = _checked_array(array, "send")
+    array = _checked_array(array, Direction.SEND)
     dest = check_peer(state, dest, "send: dest", state.global_rank)
     tag = check_tag(tag)
-    transfer = Transfer("send", state, dest, tag, array, _get_mover())
+    transfer = Transfer(Direction.SEND, state, dest, tag, array, _get_mover())
     # A copy only when it is not contiguous host memory already.
     transfer._buffer = np.ascontiguousarray(array) if isinstance(array, np.ndarray) else _device_to_host(array)
     return transfer._mover.start(transfer, wake)
@@ -571,12 +588,12 @@ def start_send(state: Any, array: Any, dest: Any, tag: Any = 0, wake: bool = Tru
 
 def start_recv(state: Any, array: Any, source: Any, tag: Any = 0, wake: bool = True) -> Transfer:
     """Start receiving into ``array`` from global rank ``source`` (a CuPy array through a host buffer)."""
-    array = _checked_array(array, "recv")
+    array = _checked_array(array, Direction.RECV)
     if isinstance(array, np.ndarray) and not array.flags.writeable:
         raise InvalidArgumentError("recv writes into its array, which is read-only; pass a writable array")
     source = check_peer(state, source, "recv: source", state.global_rank)
     tag = check_tag(tag)
-    transfer = Transfer("recv", state, source, tag, array, _get_mover())
+    transfer = Transfer(Direction.RECV, state, source, tag, array, _get_mover())
     if not (isinstance(array, np.ndarray) and array.flags.c_contiguous):
         transfer._buffer = np.empty(array.shape, array.dtype)
         transfer._land = True

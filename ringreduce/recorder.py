@@ -5,7 +5,8 @@ last K of them: one entry per batch the engine ran ``(names, signatures, started
 (a steady step's names and signatures are the same lists every step: nothing is done per
 op), and one per group of ops that failed. The ops not run yet are not recorded at all:
 the engine's own pending requests carry their name, kind, signature and submit time, and a
-dump reads them there. So submitting an op costs the recorder nothing.
+dump reads them in one snapshot of the engine's submit queue (``SubmitQueue.snapshot``).
+So submitting an op costs the recorder nothing.
 
 Besides the ops, each set says whether a user thread is blocked on it now and how long ago
 the program last submitted to it or came back from waiting on it, and the dump says where the
@@ -144,18 +145,26 @@ def _op(seq: int, name: str, signature: Any, state: OpState, submitted: float, s
                     round(now - ended, 3) if ended >= 0 else -1.0)
 
 
+# Kinds that carry no array, and kinds whose first dimension may differ per rank.
+_SHAPELESS = frozenset((Kind.BARRIER, Kind.BROADCAST_OBJECT, Kind.ALLGATHER_OBJECT))
+_FIRST_DIMENSION_FREE = frozenset((Kind.ALLGATHER, Kind.ALLTOALL))
+REFUSED = "refused"  # an OpRecord's kind for an op this rank refused (``errors.Refusal``)
+
+
 def _kind_and_what(signature: Any) -> "tuple[str, str]":
+    """An OpRecord's kind (the Kind's name in lower case, or REFUSED) and what the op moves."""
     if type(signature) is Refusal:
-        return "refused", signature.text
-    kind = Kind(signature.kind).name.lower()
-    if not signature.shape and kind in ("barrier", "broadcast_object", "allgather_object"):
-        return kind, ""
+        return REFUSED, signature.text
+    kind = Kind(signature.kind)
+    text = kind.name.lower()
+    if not signature.shape and kind in _SHAPELESS:
+        return text, ""
     try:
         dtype = str(dtype_from_code(signature.dtype))
     except (IndexError, TypeError):
         dtype = "?"
     shape = list(signature.shape)
-    return kind, f"{dtype}{shape}" if kind not in ("allgather", "alltoall") else f"{dtype}[*, {str(shape)[1:]}"
+    return text, f"{dtype}{shape}" if kind not in _FIRST_DIMENSION_FREE else f"{dtype}[*, {str(shape)[1:]}"
 
 
 # A dump shows at most this many ended ops per set (the newest), and this many pending ones (the
@@ -175,7 +184,7 @@ class SetView(NamedTuple):
 
     set_id: int
     members: "list[int]"
-    engine: Any  # engine.Engine (not imported: the engine imports this module)
+    engine: Any  # engine.Engine (not imported: the engine imports this module): its flight_recorder, queue
 
 
 # -- the dumper ---------------------------------------------------------------------------------
@@ -260,22 +269,13 @@ class Dumper:
         sets = []
         for view in self.sets():
             engine = view.engine
-            recorder = engine._flight
+            recorder = engine.flight_recorder
             if recorder is None:
                 continue
-            ops: "list[OpRecord]" = []
-            for _ in range(3):  # copied while the engine thread changed it: try again
-                try:
-                    with engine._lock:
-                        incoming = list(engine._incoming)
-                    pending = list(engine._pending.values()) + incoming
-                    ops = recorder.records(pending, now)
-                    break
-                except RuntimeError:
-                    continue
-            ops = _shown(ops)
-            active = max(engine._last_submit, engine._waited_at)
-            sets.append(SetRecord(view.set_id, tuple(view.members), tuple(ops), engine._waiters,
+            queue = engine.queue.snapshot()  # the ops not run yet, and who waits: one moment's
+            ops = _shown(recorder.records(queue.waiting, now))
+            active = queue.last_active
+            sets.append(SetRecord(view.set_id, tuple(view.members), tuple(ops), queue.waiters,
                                   round(now - active, 3) if active > 0 else -1.0))
         frame = sys._current_frames().get(threading.main_thread().ident)
         return RecorderDump(self.rank, self.host, reason, time.time(), tuple(sets),

@@ -85,7 +85,7 @@ class Completion(threading.Condition):
 
     ``waiting(+1)`` before a thread blocks on a handle and ``waiting(-1)`` after tell
     the engine that someone waits: it then starts its next cycle at once instead of
-    holding on to let more submissions join the batch (``Engine._hold``)."""
+    holding on to let more submissions join the batch (``SubmitQueue.take``)."""
 
     def __init__(self, waiting: "Callable[[int], None] | None" = None) -> None:
         super().__init__()
@@ -109,13 +109,20 @@ class Handle:
         self._error: "BaseException | None" = None
         self._done_cv = done_cv
 
-    def _complete(self, index: int, result: Any) -> None:
+    def complete(self, index: int, result: Any) -> None:
+        """Part ``index`` ended with ``result`` (engine thread)."""
         self._results[index] = result
         self._remaining -= 1
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """The handle ends with ``error`` (engine thread); the first error stays."""
         if self._error is None:
             self._error = error
+
+    @property
+    def parts(self) -> int:
+        """How many ops the handle groups."""
+        return len(self._results)
 
     def done(self) -> bool:
         return self._remaining == 0 or self._error is not None

@@ -39,6 +39,32 @@ class LogLevel(enum.IntEnum):
     FATAL = 5
 
 
+class TextChoice(str, enum.Enum):
+    """A setting with a few allowed texts. A str equal to its text (``str()`` and f-strings give
+    that text too), so callers that pass or compare the text keep working. A subclass names
+    itself for errors (``noun``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def noun(cls) -> str:
+        return cls.__name__.lower()
+
+    @classmethod
+    def choices(cls) -> str:
+        """The allowed texts, for messages."""
+        return ", ".join(member.value for member in cls)
+
+    @classmethod
+    def of(cls, value: Any) -> Any:
+        """``value`` (a member or its text) as a member; ValueError naming the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown {cls.noun()} {value!r}; use one of {cls.choices()}") from None
+
+
 def _number(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses nan

@@ -88,7 +88,6 @@ the job ends.
 from __future__ import annotations
 
 import ctypes
-import enum
 import mmap
 import os
 import sys
@@ -103,6 +102,7 @@ from mtrain.launcher.private import check_private, remove_private
 from . import ring
 from .backend import NumpyBackend, finishing_factor
 from .ops import ReduceOp, reducer
+from .settings import TextChoice
 
 DEFAULT_STRIPE_BYTES = 2 << 20
 # The largest stripe the autotuner tries (the segment leaves room for it: 2·L·this bytes of
@@ -170,28 +170,17 @@ def _ranges(layout: ring.Layout, lo: int, hi: int, block: int) -> "Iterator[tupl
         offset += view.size
 
 
-class Transport(str, enum.Enum):
-    """How the ranks of a host reach each other's buffers (MTRAIN_SHM_TRANSPORT).
-
-    A str equal to the setting's text (``str()`` and f-strings give that text too), so
-    callers that pass or compare the text keep working.
-    """
+class Transport(TextChoice):
+    """How the ranks of a host reach each other's buffers (MTRAIN_SHM_TRANSPORT). Its text is
+    the setting's (``settings.TextChoice``)."""
 
     AUTO = "auto"        # the segment; cma only where the segment cannot be mapped
     CMA = "cma"          # cross-memory attach; the segment where the kernel refuses it
     SEGMENT = "segment"  # always the shared segment
 
-    def __str__(self) -> str:
-        return self.value
-
     @classmethod
-    def of(cls, value: "Transport | str") -> "Transport":
-        """``value`` (a Transport or its text) as a Transport; ValueError naming the choices."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown shared-memory transport {value!r}; use one of "
-                             f"{', '.join(t.value for t in cls)}") from None
+    def noun(cls) -> str:
+        return "shared-memory transport"
 
 
 _IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)

@@ -3,7 +3,7 @@
 The engine of the job's process set calls ``StepMeter`` from its own thread only: ``batch``
 when it runs a batch of ops, ``done`` when the batch has completed, and ``step_end`` when it
 learns that a step is over (it is idle again after a thread waited on a handle:
-``Engine._hold``). A step's
+``SubmitQueue.take``). A step's
 
 * compute is the time from the previous step's last completion to this step's first submit
   (what the rank did between two steps: the forward and backward pass, data loading);

@@ -376,3 +376,49 @@ class _Collector:
                 self._changed.wait(min(deadline - now, 0.05))
         self._stop.set()
         self._thread.join(timeout=5.0)
+
+
+class TimelineSwitch:
+    """An engine's timeline, if one runs: started and stopped at run time by a user thread,
+    read by the engine thread (``current``, read once per use: a stop may clear it meanwhile;
+    a closed timeline ignores late events). Every rank records; rank 0 writes, the others send
+    theirs there through ``link``."""
+
+    def __init__(self, rank: int, link: "TraceLink | None", path: "str | None", mark_cycles: bool) -> None:
+        self._rank, self._link = rank, link
+        self.mark_cycles = mark_cycles
+        self.current: "Timeline | None" = self._new(path) if path else None
+
+    def _new(self, path: str) -> "Timeline | None":
+        if self._link is not None:
+            return Timeline(path, self._link)
+        return Timeline(path) if self._rank == 0 else None  # an engine made without a link
+
+    def start(self, path: str, mark_cycles: bool) -> None:
+        """Record the timeline from now on (every rank; rank 0 writes it to ``path``)."""
+        old, self.current = self.current, self._new(path)
+        self.mark_cycles = mark_cycles
+        if old is not None:
+            old.close()
+
+    def stop(self) -> None:
+        old, self.current = self.current, None
+        if old is not None:
+            old.close()
+
+    def step(self, index: int, compute_start: float, compute_end: float, end: float, wait_s: float) -> None:
+        """One training step on the timeline, if one runs (``Timeline.step``)."""
+        timeline = self.current
+        if timeline is not None:
+            timeline.step(index, compute_start, compute_end, end, wait_s)
+
+    def close(self, gone: "Iterable[int]" = ()) -> None:
+        """The engine ends: close the timeline (it stays set, as before, for late events to be
+        ignored) and free the link once the engine thread has ended (``free_link``)."""
+        timeline = self.current
+        if timeline is not None:
+            timeline.close(gone=gone)
+
+    def free_link(self) -> None:
+        if self._link is not None:
+            self._link.free()

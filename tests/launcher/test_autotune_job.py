@@ -24,7 +24,7 @@ for step in range(int(sys.argv[1])):
                                   op=rr.Sum, name=f"grad.{i}") for i, n in enumerate(sizes)]
     for handle in handles:
         digest.update(rr.synchronize(handle).tobytes())
-print("result", r, digest.hexdigest(), "tuning" if runtime.current().engine._tuner is not None else "tuned")
+print("result", r, digest.hexdigest(), "tuning" if runtime.current().engine.tuner is not None else "tuned")
 """
 STEPS = "150"
 SMALL = ["--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "2",

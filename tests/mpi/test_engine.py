@@ -193,8 +193,8 @@ def test_shutdown_with_ops_in_flight_never_hangs(nprocs):
 
 LATE_ENGINE_EXIT_SCRIPT = """
 import time, numpy as np, mtrain.ringreduce as rr
-from mtrain.ringreduce.engine import Engine
-original = Engine._fail_all
+from mtrain.ringreduce.dispatch import Dispatcher
+original = Dispatcher.fail_all
 
 
 def fail_all_then_linger(self, error):
@@ -202,7 +202,7 @@ def fail_all_then_linger(self, error):
     time.sleep(1.0)  # the engine thread has failed its ops but has not ended yet
 
 
-Engine._fail_all = fail_all_then_linger
+Dispatcher.fail_all = fail_all_then_linger
 rr.init()
 if rr.rank() == 0:
     try:

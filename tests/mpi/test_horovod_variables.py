@@ -16,9 +16,9 @@ def test_horovod_variables_set_the_engine_and_a_cache_of_zero_caches_nothing():
     config = engine.config
     assert (config.fusion_threshold_bytes, config.cache_capacity, config.stall_shutdown_s) == (2097152, 0, 45.0)
     assert config.cycle_time_s == 0.004  # MTRAIN_CYCLE_TIME_MS wins over HOROVOD_CYCLE_TIME
-    assert engine._mark_cycles is True
+    assert engine.timelines.mark_cycles is True
     n = rr.size()
     for step in range(3):  # the same name every step: with a cache it would get a bit after the first
         got = rr.allreduce(np.arange(5, dtype=np.float64) + rr.rank() + step, op=rr.Sum, name="grad.layer1")
         assert got.tolist() == (np.arange(5) * n + n * (n - 1) / 2 + n * step).tolist()
-    assert engine._cache.names == []
+    assert engine.cache.names == []

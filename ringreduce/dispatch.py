@@ -1,0 +1,236 @@
+"""The dispatcher: runs the ops a cycle made ready, and ends every op (engine thread).
+
+All-reduces run in the rings ``fusion.py`` plans (small tensors packed into one reusable
+fusion buffer, large ones reduced in place with no copy), other collectives one by one
+(``collectives.py``). Then the handles are completed, or failed, and their names freed in
+the submit queue (``submit_queue.py``); waiters are woken once per batch.
+
+The dispatcher also keeps what the other instruments need from each batch: the timeline's
+spans, the step meter's timings (``steps.py``), the flight recorder's entries
+(``recorder.py``), the autotuner's byte counts (``autotune.py``), and the names run since the
+engine was last idle, from which the submit queue learns what a step submits.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any
+
+from .backend import NumpyBackend
+from .collectives import Executor, Kind
+from .fusion import FusionBuffers, Plan, PlanCache, Ring
+from .recorder import FlightRecorder
+from .requests import Completion, Request
+from .settings import EngineConfig
+from .steps import StepMeter
+from .submit_queue import SubmitQueue
+from .timeline import TimelineSwitch
+
+# The most op names one learned step may hold (``SubmitQueue.take``'s expectation).
+STEP_NAMES_MAX = 1 << 16
+
+_NAME = operator.attrgetter("name")
+
+
+class Dispatcher:
+    """Plans, packs, runs and completes the ready ops of one engine (engine thread only, apart
+    from the instruments a user thread may swap: ``timelines``' timeline, ``steps``, ``flight``)."""
+
+    def __init__(self, executor: Executor, config: EngineConfig, queue: SubmitQueue, done_cv: Completion,
+                 timelines: TimelineSwitch, steps: "StepMeter | None", flight: "FlightRecorder | None") -> None:
+        self.executor = executor
+        self.config = config
+        self.queue = queue
+        self.done_cv = done_cv
+        self.timelines = timelines
+        self.steps = steps
+        self.flight = flight
+        self.tuner: Any = None  # autotune.Tuner while tuning
+        self.plans = PlanCache()
+        self._buffers = FusionBuffers()
+        self._finished_any = False
+        self._step_names: "list[str]" = []  # run since the engine was last idle
+        self._step_waited = False  # whether a thread waited on any of them
+
+    # -- steps -----------------------------------------------------------------------------------
+    def step_ended(self) -> "frozenset[str] | None":
+        """The engine is idle (``SubmitQueue.take``, under its lock). After a thread waited for
+        results, what ran since the last such moment was one step: the names of its ops (if more
+        than one), and the step meter and timeline record it. Idle without a wait may be a pause
+        inside a step: None."""
+        if not self._step_waited:
+            return None
+        names = self._step_names
+        self._step_names, self._step_waited = [], False
+        if self.steps is not None:
+            self.end_step()
+        return frozenset(names) if len(names) > 1 else None
+
+    def end_step(self) -> None:
+        """The ops since the last step's end were one step: the meter records it, and so does the
+        timeline, if one runs."""
+        steps = self.steps
+        sample = steps.step_end()
+        if sample is not None:
+            start = steps.compute_start
+            self.timelines.step(sample.step, start, start + sample.compute, sample.end, sample.wait)
+
+    # -- running -----------------------------------------------------------------------------------
+    def plan(self, ready: "list[Request]") -> Plan:
+        config = self.config
+        return self.plans.plan(ready, config.fusion_threshold_bytes, config.inplace_min_bytes)
+
+    def keep_plan(self, plan: "Plan | None", ready: "list[Request]") -> Plan:
+        """``plan``, kept with a steady batch, while it fits the fusion settings; else a new one."""
+        config = self.config
+        return self.plans.keep(plan, ready, config.fusion_threshold_bytes, config.inplace_min_bytes)
+
+    def execute(self, ready: "list[Request]", cycle: int, plan: "Plan | None" = None,
+                names: "list[str] | None" = None, first_submit: "float | None" = None,
+                nbytes: "int | None" = None) -> None:
+        """Run the ready ops (in the agreed order) by ``plan`` (the cached one if not given), in
+        cycle number ``cycle``; ``names``: theirs, in that order, if known; ``first_submit``: the
+        earliest submit among them, and ``nbytes``: their arrays' bytes, if known."""
+        started = time.monotonic()
+        timeline = self.timelines.current
+        if timeline is not None:
+            timeline.negotiated(ready, started, self.timelines.mark_cycles)
+        steps = self.steps
+        if steps is not None and ready:  # (a joined rank may be left with nothing to run)
+            if first_submit is None:
+                first_submit = min(request.submitted for request in ready)
+            if nbytes is None:
+                nbytes = sum(request.nbytes for request in ready)
+            steps.batch(first_submit, started, nbytes, cycle)
+        if plan is None:
+            plan = self.plan(ready)
+        if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
+            self._step_names = []
+        kept = names is not None  # a steady batch's own list, the same every step
+        if names is None:
+            names = list(map(_NAME, ready))
+        self._step_names.extend(names)
+        tuner = self.tuner
+        if tuner is not None:
+            tuner.note(names, sum(request.nbytes for request in ready) if nbytes is None else nbytes)
+        if self.queue.waiters:
+            self._step_waited = True
+        flight = self.flight
+        if flight is not None:
+            flight.start(ready, names, kept, started)
+        for index in plan.one_by_one:
+            self._run_one(ready[index])
+        take = ready.__getitem__
+        for ring in plan.rings:
+            # The common batch is one ring that packs every op: no list to build.
+            batch = ready if ring.packs_all else list(map(take, ring.packed))
+            self._run_ring(ring, batch, list(map(take, ring.alone)))
+        if steps is not None or flight is not None:
+            now = time.monotonic()
+            if steps is not None:
+                steps.done(now)
+            if flight is not None:
+                flight.finish(now)
+
+    def _run_one(self, request: Request) -> None:
+        # No argument checks and no error catching here: arguments were checked at submit and
+        # agreed on by every rank, so an exception now is a failure of the engine itself.
+        ex = self.executor
+        kind = request.kind
+        begin = time.monotonic()
+        if kind is Kind.ALLGATHER:
+            result: Any = ex.allgather(request.array)
+        elif kind is Kind.BROADCAST:
+            result = ex.broadcast(request.array, request.root, request.array if request.in_place else None)
+        elif kind is Kind.REDUCESCATTER:
+            result = ex.reducescatter(request.array, request.op, request.prescale, request.postscale)
+        elif kind is Kind.ALLTOALL:
+            result = ex.alltoall(request.array, request.splits)
+        elif kind is Kind.BARRIER:
+            result = ex.barrier()
+        elif kind is Kind.BROADCAST_OBJECT:
+            result = ex.broadcast_bytes(request.obj, request.root)
+        elif kind is Kind.ALLGATHER_OBJECT:
+            result = ex.allgather_bytes(request.obj)
+        else:  # pragma: no cover - every kind is listed above
+            raise AssertionError(kind)
+        timeline = self.timelines.current  # read once: stop_timeline() may clear it from a user thread
+        if timeline is not None:
+            timeline.span(request.name, kind.name, begin, time.monotonic())
+        self.finish(request, result)
+
+    def _run_ring(self, ring: Ring, batch: "list[Request]", alone: "list[Request]") -> None:
+        """One ring over the fusion buffer (``batch`` packed into it, if any) followed by
+        the ``alone`` tensors in their own memory (or fresh copies for out-of-place ops)."""
+        first = (batch or alone)[0]
+        backend = first.backend
+        host = isinstance(backend, NumpyBackend)
+        flats, outs, copied = [], [], []
+        t0 = t1 = time.monotonic()
+        arrays: "list[Any]" = []
+        if batch:
+            buffer = self._buffers.get(backend, ring.packed_bytes, self.config.fusion_threshold_bytes)
+            arrays = ring.pack(batch, backend, host, buffer)
+            flats.append(ring.fused)
+            t1 = time.monotonic()
+        for request in alone:
+            out = request.array if request.in_place else request.array.copy(order="C")
+            flat, was_copied = backend.flatten(out)
+            outs.append(out)
+            flats.append(flat)
+            copied.append(was_copied)
+        self.executor.allreduce_flat(flats, first.op, backend, first.prescale, first.postscale)
+        t2 = time.monotonic()
+        results = ring.unpack(batch, arrays, backend, host) if batch else []
+        t3 = time.monotonic()
+        for out, flat, was_copied in zip(outs, flats[1 if batch else 0:], copied):
+            if was_copied:
+                backend.copy(out, flat.reshape(out.shape))
+            results.append(out)
+        timeline = self.timelines.current  # read once: stop_timeline() may clear it from a user thread
+        if timeline is not None:
+            timeline.ring(batch, alone, ring.packed_bytes, (t0, t1, t2, t3))
+        self._complete_all(batch + alone, results)
+
+    # -- completion --------------------------------------------------------------------------------
+    def _complete_all(self, requests: "list[Request]", results: "list[Any]") -> None:
+        """``finish`` for many successful ops at once: one lock acquisition for all of them."""
+        self.queue.done(list(map(_NAME, requests)))
+        for request, result in zip(requests, results):
+            request.handle.complete(request.index, result)
+        self._finished_any = True
+
+    def finish(self, request: Request, result: Any = None, error: "BaseException | None" = None) -> None:
+        """One op ended on this rank, with ``result`` or ``error``."""
+        self.queue.end(request)
+        if error is not None:
+            if self.flight is not None:
+                self.flight.failed((request,), time.monotonic())
+            request.handle.fail(error)
+        else:
+            request.handle.complete(request.index, result)
+        self._finished_any = True
+
+    def complete_join(self, handle: Any, last: int) -> None:
+        """Every rank has joined: the join handle's result is the job rank that joined last."""
+        handle.complete(0, last)
+        self._finished_any = True
+
+    def wake_waiters(self) -> None:
+        """Once per batch: wake the threads waiting on handles, if any op ended."""
+        if self._finished_any:
+            self._finished_any = False
+            with self.done_cv:
+                self.done_cv.notify_all()
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine stops: every op not ended fails with ``error``, and so does a join."""
+        leftovers, join_handle = self.queue.close(error)
+        if self.flight is not None:
+            self.flight.failed(leftovers, time.monotonic())
+        for request in leftovers:
+            request.handle.fail(error)
+        if join_handle is not None:
+            join_handle.fail(error)
+        with self.done_cv:
+            self.done_cv.notify_all()
