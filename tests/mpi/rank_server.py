@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import traceback
 from typing import Any, BinaryIO
 
@@ -57,14 +58,18 @@ class _Redirected:
 def run_body(module_name: str, function_name: str, env: "dict[str, str]") -> "str | None":
     """Run one body as a one-off job's rank would; its traceback if it failed, else None.
 
-    The body's changes to the environment and the working directory are undone after it, so
-    that the next body starts as it would in a job of its own."""
+    The body's changes to the environment, the working directory, the standard streams and the
+    exception hooks are undone after it, so that the next body starts as in a job of its own
+    (a body that changes other process-wide state runs with ``fresh=True``)."""
     import mtrain.ringreduce as rr
 
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_hooks = (sys.stdout, sys.stderr, sys.excepthook, threading.excepthook)
     os.environ.update(env)
     try:
         rr.init()
+        # As init() leaves them (its first call in a process installs the abort hook).
+        saved_hooks = (sys.stdout, sys.stderr, sys.excepthook, threading.excepthook)
         getattr(importlib.import_module(module_name), function_name).rank_body()
         rr.shutdown()
         return None
@@ -80,12 +85,14 @@ def run_body(module_name: str, function_name: str, env: "dict[str, str]") -> "st
         os.environ.clear()
         os.environ.update(saved_env)
         os.chdir(saved_cwd)
+        sys.stdout, sys.stderr, sys.excepthook, threading.excepthook = saved_hooks
     sys.stderr.write(text)  # where a one-off job's abort hook would print it
     return text
 
 
 def serve(address: str) -> None:
-    """Connect to ``address`` and run the bodies it sends until it says quit or goes away."""
+    """Connect to ``address`` and run the bodies it sends, until the job is killed (or the
+    pytest side goes away)."""
     from mpi4py import MPI
 
     import mtrain.ringreduce  # noqa: F401  (imported once for every body: that is the point)
@@ -97,8 +104,6 @@ def serve(address: str) -> None:
     lines: BinaryIO = conn.makefile("rb")
     for line in lines:
         order = json.loads(line)
-        if order.get("quit"):
-            break
         with _Redirected(f"{order['output']}.rank{rank}.out", f"{order['output']}.rank{rank}.err"):
             failure = run_body(order["module"], order["function"], order.get("env", {}))
         _send(conn, {"rank": rank, "ok": failure is None, "traceback": failure or ""})
