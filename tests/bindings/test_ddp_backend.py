@@ -18,7 +18,7 @@ require("torch", "pip install '.[torch]'")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.mpi.harness import launch  # noqa: E402
+from tests.mpi.harness import mpi_test  # noqa: E402
 
 
 def _free_port() -> int:
@@ -27,21 +27,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rendezvous() -> "dict[str, str]":
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+
+
 def ddp_test(nps=(2, 3), timeout: float = 240, rendezvous: bool = True):
-    """Like ``mpi_test``, with a fresh rendezvous port for every job."""
-    def wrap(body):
-        @pytest.mark.parametrize("nprocs", list(nps), ids=lambda n: f"np{n}")
-        def test(nprocs: int) -> None:
-            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if rendezvous else {}
-            result = launch(nprocs, [sys.executable, "-m", "tests.mpi.harness", body.__module__, body.__name__],
-                            timeout, env)
-            if result.returncode != 0:
-                pytest.fail(f"{nprocs}-rank job exited with {result.returncode}\n"
-                            f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}")
-        test.rank_body = body
-        test.__doc__ = body.__doc__
-        return test
-    return wrap
+    """Like ``mpi_test``, with a fresh rendezvous port for every run of the body."""
+    return mpi_test(nps, timeout, body_env=_rendezvous if rendezvous else None)
 
 
 def _init_mtrain() -> "tuple[int, int]":

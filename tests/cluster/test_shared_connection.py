@@ -89,6 +89,24 @@ def _counts(logs: dict[str, Path]) -> dict[str, tuple[int, int]]:
     return counts
 
 
+_ENDED = re.compile(r"(Disconnected from|Connection closed by|Connection reset by) user root")
+
+
+def _when_ended(logs: dict[str, Path], timeout: float = 10) -> dict[str, tuple[int, int]]:
+    """The counts once sshd has logged the end of every session and connection it logged the
+    start of: it logs a session's end after the client has gone, and a login or session logged
+    late would be missed. (Past ``timeout`` the counts are taken as they are.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        texts = {name: path.read_text() for name, path in logs.items()}
+        ended = all(text.count("Close session: ") >= text.count("Starting session: ")
+                    and len(_ENDED.findall(text)) >= text.count("Accepted publickey for root")
+                    for text in texts.values())
+        if ended or time.monotonic() > deadline:
+            return _counts(logs)
+        time.sleep(0.05)
+
+
 def _counted_run(cluster, counted, env_extra: dict[str, str] | None = None, *args: str):
     home, logs = counted
     before = _counts(logs)
@@ -96,8 +114,7 @@ def _counted_run(cluster, counted, env_extra: dict[str, str] | None = None, *arg
     env.update(env_extra or {})
     done = subprocess.run(mtrain_argv("-p", str(COUNTED_PORT), *args), env=env, capture_output=True, text=True,
                           timeout=120)
-    time.sleep(0.5)  # sshd logs a session's end after the client has gone
-    after = _counts(logs)
+    after = _when_ended(logs)
     return done, {name: (after[name][0] - before[name][0], after[name][1] - before[name][1]) for name in logs}
 
 

@@ -31,7 +31,10 @@ def _wait_for(lines: list, fragment: str, proc: subprocess.Popen, timeout: float
 
 
 def test_forwarding_skips_a_process_that_does_not_catch_sigusr1():
-    child = subprocess.Popen([PYTHON, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"],
+    # The child catches SIGUSR2 alone, and says so when it comes (the evidence below).
+    child = subprocess.Popen([PYTHON, "-c", "import signal, sys, time\n"
+                              "signal.signal(signal.SIGUSR2, lambda *a: print('usr2', flush=True))\n"
+                              "print('up', flush=True)\ntime.sleep(60)\n"],
                              stdout=subprocess.PIPE, text=True)
     catcher = subprocess.Popen([PYTHON, "-c", "import signal, sys\n"
                                 "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(7))\n"
@@ -42,7 +45,12 @@ def test_forwarding_skips_a_process_that_does_not_catch_sigusr1():
         assert not forward_if_caught(child.pid, signal.SIGUSR1)
         assert forward_if_caught(catcher.pid, signal.SIGUSR1)
         assert catcher.wait(timeout=20) == 7  # it got the signal
-        assert child.poll() is None           # and this one was left alone
+        # And this one was left alone. Evidence, not a look right after: kill() makes a signal
+        # pending before it returns, and Linux delivers the lower-numbered of two pending signals
+        # first, so had SIGUSR1 been sent, the child would die of it before it handled SIGUSR2.
+        os.kill(child.pid, signal.SIGUSR2)
+        assert child.stdout.readline() == "usr2\n"
+        assert child.poll() is None
     finally:
         child.kill()
         catcher.kill()

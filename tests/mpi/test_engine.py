@@ -132,19 +132,37 @@ def test_stall_shutdown_fails_waiting_ranks_naming_the_missing_one():
             rr.synchronize(rr.allreduce_async(np.ones(3), name="only.some.ranks"))
         assert "not yet by rank(s) [1]" in str(info.value)
         assert "'only.some.ranks'" in str(info.value)
+        MPI.COMM_WORLD.send("stalled", dest=1, tag=31)  # (the world, never the runtime's communicators)
     else:
-        # Rank 1 skips that op. It joins the barrier below half-way through the
-        # others' 3 s stall limit, so its own wait there stays well under the limit.
-        time.sleep(1.5)
+        # Rank 1 skips that op. It joins the barrier below once the others gave up on it, so
+        # that no one's wait there comes near the stall limit.
+        for _ in range(n - 1):
+            assert MPI.COMM_WORLD.recv(source=MPI.ANY_SOURCE, tag=31) == "stalled"
     rr.barrier()
     assert rr.allreduce(np.ones(2), op=rr.Sum, name="after").tolist() == [n, n]
 
 
 STALL_WARNING_SCRIPT = """
-import time, numpy as np, mtrain.ringreduce as rr
+import sys, threading, numpy as np, mtrain.ringreduce as rr
+from mpi4py import MPI
 rr.init()
+if rr.rank() == 0:  # the coordinator, which warns: it tells rank 1 once it has
+    warned = threading.Event()
+
+    class Watched:  # rank 0's stderr (the runtime looks sys.stderr up for every line)
+        def write(self, text):
+            if "stall warning" in text:
+                warned.set()
+            return sys.__stderr__.write(text)
+
+        def flush(self):
+            sys.__stderr__.flush()
+
+    sys.stderr = Watched()
+    threading.Thread(target=lambda: warned.wait() and MPI.COMM_WORLD.send("warned", dest=1, tag=32),
+                     daemon=True).start()
 if rr.rank() == 1:
-    time.sleep(2.5)  # rank 1 is late: the others wait on 'late.grad' meanwhile
+    MPI.COMM_WORLD.recv(source=0, tag=32)  # rank 1 is late: the others wait on 'late.grad' meanwhile
 rr.synchronize(rr.allreduce_async(np.ones(3), name="late.grad"))
 rr.shutdown()
 print("finished", rr.rank() if rr.is_initialized() else "")
@@ -192,16 +210,27 @@ def test_shutdown_with_ops_in_flight_never_hangs(nprocs):
 
 
 LATE_ENGINE_EXIT_SCRIPT = """
-import time, numpy as np, mtrain.ringreduce as rr
+import threading, numpy as np, mtrain.ringreduce as rr
 from mtrain.ringreduce.dispatch import Dispatcher
+from mtrain.ringreduce.engine import Engine
 original = Dispatcher.fail_all
 
 
 def fail_all_then_linger(self, error):
     original(self, error)
-    time.sleep(1.0)  # the engine thread has failed its ops but has not ended yet
+    asked.wait(10)  # the engine thread has failed its ops but has not ended yet
 
 
+asked = threading.Event()  # until init() asks the stopped engine to shut down, its thread lingers
+original_shutdown = Engine.shutdown
+
+
+def shutdown_releasing(self, *args, **kwargs):
+    asked.set()
+    original_shutdown(self, *args, **kwargs)
+
+
+Engine.shutdown = shutdown_releasing
 Dispatcher.fail_all = fail_all_then_linger
 rr.init()
 if rr.rank() == 0:

@@ -372,8 +372,11 @@ def test_a_stall_inside_a_set_names_the_missing_global_rank():
     if me == 0:
         _raises(lambda: _wait(rr.allreduce_async(np.ones(3), name="only.rank0", process_set=pair)),
                 rr.StallError, "'only.rank0'", "not yet by rank(s) [2]")
+        for peer in (1, 2):  # (the world, never the runtime's communicators)
+            MPI.COMM_WORLD.send("stalled", dest=peer, tag=33)
     else:
-        time.sleep(1.5)  # join the barrier half-way through rank 0's stall limit
+        # Join the barrier once rank 0 gave up on its op: no one's wait there nears the limit.
+        assert MPI.COMM_WORLD.recv(source=0, tag=33) == "stalled"
     rr.barrier()
     if pair.included():
         assert rr.allreduce(np.ones(2), op=rr.Sum, process_set=pair, name="after").tolist() == [2, 2]

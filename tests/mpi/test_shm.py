@@ -304,7 +304,8 @@ def test_shared_memory_executor_matches_rank_order():
         executor.close()
 
 
-@mpi_test(nps=(2, 3))
+# A job of its own (fresh): the body points shm's folder lookup nowhere for the rest of its process.
+@mpi_test(nps=(2, 3), fresh=True)
 def test_auto_reads_the_peers_buffers_where_the_segment_cannot_be_mapped():
     """No room for the segment (here: no such folder): auto falls back to cma; the segment
     transport, forced, leaves the all-reduces to the ring (and rank 0 says why)."""

@@ -25,6 +25,19 @@ from mtrain.launcher.records.agent_events import AgentEventKind, AgentEventReade
 WORDS = ["PATH=/p;export PATH;", "prted", "--daemonize", "--x", '"a b"']
 
 
+class WatchedEvent(threading.Event):
+    """A channel's status event that tells when the master waits out its drain on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draining = threading.Event()
+
+    def wait(self, timeout=None) -> bool:
+        if timeout == ssh_master.DRAIN_SECONDS:  # the agent went: the master drains the session
+            self.draining.set()
+        return super().wait(timeout)
+
+
 class FakeChannel:
     """A paramiko Channel as the master uses it; `behave(channel, first_line)` plays the host."""
 
@@ -33,11 +46,16 @@ class FakeChannel:
         self.sent: list[bytes] = []
         self.command: str | None = None
         self.closed = False
-        self.status_event = threading.Event()
+        self.status_event = WatchedEvent()
         self.exit_status = -1
         self.out: queue.Queue = queue.Queue()
         self.err: queue.Queue = queue.Queue()
         self.started = threading.Event()
+        self.reading = {"out": threading.Event(), "err": threading.Event()}
+
+    def relayed(self, timeout: float = 10) -> bool:
+        """Whether the master's relay reads both of the session's streams (within ``timeout``)."""
+        return all(event.wait(timeout) for event in self.reading.values())
 
     def _start(self, first: str) -> None:
         self.started.set()
@@ -56,9 +74,11 @@ class FakeChannel:
             self._start(data.decode())
 
     def recv(self, size: int) -> bytes:
+        self.reading["out"].set()
         return self.out.get()
 
     def recv_stderr(self, size: int) -> bytes:
+        self.reading["err"].set()
         return self.err.get()
 
     def exit_status_ready(self) -> bool:
@@ -342,7 +362,7 @@ def test_connection_lost_mid_job_is_reported_as_host_lost(scratch, tmp_path):
     transport = FakeTransport()
 
     def die(channel: FakeChannel, first: str) -> None:
-        time.sleep(0.2)
+        assert channel.relayed()  # mid-job: the master relays the session
         transport.active = False  # what paramiko does when the connection dies: the transport
         channel.close()           # ends, then its channels, with status -1
         channel.status_event.set()
@@ -367,7 +387,7 @@ def test_a_guard_killed_mid_job_is_a_host_lost_even_when_its_agent_is_gone(scrat
     stopped = threading.Event()
 
     def killed(channel: FakeChannel, first: str) -> None:
-        stopped.wait(10) if not agent_stays else time.sleep(0.2)
+        stopped.wait(10) if not agent_stays else channel.relayed()  # mid-job
         channel.status_event.set()
 
     master = make_master(scratch, events=str(tmp_path / "events"))
@@ -378,7 +398,7 @@ def test_a_guard_killed_mid_job_is_a_host_lost_even_when_its_agent_is_gone(scrat
     if not agent_stays:
         assert channel.started.wait(10)  # the daemon runs on the host
         proc.terminate()  # as mpirun stops its agents
-        time.sleep(0.1)   # within the master's drain of the session
+        assert channel.status_event.draining.wait(10)  # within the master's drain of the session
         stopped.set()
     out, err = proc.communicate(timeout=20)
     reader, events = AgentEventReader(str(tmp_path / "events")), []
@@ -395,11 +415,10 @@ def test_a_guard_killed_mid_job_is_a_host_lost_even_when_its_agent_is_gone(scrat
 
 def running_daemon(master: ConnectionMaster, tmp_path, host: str) -> subprocess.Popen:
     """Open the gate and start an agent whose daemon runs on `host` through the master."""
+    channel = master.hosts[host].waiting_probe  # the session the agent's request will run in
     master.open_gate("")
     proc = agent(master, tmp_path, host, "prted")
-    channel = master.hosts[host].waiting_probe
-    assert channel is None or channel.started.wait(10)
-    time.sleep(0.2)  # the relay's threads start after the daemon's session does
+    assert channel.relayed()  # the relay's threads start after the daemon's session does
     return proc
 
 
