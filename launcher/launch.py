@@ -207,12 +207,12 @@ def launch(config: LaunchConfig, dry_run: bool = False, generation: Generation |
     ports, so it travels through the gate to the hosts, where the remote guard
     leaves it for the rank wrappers in the job's folder (job_files.py).
     """
-    with _Termination() as termination:
+    with Termination() as termination:
         return _launch(config, dry_run, generation, termination)
 
 
 def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
-            termination: "_Termination") -> int:
+            termination: "Termination") -> int:
     from mtrain.launcher import supervise
     with tempfile.TemporaryDirectory(prefix="mtrain-agent-", dir=temporary_folder()) as scratch:
         agent = None
@@ -241,7 +241,7 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                     agent = [sys.executable, "-m", "mtrain.launcher.ssh_agent"]
                 else:
                     if not dry_run and os.environ.get(ENV_SHARE_SSH, "1") != "0":
-                        master = _start_master(config, scratch, job_file, agents_updates)
+                        master = start_master(config, scratch, job_file, agents_updates)
                     agent = _agent(config, scratch, events_path, gate, job_file, agents_updates,
                                    master.path if master else None)
             subnets = (_route_subnets(config) if config.remote_hosts and not through_slurm
@@ -307,7 +307,7 @@ def _launch(config: LaunchConfig, dry_run: bool, generation: Generation | None,
                 job_files.remove_host(job_file, local_host)  # and the job's folders, once no host's entry is left
 
 
-class _Termination:
+class Termination:
     """Outside the job's own run (the supervisor handles signals then), SIGTERM, SIGHUP and
     SIGINT end a launch through its cleanup, so the connection master's socket and the scratch
     directory are removed; a signal that arrives during the cleanup waits for its end."""
@@ -319,7 +319,7 @@ class _Termination:
         self._cleaning = False
         self._previous: dict = {}
 
-    def __enter__(self) -> "_Termination":
+    def __enter__(self) -> "Termination":
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
@@ -351,7 +351,7 @@ class _Termination:
             self._cleaning = False
 
 
-def _start_master(config: LaunchConfig, scratch: str, job_file: str, updates: str | None):
+def start_master(config: LaunchConfig, scratch: str, job_file: str, updates: str | None):
     """The connection master for this launch, serving in `scratch` (a private directory);
     None if it cannot serve there."""
     from mtrain.launcher import remote_guard

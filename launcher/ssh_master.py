@@ -175,10 +175,13 @@ class ConnectionMaster:
         self._log = log or (lambda message: None)
         self.hosts: dict[str, _Host] = {}
         self.counters = Counters()
-        self._lock = threading.Lock()
+        # The master's state is guarded by `lock`; `gate_changed` (on that lock) wakes the requests
+        # held at the gate. Both are public so a test can put an instrumented Condition in place
+        # of `gate_changed` before any agent connects (tests/unit/test_ssh_master.py).
+        self.lock = threading.Lock()
         self._gate = GateState.WAITING
         self._layout = ""
-        self._gate_changed = threading.Condition(self._lock)
+        self.gate_changed = threading.Condition(self.lock)
         self._closed = False
         # Held while an event is written to the supervisor's file, which lives in the launch's
         # scratch folder: once close() has returned, nothing writes there (the folder goes next).
@@ -214,13 +217,13 @@ class ConnectionMaster:
     def close(self) -> None:
         """Stop serving: remove the socket, end every relayed session, close the connections.
         Idempotent; safe from any thread."""
-        with self._lock:
+        with self.lock:
             if self._closed:
                 return
             self._closed = True
             if self._gate is GateState.WAITING:
                 self._gate = GateState.CLOSED
-            self._gate_changed.notify_all()
+            self.gate_changed.notify_all()
             listener, self._listener = self._listener, None
             agents, channels = list(self._agents), list(self._channels)
             hosts = list(self.hosts.values())
@@ -250,7 +253,7 @@ class ConnectionMaster:
     def adopt(self, host: str, client: Any, waiting_probe: Any | None = None) -> bool:
         """Keep the preflight's connection to `host` (and its probe waiting for a go line).
         False (and the caller closes them) once the master is closed or has one already."""
-        with self._lock:
+        with self.lock:
             if self._closed or host in self.hosts:
                 return False
             self.hosts[host] = _Host(client, waiting_probe)
@@ -259,17 +262,17 @@ class ConnectionMaster:
 
     def open_gate(self, layout: str) -> None:
         """The preflight passed: run what the agents asked for, handing the hosts `layout`."""
-        with self._lock:
+        with self.lock:
             if self._gate is GateState.WAITING:
                 self._gate, self._layout = GateState.OPEN, layout
-            self._gate_changed.notify_all()
+            self.gate_changed.notify_all()
 
     def close_gate(self) -> None:
         """The preflight failed: nothing runs; the agents give up quietly."""
-        with self._lock:
+        with self.lock:
             if self._gate is GateState.WAITING:
                 self._gate = GateState.CLOSED
-            self._gate_changed.notify_all()
+            self.gate_changed.notify_all()
             probes = [(h, h.waiting_probe) for h in self.hosts.values() if h.waiting_probe is not None]
             for host, _ in probes:
                 host.waiting_probe = None
@@ -279,12 +282,12 @@ class ConnectionMaster:
 
     def _wait_for_gate(self, timeout: float) -> tuple[GateState, str]:
         deadline = time.monotonic() + timeout
-        with self._lock:
+        with self.lock:
             while self._gate is GateState.WAITING and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._gate_changed.wait(left)
+                self.gate_changed.wait(left)
             return self._gate, self._layout
 
     # ---- serving agents ----------------------------------------------------------------------
@@ -301,7 +304,7 @@ class ConnectionMaster:
             threading.Thread(target=self._serve, args=(agent,), name="mtrain-ssh-relay", daemon=True).start()
 
     def _serve(self, agent: socket.socket) -> None:
-        with self._lock:
+        with self.lock:
             if self._closed:
                 agent.close()
                 return
@@ -311,14 +314,14 @@ class ConnectionMaster:
         except Exception as error:  # a relay thread never prints a traceback
             self._log(f"ssh master: agent connection ended: {type(error).__name__}: {error}")
         finally:
-            with self._lock:
+            with self.lock:
                 self._agents.discard(agent)
             with contextlib.suppress(OSError):
                 agent.close()
 
     def _serve_agent(self, agent: socket.socket) -> None:
         if peer_uid(agent) not in (None, os.getuid()):
-            with self._lock:
+            with self.lock:
                 self.counters.refused += 1
             return
         agent.settimeout(REQUEST_TIMEOUT)
@@ -328,7 +331,7 @@ class ConnectionMaster:
                 raise ProtocolError("expected a request")
             host, words = decode_request(frame[1])
         except (ProtocolError, OSError) as error:
-            with self._lock:
+            with self.lock:
                 self.counters.refused += 1
             with contextlib.suppress(OSError):
                 send_frame(agent, FrameKind.FAILED, f"mtrain ssh master: {error}".encode())
@@ -342,7 +345,7 @@ class ConnectionMaster:
             if state is not GateState.OPEN:
                 send_frame(agent, FrameKind.CLOSED)
                 return
-        with self._lock:
+        with self.lock:
             shared = self.hosts.get(host)
             if shared is None:
                 self.counters.unknown += 1
@@ -358,13 +361,13 @@ class ConnectionMaster:
     def _start(self, host: str, shared: _Host, words: list[str], layout: str, agent: socket.socket):
         """The channel running `words` on `host`: the waiting probe if it is still there, else
         a new session; None (after telling the agent) if neither could be had."""
-        with self._lock:
+        with self.lock:
             probe, shared.waiting_probe = shared.waiting_probe, None
         if probe is not None:
             try:
                 if not probe.closed and not probe.exit_status_ready():
                     probe.sendall(self.go_line(words, layout))
-                    with self._lock:
+                    with self.lock:
                         self.counters.probe_sessions += 1
                         self._channels.add(probe)
                     return probe
@@ -379,7 +382,7 @@ class ConnectionMaster:
             detail = f"host {host}: cannot start a session: {error or type(error).__name__}"
             send_frame(agent, FrameKind.FAILED, detail.encode())
             return None
-        with self._lock:
+        with self.lock:
             self.counters.new_sessions += 1
             self._channels.add(channel)
         return channel
@@ -471,7 +474,7 @@ class ConnectionMaster:
             done.set()
             with contextlib.suppress(Exception):
                 channel.close()
-            with self._lock:
+            with self.lock:
                 self._channels.discard(channel)
 
 

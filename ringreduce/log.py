@@ -14,10 +14,15 @@ from .settings import EngineConfig, LogLevel
 _level = LogLevel.WARNING
 
 
+def set_level(level: LogLevel) -> None:
+    """Messages below ``level`` are dropped from now on."""
+    global _level
+    _level = level
+
+
 def start(config: EngineConfig, rank: int) -> None:
     """Take ``config``'s level; say once (rank 0) what the settings are and what mtrain lacks."""
-    global _level
-    _level = config.log_level
+    set_level(config.log_level)
     if rank != 0:
         return
     debug(f"engine settings: {config.describe()}")

@@ -117,7 +117,7 @@ DEFAULT_BLOCK_BYTES = 256 << 10
 DEFAULT_CMA_BLOCK_BYTES = 1 << 20
 _LINE = 64  # regions start on cache lines: no two ranks write the same line
 
-def _shm_dir() -> str:
+def shm_folder() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
@@ -129,7 +129,7 @@ def map_shared(local: MPI.Comm, nbytes: int) -> "tuple[mmap.mmap | None, str | N
         try:
             # /dev/shm is shared by every user of the host: the file lives in a new 0700 folder of
             # ours (mkdtemp's), never straight in it (launcher/private.py says why).
-            folder = tempfile.mkdtemp(prefix="mtrain-allreduce-", dir=_shm_dir())
+            folder = tempfile.mkdtemp(prefix="mtrain-allreduce-", dir=shm_folder())
             path = os.path.join(folder, "segment")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
             try:
@@ -138,7 +138,7 @@ def map_shared(local: MPI.Comm, nbytes: int) -> "tuple[mmap.mmap | None, str | N
             finally:
                 os.close(fd)
         except OSError as exc:
-            error = f"cannot create a {nbytes}-byte shared-memory file in {_shm_dir()}: {exc}"
+            error = f"cannot create a {nbytes}-byte shared-memory file in {shm_folder()}: {exc}"
     path, error = local.bcast((path, error), root=0)
     mapped = None
     if error is None:

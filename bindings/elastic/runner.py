@@ -92,7 +92,7 @@ def resume_generation(state: State) -> int:
             values = rr.broadcast_object(values, root_rank=source, name="mtrain.elastic.snapshot")
         if values is not None:  # source 0: the others get its state from sync() below
             state.load_committed(values)
-        state._commit_number = newest
+        state.commit_number = newest
     state.sync()
     state.save()  # every rank's in-memory commit is now the synced state
     if rr.rank() == 0:

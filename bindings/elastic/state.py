@@ -109,6 +109,11 @@ class State:
         """How many commits this job made before the current one, counting all generations (-1: none)."""
         return self._commit_number
 
+    @commit_number.setter
+    def commit_number(self, number: int) -> None:
+        """Set by a new generation's start: the number of the commit it resumed from."""
+        self._commit_number = number
+
     def _write_snapshot(self) -> None:
         # Every rank holds the same committed state: one writer per host is enough.
         if rr.local_rank() != 0:

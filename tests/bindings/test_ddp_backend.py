@@ -36,7 +36,7 @@ def ddp_test(nps=(2, 3), timeout: float = 240, rendezvous: bool = True):
     return mpi_test(nps, timeout, body_env=_rendezvous if rendezvous else None)
 
 
-def _init_mtrain() -> "tuple[int, int]":
+def init_mtrain() -> "tuple[int, int]":
     import mtrain.distributed  # noqa: F401  (registers the backend)
     os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
     os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
@@ -57,7 +57,7 @@ def _dtypes():
     return dtypes
 
 
-def _data(rank: int, shape, dtype) -> torch.Tensor:
+def rank_data(rank: int, shape, dtype) -> torch.Tensor:
     """Distinct per rank and per element, small enough for products and low precision."""
     count = int(np.prod(shape, dtype=np.int64))
     values = (np.arange(count) * 7 + rank * 3) % 11 + 1 + rank  # 1 .. 11 + rank
@@ -66,7 +66,7 @@ def _data(rank: int, shape, dtype) -> torch.Tensor:
     return torch.from_numpy(values.reshape(shape)).to(dtype)
 
 
-_REFERENCE = {
+REFERENCE = {
     dist.ReduceOp.SUM: lambda xs: np.sum(xs, axis=0),
     dist.ReduceOp.AVG: lambda xs: np.mean(xs, axis=0),
     dist.ReduceOp.MIN: lambda xs: np.min(xs, axis=0),
@@ -76,8 +76,8 @@ _REFERENCE = {
 
 
 def _expected(op, shape, dtype, size) -> np.ndarray:
-    inputs = np.stack([_data(r, shape, dtype).double().numpy() for r in range(size)])
-    return _REFERENCE[op](inputs)
+    inputs = np.stack([rank_data(r, shape, dtype).double().numpy() for r in range(size)])
+    return REFERENCE[op](inputs)
 
 
 def _close(got: torch.Tensor, want: np.ndarray, dtype) -> bool:
@@ -87,10 +87,10 @@ def _close(got: torch.Tensor, want: np.ndarray, dtype) -> bool:
 
 @ddp_test()
 def test_collectives_match_numpy_for_every_op_dtype_and_size():
-    me, n = _init_mtrain()
+    me, n = init_mtrain()
     shapes = [(7,), (3, 5), (), (0,), (300_001,)]  # odd, 2-d, 0-d, empty, large enough for the ring
     for dtype in _dtypes():
-        for op in _REFERENCE:
+        for op in REFERENCE:
             if op == dist.ReduceOp.PRODUCT and dtype == torch.uint8:
                 continue  # overflows
             if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
@@ -99,22 +99,22 @@ def test_collectives_match_numpy_for_every_op_dtype_and_size():
                 if op == dist.ReduceOp.PRODUCT and shape == (300_001,):
                     shape = (1001,)
                 what = f"all_reduce {op} {dtype} {shape}"
-                tensor = _data(me, shape, dtype)
+                tensor = rank_data(me, shape, dtype)
                 dist.all_reduce(tensor, op=op)
                 want = _expected(op, shape, dtype, n)
                 assert tensor.shape == torch.Size(shape) and tensor.dtype == dtype, what
                 assert _close(tensor, want, dtype), f"{what}: got {tensor.flatten()[:8]}, want {want.flatten()[:8]}"
 
     # A non-contiguous tensor is reduced in place; the elements around it stay.
-    base = torch.stack([_data(me, (9,), torch.float64)] * 4)
+    base = torch.stack([rank_data(me, (9,), torch.float64)] * 4)
     view = base[:, ::2]
     dist.all_reduce(view, op=dist.ReduceOp.MAX)
     want = np.stack([_expected(dist.ReduceOp.MAX, (9,), torch.float64, n)[::2]] * 4)
     assert np.array_equal(view.numpy(), want)
-    assert torch.equal(base[:, 1::2], torch.stack([_data(me, (9,), torch.float64)[1::2]] * 4))
+    assert torch.equal(base[:, 1::2], torch.stack([rank_data(me, (9,), torch.float64)[1::2]] * 4))
 
     # Complex sums reduce real and imaginary parts.
-    z = torch.complex(_data(me, (5,), torch.float64), -_data(me, (5,), torch.float64))
+    z = torch.complex(rank_data(me, (5,), torch.float64), -rank_data(me, (5,), torch.float64))
     dist.all_reduce(z)
     want = _expected(dist.ReduceOp.SUM, (5,), torch.float64, n)
     assert np.allclose(z.numpy(), want - 1j * want)
@@ -122,25 +122,25 @@ def test_collectives_match_numpy_for_every_op_dtype_and_size():
     # Broadcast from the last rank (non-zero root), every dtype, odd and empty sizes.
     for dtype in _dtypes():
         for shape in [(7,), (2, 3), (0,), (100_003,)]:
-            tensor = _data(me, shape, dtype)
+            tensor = rank_data(me, shape, dtype)
             dist.broadcast(tensor, src=n - 1)
-            assert torch.equal(tensor, _data(n - 1, shape, dtype)), f"broadcast {dtype} {shape}"
+            assert torch.equal(tensor, rank_data(n - 1, shape, dtype)), f"broadcast {dtype} {shape}"
 
     # all_gather: one output tensor per rank, in rank order.
     for dtype in _dtypes():
         for shape in [(3,), (2, 5), (), (0, 4)]:
             outputs = [torch.full(shape, 99).to(dtype) for _ in range(n)]
-            dist.all_gather(outputs, _data(me, shape, dtype))
+            dist.all_gather(outputs, rank_data(me, shape, dtype))
             for r, out in enumerate(outputs):
-                assert torch.equal(out, _data(r, shape, dtype)), f"all_gather {dtype} {shape} from rank {r}"
+                assert torch.equal(out, rank_data(r, shape, dtype)), f"all_gather {dtype} {shape} from rank {r}"
 
     out = torch.zeros(n * 6, dtype=torch.int64)
-    dist.all_gather_into_tensor(out, _data(me, (6,), torch.int64))
-    assert torch.equal(out, torch.cat([_data(r, (6,), torch.int64) for r in range(n)]))
+    dist.all_gather_into_tensor(out, rank_data(me, (6,), torch.int64))
+    assert torch.equal(out, torch.cat([rank_data(r, (6,), torch.int64) for r in range(n)]))
 
     # reduce_scatter_tensor: rank r keeps part r of the sum.
     mine = torch.zeros(5, dtype=torch.float64)
-    dist.reduce_scatter_tensor(mine, _data(me, (n * 5,), torch.float64))
+    dist.reduce_scatter_tensor(mine, rank_data(me, (n * 5,), torch.float64))
     assert np.allclose(mine.numpy(), _expected(dist.ReduceOp.SUM, (n * 5,), torch.float64, n)[me * 5:(me + 1) * 5])
 
     dist.barrier()
@@ -149,9 +149,9 @@ def test_collectives_match_numpy_for_every_op_dtype_and_size():
 
 @ddp_test(nps=(2, 3))
 def test_async_handles_futures_barrier_and_errors():
-    me, n = _init_mtrain()
+    me, n = init_mtrain()
     # More async ops of one signature than the group keeps name slots for: names are reused safely.
-    tensors = [_data(me + i, (11,), torch.float32) for i in range(10)]
+    tensors = [rank_data(me + i, (11,), torch.float32) for i in range(10)]
     works = [dist.all_reduce(t, async_op=True) for t in tensors]
     futures = [w.get_future() for w in works]
     gathered = [torch.zeros(3) for _ in range(n)]
@@ -164,7 +164,7 @@ def test_async_handles_futures_barrier_and_errors():
         assert work.is_completed() and work.is_success()
         (result,) = future.wait()
         assert result is tensor or result.data_ptr() == tensor.data_ptr()
-        want = sum(_data(r + i, (11,), torch.float32).double().numpy() for r in range(n))
+        want = sum(rank_data(r + i, (11,), torch.float32).double().numpy() for r in range(n))
         assert np.allclose(tensor.numpy(), want), f"async all_reduce {i}"
     gather_work.wait()
     assert [g[0].item() for g in gathered] == [float(r) for r in range(n)]
@@ -209,7 +209,7 @@ def test_async_handles_futures_barrier_and_errors():
     dist.destroy_process_group()
 
 
-def _model(seed: int) -> torch.nn.Module:
+def small_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
                                torch.nn.Linear(16, 3)).double()
@@ -230,17 +230,17 @@ def _train(model: torch.nn.Module, rank: int, steps: int = 4) -> np.ndarray:
 def test_ddp_on_mtrain_equals_ddp_on_gloo():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
-    me, n = _init_mtrain()
+    me, n = init_mtrain()
     gloo = dist.new_group(backend="gloo")
     # Ranks start from different weights: DDP broadcasts rank 0's. gloo trains first (see below).
     runs = {
-        "gloo": DDP(_model(me), process_group=gloo),
-        "mtrain": DDP(_model(me)),
-        "mtrain, tiny buckets": DDP(_model(me), bucket_cap_mb=0.0005),
-        "mtrain, Python allreduce_hook": DDP(_model(me)),
+        "gloo": DDP(small_model(me), process_group=gloo),
+        "mtrain": DDP(small_model(me)),
+        "mtrain, tiny buckets": DDP(small_model(me), bucket_cap_mb=0.0005),
+        "mtrain, Python allreduce_hook": DDP(small_model(me)),
     }
     runs["mtrain, Python allreduce_hook"].register_comm_hook(None, default_hooks.allreduce_hook)
-    initial = torch.cat([p.detach().reshape(-1) for p in _model(0).parameters()]).numpy()
+    initial = torch.cat([p.detach().reshape(-1) for p in small_model(0).parameters()]).numpy()
     results = {name: _train(model, me) for name, model in runs.items()}
     want = results["gloo"]
     assert not np.allclose(want, initial), "training did not move the parameters"

@@ -19,7 +19,7 @@ require("torch", "pip install '.[torch]'")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.bindings.test_ddp_backend import _REFERENCE, _data, _init_mtrain, _model, ddp_test  # noqa: E402
+from tests.bindings.test_ddp_backend import REFERENCE, rank_data, init_mtrain, small_model, ddp_test  # noqa: E402
 
 _BITWISE = {
     dist.ReduceOp.BAND: np.bitwise_and,
@@ -30,7 +30,7 @@ _BITWISE = {
 
 def _bits(rank: int, shape, dtype) -> torch.Tensor:
     """Distinct bits per rank and per element (bool: a pattern that differs per rank)."""
-    values = _data(rank, shape, torch.int64) * (rank + 5)
+    values = rank_data(rank, shape, torch.int64) * (rank + 5)
     if dtype == torch.bool:
         return (values % 3 == 0)
     return values.to(dtype)
@@ -53,13 +53,13 @@ def _check_collectives(group, members: "list[int]") -> None:
     where = f"group {members}, rank {me}"
 
     # all_reduce: every op of the runtime, and the bitwise ones (zero-size and 0-d too).
-    for op, reference in _REFERENCE.items():
+    for op, reference in REFERENCE.items():
         for dtype in (torch.float64, torch.int32):
             if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
                 continue
-            tensor = _data(me, (7,), dtype)
+            tensor = rank_data(me, (7,), dtype)
             dist.all_reduce(tensor, op=op, group=group)
-            want = reference(np.stack([_data(r, (7,), dtype).double().numpy() for r in members]))
+            want = reference(np.stack([rank_data(r, (7,), dtype).double().numpy() for r in members]))
             assert np.allclose(tensor.double().numpy(), want), f"{where}: all_reduce {op} {dtype}"
     for op, fold in _BITWISE.items():
         for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
@@ -74,40 +74,40 @@ def _check_collectives(group, members: "list[int]") -> None:
     # reduce: the result on the destination (a global rank in torch's API); the others keep theirs.
     for root in members:
         for op, tensor_of, reference in [
-                (dist.ReduceOp.SUM, lambda r: _data(r, (5, 3), torch.float64), lambda xs: xs.sum(axis=0)),
-                (dist.ReduceOp.MAX, lambda r: _data(r, (9,), torch.int64), lambda xs: xs.max(axis=0)),
+                (dist.ReduceOp.SUM, lambda r: rank_data(r, (5, 3), torch.float64), lambda xs: xs.sum(axis=0)),
+                (dist.ReduceOp.MAX, lambda r: rank_data(r, (9,), torch.int64), lambda xs: xs.max(axis=0)),
                 (dist.ReduceOp.BXOR, lambda r: _bits(r, (6,), torch.int32), lambda xs: np.bitwise_xor.reduce(xs))]:
             tensor = tensor_of(me)
             dist.reduce(tensor, dst=root, op=op, group=group)
             want = reference(np.stack([tensor_of(r).numpy() for r in members])) if me == root else tensor_of(me).numpy()
             assert np.array_equal(tensor.numpy(), want), f"{where}: reduce {op} to {root}"
-    base = torch.stack([_data(me, (9,), torch.float64)] * 3)  # a non-contiguous tensor on the root
+    base = torch.stack([rank_data(me, (9,), torch.float64)] * 3)  # a non-contiguous tensor on the root
     dist.reduce(base[:, ::2], dst=members[-1], group=group)
     if me == members[-1]:
-        assert np.array_equal(base[:, ::2].numpy(), np.stack([sum(_data(r, (9,), torch.float64).numpy()[::2]
+        assert np.array_equal(base[:, ::2].numpy(), np.stack([sum(rank_data(r, (9,), torch.float64).numpy()[::2]
                                                                    for r in members)] * 3))
-        assert torch.equal(base[:, 1::2], torch.stack([_data(me, (9,), torch.float64)[1::2]] * 3))
-    z = torch.complex(_data(me, (4,), torch.float64), -_data(me, (4,), torch.float64))
+        assert torch.equal(base[:, 1::2], torch.stack([rank_data(me, (9,), torch.float64)[1::2]] * 3))
+    z = torch.complex(rank_data(me, (4,), torch.float64), -rank_data(me, (4,), torch.float64))
     dist.reduce(z, dst=members[0], group=group)
     if me == members[0]:
-        want = sum(_data(r, (4,), torch.float64).numpy() for r in members)
+        want = sum(rank_data(r, (4,), torch.float64).numpy() for r in members)
         assert np.allclose(z.numpy(), want - 1j * want), f"{where}: complex reduce"
 
     # broadcast from the last member (a global rank), all_gather, all_gather_into_tensor.
-    tensor = _data(me, (2, 3), torch.float32)
+    tensor = rank_data(me, (2, 3), torch.float32)
     dist.broadcast(tensor, src=members[-1], group=group)
-    assert torch.equal(tensor, _data(members[-1], (2, 3), torch.float32)), f"{where}: broadcast"
+    assert torch.equal(tensor, rank_data(members[-1], (2, 3), torch.float32)), f"{where}: broadcast"
     outputs = [torch.zeros(5, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(outputs, _data(me, (5,), torch.int64), group=group)
-    assert all(torch.equal(o, _data(r, (5,), torch.int64)) for o, r in zip(outputs, members)), where
+    dist.all_gather(outputs, rank_data(me, (5,), torch.int64), group=group)
+    assert all(torch.equal(o, rank_data(r, (5,), torch.int64)) for o, r in zip(outputs, members)), where
     out = torch.zeros(size * 3)
-    dist.all_gather_into_tensor(out, _data(me, (3,), torch.float32), group=group)
-    assert torch.equal(out, torch.cat([_data(r, (3,), torch.float32) for r in members])), where
+    dist.all_gather_into_tensor(out, rank_data(me, (3,), torch.float32), group=group)
+    assert torch.equal(out, torch.cat([rank_data(r, (3,), torch.float32) for r in members])), where
 
     # reduce_scatter_tensor (SUM and a bitwise op), reduce_scatter with sizes that differ per rank.
-    total = np.sum([_data(r, (size * 5,), torch.float64).numpy() for r in members], axis=0)
+    total = np.sum([rank_data(r, (size * 5,), torch.float64).numpy() for r in members], axis=0)
     part = torch.zeros(5, dtype=torch.float64)
-    dist.reduce_scatter_tensor(part, _data(me, (size * 5,), torch.float64), group=group)
+    dist.reduce_scatter_tensor(part, rank_data(me, (size * 5,), torch.float64), group=group)
     assert np.array_equal(part.numpy(), total[mine * 5:(mine + 1) * 5]), f"{where}: reduce_scatter_tensor"
     part = torch.zeros(4, dtype=torch.int64)
     dist.reduce_scatter_tensor(part, _bits(me, (size * 4,), torch.int64), op=dist.ReduceOp.BOR, group=group)
@@ -115,9 +115,9 @@ def _check_collectives(group, members: "list[int]") -> None:
     assert np.array_equal(part.numpy(), want[mine * 4:(mine + 1) * 4]), f"{where}: reduce_scatter_tensor BOR"
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.MIN):
         out = torch.full((1 + 2 * mine,), -1.0, dtype=torch.float64)
-        inputs = [_data(me + 10 * g, (1 + 2 * g,), torch.float64) for g in range(size)]
+        inputs = [rank_data(me + 10 * g, (1 + 2 * g,), torch.float64) for g in range(size)]
         dist.reduce_scatter(out, inputs, op=op, group=group)
-        stack = np.stack([_data(r + 10 * mine, (1 + 2 * mine,), torch.float64).numpy() for r in members])
+        stack = np.stack([rank_data(r + 10 * mine, (1 + 2 * mine,), torch.float64).numpy() for r in members])
         want = stack.sum(axis=0) if op == dist.ReduceOp.SUM else stack.min(axis=0)
         assert np.array_equal(out.numpy(), want), f"{where}: reduce_scatter {op}"
 
@@ -126,10 +126,10 @@ def _check_collectives(group, members: "list[int]") -> None:
     dist.all_to_all(outputs, [_sent(me, g, _count(mine, g)) for g in range(size)], group=group)
     for g, got in enumerate(outputs):
         assert torch.equal(got, _sent(members[g], mine, _count(g, mine))), f"{where}: all_to_all from {g}"
-    rows = _data(me, (size * 2, 3), torch.int32)
+    rows = rank_data(me, (size * 2, 3), torch.int32)
     out = torch.zeros(size * 2, 3, dtype=torch.int32)
     dist.all_to_all_single(out, rows, group=group)
-    want = torch.cat([_data(r, (size * 2, 3), torch.int32)[2 * mine:2 * mine + 2] for r in members])
+    want = torch.cat([rank_data(r, (size * 2, 3), torch.int32)[2 * mine:2 * mine + 2] for r in members])
     assert torch.equal(out, want), f"{where}: all_to_all_single"
     send = [_count(mine, g) + 1 for g in range(size)]
     receive = [_count(g, mine) + 1 for g in range(size)]
@@ -179,14 +179,14 @@ def _check_collectives(group, members: "list[int]") -> None:
                 work.wait()
         else:
             work.wait()
-    t = _data(me, (3,), torch.float64)
+    t = rank_data(me, (3,), torch.float64)
     dist.all_reduce(t, group=group)  # the group still works
-    assert np.array_equal(t.numpy(), sum(_data(r, (3,), torch.float64).numpy() for r in members)), where
+    assert np.array_equal(t.numpy(), sum(rank_data(r, (3,), torch.float64).numpy() for r in members)), where
 
 
 @ddp_test(nps=(2, 3))
 def test_collectives_on_the_job_and_on_subgroups_match_numpy():
-    me, n = _init_mtrain()
+    me, n = init_mtrain()
     layout = {2: [[0], [1]], 3: [[0, 2], [1]]}[n]
     groups = [dist.new_group(ranks) for ranks in layout]  # every rank makes every group, in order
     for ranks, group in zip(layout, groups):
@@ -213,7 +213,7 @@ def test_collectives_on_the_job_and_on_subgroups_match_numpy():
 def test_send_recv_gather_and_scatter_on_the_job_and_a_subgroup():
     """Point-to-point (blocking, isend/irecv, batch_isend_irecv, a future) around a ring of the
     group's ranks, then gather and scatter to and from every root, on the job and on [0, n-1]."""
-    me, n = _init_mtrain()
+    me, n = init_mtrain()
     pair = dist.new_group([0, n - 1])
     with pytest.raises(NotImplementedError, match="any source"):
         dist.recv(torch.zeros(1))  # torch's recv from whichever rank sends
@@ -278,7 +278,7 @@ def _zero_equals_one_process(group, ranks: "list[int]", me: int, steps: int) -> 
     process does on the group's mean gradient, and each rank holds only its shard of Adam's state."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
-    reference = _model(ranks[0])
+    reference = small_model(ranks[0])
     optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
     for step in range(steps):
         optimizer.zero_grad()
@@ -286,7 +286,7 @@ def _zero_equals_one_process(group, ranks: "list[int]", me: int, steps: int) -> 
             x, y = _batches(r, steps)[step]
             (torch.nn.functional.mse_loss(reference(x), y) / len(ranks)).backward()
         optimizer.step()
-    model = DDP(_model(me), process_group=group)
+    model = DDP(small_model(me), process_group=group)
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, process_group=group, lr=0.01)
     for x, y in _batches(me, steps):
         zero.zero_grad()
@@ -309,7 +309,7 @@ def test_ddp_and_zero_on_disjoint_subgroups_equal_gloo_and_one_process():
     """Data parallel over [0, 1] and [2, 3] (mtrain), a model-parallel layout [0, 2], [1, 3] too; ZeRO
     over a data-parallel subgroup and over the job."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    me, n = _init_mtrain()
+    me, n = init_mtrain()
     dp, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])  # this rank's group, and all of them
     dp_ranks = [[0, 1], [2, 3]][me // 2]
     mp, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
@@ -328,14 +328,14 @@ def test_ddp_and_zero_on_disjoint_subgroups_equal_gloo_and_one_process():
     # DDP broadcasts group rank 0's; each pair trains on its own data).
     results = {}
     for name, group in (("gloo", gloo_dp), ("mtrain", dp)):
-        model = DDP(_model(me), process_group=group)
+        model = DDP(small_model(me), process_group=group)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for x, y in _batches(me, steps):
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
         results[name] = _flat(model.module)
-    assert not np.allclose(results["mtrain"], _flat(_model(dp_ranks[0]))), "training did not move the parameters"
+    assert not np.allclose(results["mtrain"], _flat(small_model(dp_ranks[0]))), "training did not move the parameters"
     assert np.allclose(results["mtrain"], results["gloo"], rtol=1e-12, atol=1e-12), \
         f"rank {me}: DDP on mtrain differs from gloo by {np.abs(results['mtrain'] - results['gloo']).max()}"
 
@@ -349,7 +349,7 @@ def test_ddp_and_zero_on_disjoint_subgroups_equal_gloo_and_one_process():
 @ddp_test(nps=(3,))
 def test_monitored_barrier_passes_and_names_the_ranks_that_stay_away():
     import mtrain.distributed as mtrain_dist
-    me, n = _init_mtrain()
+    me, n = init_mtrain()
     pair = dist.new_group([0, 2])
     gloo = dist.new_group(backend="gloo")
     store = dist.distributed_c10d._get_default_store()

@@ -311,7 +311,7 @@ def test_auto_reads_the_peers_buffers_where_the_segment_cannot_be_mapped():
     transport, forced, leaves the all-reduces to the ring (and rank 0 says why)."""
     comm = MPI.COMM_WORLD
     local, cross = _host_split(comm)
-    shm._shm_dir = lambda: "/nonexistent-mtrain-test"
+    shm.shm_folder = lambda: "/nonexistent-mtrain-test"
     auto = Executor(comm, 512 << 10, 16 << 10, local, cross, algorithm="shm", shm_transport="auto")
     if auto.shared is None:  # cross-memory attach refused too: the ring runs
         assert not os.environ.get("CI"), "cross-memory attach refused in CI"

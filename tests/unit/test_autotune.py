@@ -113,7 +113,7 @@ def test_rank_0_tries_bayes_samples_then_each_categorical_value_then_keeps_the_b
 def test_a_failed_log_file_is_a_warning_and_tuning_goes_on(tmp_path, capsys):
     from mtrain.ringreduce import log
     from mtrain.ringreduce.settings import LogLevel
-    log._level = LogLevel.WARNING
+    log.set_level(LogLevel.WARNING)
     t = tuner(tmp_path, log_path=str(tmp_path / "missing" / "log.csv"))
     assert "cannot write the log file" in capsys.readouterr().err
     assert t.decide([1.0]).active

@@ -75,8 +75,9 @@ def own_private_names(tree: ast.AST) -> set[str]:
             names.add(node.name)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            names.add(node.attr)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in ("self", "cls")):
+            names.add(node.attr)  # a class's own (set here, or read here and set by a factory beside it)
         elif isinstance(node, ast.arg):
             names.add(node.arg)
     # __slots__ and dataclass fields declared by annotation are the class's own too.
@@ -130,6 +131,7 @@ def test_no_underscored_name_is_used_across_modules():
     ("from collections import namedtuple\nP = namedtuple('P', 'a')\nP(1)._replace(a=2)\n", False),
     ("import os\nos._exit(0)\n", False),
     ("def f(engine):\n    return engine._flight\n", True),
+    ("def f(master, watch):\n    master._gate = watch\n", True),
 ])
 def test_the_check_sees_a_reach_in(code, bad):
     found = offenders_in(code, "probe.py", "mtrain.ringreduce.probe")

@@ -160,9 +160,9 @@ class GateWatch(threading.Condition):
 
 def watch_gate(master: ConnectionMaster) -> GateWatch:
     """Install a GateWatch in `master` (before any agent connects)."""
-    assert isinstance(master._gate_changed, threading.Condition), "the master's gate is no longer a Condition"
-    watch = GateWatch(master._lock)
-    master._gate_changed = watch
+    assert isinstance(master.gate_changed, threading.Condition), "the master's gate is no longer a Condition"
+    watch = GateWatch(master.lock)
+    master.gate_changed = watch
     return watch
 
 
@@ -550,9 +550,9 @@ def test_signal_outside_the_job_ends_the_launch_through_its_cleanup():
     # SIGTERM while a launch sets up: SystemExit(143) from where it was, so every finally runs.
     done = _in_child(
         "import os, signal\n"
-        "from mtrain.launcher.launch import _Termination\n"
+        "from mtrain.launcher.launch import Termination\n"
         "try:\n"
-        "    with _Termination():\n"
+        "    with Termination():\n"
         "        try:\n"
         "            os.kill(os.getpid(), signal.SIGTERM)\n"
         "            print('not reached')\n"
@@ -567,9 +567,9 @@ def test_signal_outside_the_job_ends_the_launch_through_its_cleanup():
 def test_signal_during_the_cleanup_waits_for_its_end():
     done = _in_child(
         "import os, signal\n"
-        "from mtrain.launcher.launch import _Termination\n"
+        "from mtrain.launcher.launch import Termination\n"
         "try:\n"
-        "    with _Termination() as termination:\n"
+        "    with Termination() as termination:\n"
         "        with termination.cleaning():\n"
         "            os.kill(os.getpid(), signal.SIGINT)\n"
         "            os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -588,7 +588,7 @@ def test_launch_goes_on_without_sharing_where_no_socket_can_be_served(tmp_path, 
     not_private = tmp_path / "open"
     not_private.mkdir()
     os.chmod(not_private, 0o755)
-    assert launchlib._start_master(config, str(not_private), "/tmp/job-{host}.json", None) is None
+    assert launchlib.start_master(config, str(not_private), "/tmp/job-{host}.json", None) is None
     assert os.listdir(not_private) == []
 
 
