@@ -57,7 +57,7 @@ from mpi4py import MPI
 
 from .backend import is_device_array
 from .errors import InvalidArgumentError, MismatchError, ShutdownError
-from .settings import env_number
+from . import settings
 
 # dtype name (padded), element count, whether the payload follows in a message of its own.
 _HEADER = struct.Struct("<16sqq")
@@ -74,7 +74,7 @@ _SPIN_SECONDS = 2e-4
 
 
 def _eager_bytes() -> int:
-    return int(env_number("MTRAIN_P2P_EAGER_BYTES", EAGER_BYTES))
+    return int(settings.number_or(settings.P2P_EAGER_BYTES, EAGER_BYTES))
 
 
 _names: Dict[np.dtype, bytes] = {}
@@ -284,8 +284,8 @@ class _Mover:
         self._sleepers = 0          # of those, the ones asleep on _done_cv
         self._mover_idle = False    # the mover thread sleeps on _work_cv
         self.eager = _eager_bytes()
-        self.chunk = max(4096, int(env_number("MTRAIN_P2P_CHUNK_BYTES", CHUNK_BYTES)))
-        self.window = max(1, int(env_number("MTRAIN_P2P_WINDOW", WINDOW)))
+        self.chunk = max(4096, int(settings.number_or(settings.P2P_CHUNK_BYTES, CHUNK_BYTES)))
+        self.window = max(1, int(settings.number_or(settings.P2P_WINDOW, WINDOW)))
         self.ready: List[Transfer] = []  # done transfers whose callbacks are due (run outside the lock)
         self._thread = threading.Thread(target=self._run, name="mtrain-p2p", daemon=True)
         self._thread.start()

@@ -239,6 +239,11 @@ SHM_STRIPE_BYTES = Setting(
 CUDA_AWARE = Setting(
     "MTRAIN_CUDA_AWARE", None, _on_off, "1 or 0", None,
     "{name}={lowered!r}: use 1 (MPI reads GPU memory), 0 (stage through host memory), or leave it unset to ask MPI")
+# Point-to-point transfers (p2p.py, whose constants are the defaults): the largest payload sent
+# in one message, the chunk size of a larger one, and how many chunks are in flight at once.
+P2P_EAGER_BYTES = Setting("MTRAIN_P2P_EAGER_BYTES", None, _number, "a number >= 0", None)
+P2P_CHUNK_BYTES = Setting("MTRAIN_P2P_CHUNK_BYTES", None, _number, "a number >= 0", None)
+P2P_WINDOW = Setting("MTRAIN_P2P_WINDOW", None, _number, "a number >= 0", None)
 
 SETTINGS: "tuple[Setting, ...]" = (
     CYCLE_TIME_MS, FUSION_THRESHOLD_BYTES, INPLACE_MIN_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
@@ -246,14 +251,14 @@ SETTINGS: "tuple[Setting, ...]" = (
     HIERARCHICAL_ALLREDUCE, HIERARCHICAL_ALLGATHER, LOG_HIDE_TIME, DYNAMIC_PROCESS_SETS,
     AUTOTUNE, AUTOTUNE_LOG, AUTOTUNE_WARMUP_SAMPLES, AUTOTUNE_STEPS_PER_SAMPLE, AUTOTUNE_BAYES_OPT_MAX_SAMPLES,
     AUTOTUNE_GAUSSIAN_PROCESS_NOISE, RING_SEGMENT_BYTES, SMALL_ALLREDUCE_BYTES, ALLREDUCE_ALGORITHM, SHM_TRANSPORT,
-    SHM_STRIPE_BYTES, CUDA_AWARE,
+    SHM_STRIPE_BYTES, CUDA_AWARE, P2P_EAGER_BYTES, P2P_CHUNK_BYTES, P2P_WINDOW,
 )
 
 
-def env_number(name: str, default: float) -> float:
-    """A non-negative number from the environment, or ``default`` when unset or empty
-    (for the runtime's own variables that have no Horovod twin and no row in SETTINGS)."""
-    return Setting(name, None, _number, "a number >= 0", default).read()
+def number_or(setting: Setting, default: float) -> float:
+    """``setting``'s number from the environment, or ``default`` when it is unset or empty."""
+    value = setting.read()
+    return default if value is None else value
 
 
 @dataclasses.dataclass(frozen=True)
