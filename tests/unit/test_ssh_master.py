@@ -542,56 +542,6 @@ def test_probe_without_go_line_runs_nothing(tmp_path):
     assert done.stderr.count(b"\n") == 1 and not marker.exists()
 
 
-def _in_child(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-
-
-def test_signal_outside_the_job_ends_the_launch_through_its_cleanup():
-    # SIGTERM while a launch sets up: SystemExit(143) from where it was, so every finally runs.
-    done = _in_child(
-        "import os, signal\n"
-        "from mtrain.launcher.launch import Termination\n"
-        "try:\n"
-        "    with Termination():\n"
-        "        try:\n"
-        "            os.kill(os.getpid(), signal.SIGTERM)\n"
-        "            print('not reached')\n"
-        "        finally:\n"
-        "            print('cleaned')\n"
-        "except SystemExit as done:\n"
-        "    print('exit', done.code)\n"
-        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n")
-    assert done.stdout.split() == ["cleaned", "exit", "143", "True"], done.stderr
-
-
-def test_signal_during_the_cleanup_waits_for_its_end():
-    done = _in_child(
-        "import os, signal\n"
-        "from mtrain.launcher.launch import Termination\n"
-        "try:\n"
-        "    with Termination() as termination:\n"
-        "        with termination.cleaning():\n"
-        "            os.kill(os.getpid(), signal.SIGINT)\n"
-        "            os.kill(os.getpid(), signal.SIGTERM)\n"
-        "            print('cleanup went on')\n"
-        "except KeyboardInterrupt:\n"
-        "    print('interrupted after it')\n")
-    assert done.stdout.split("\n")[:2] == ["cleanup went on", "interrupted after it"], done.stderr
-
-
-def test_launch_goes_on_without_sharing_where_no_socket_can_be_served(tmp_path, monkeypatch):
-    from mtrain.launcher import launch as launchlib
-    from mtrain.launcher.config import LaunchConfig, MpiKind, MpiLauncher
-    from mtrain.launcher.hosts import HostSlots
-    config = LaunchConfig(plan=(HostSlots("a", 1),), command=("true",), remote_hosts=("a",), ssh=SshOptions(),
-                          mpi=MpiLauncher("/bin/true", MpiKind.OPENMPI))
-    not_private = tmp_path / "open"
-    not_private.mkdir()
-    os.chmod(not_private, 0o755)
-    assert launchlib.start_master(config, str(not_private), "/tmp/job-{host}.json", None) is None
-    assert os.listdir(not_private) == []
-
-
 def test_nothing_is_written_to_the_events_file_once_the_master_is_closed(scratch, tmp_path):
     # The launch removes its scratch folder, the events file's, right after closing the master:
     # the relays that end with it (their connections closed by close()) write nothing there.
