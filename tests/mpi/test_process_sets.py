@@ -6,59 +6,15 @@ Average divides by the set's size. Every wait is bounded, so a deadlock fails th
 instead of hanging the suite.
 """
 import random
-import sys
 import threading
-import time
 
 import numpy as np
-import pytest
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
 from tests.mpi.data import assert_matches, reference, values
-from tests.mpi.harness import launch, mpi_test
-
-WAIT_S = 60.0  # no single op of these tests may take this long: past it, it is a deadlock
-
-
-def _set_lists(n: int) -> "list[list[int]]":
-    return {1: [[0]], 2: [[0], [1]], 3: [[0, 2], [1]]}[n]
-
-
-def _register() -> "list[rr.ProcessSet]":
-    """The job's sets, registered through init() (the harness has already called init())."""
-    sets = [rr.ProcessSet(ranks) for ranks in _set_lists(rr.size())]
-    rr.init(process_sets=sets)
-    return sets
-
-
-def _wait(handle, what: str = "op"):
-    """synchronize(), but an op that does not finish in WAIT_S fails the test (a deadlock)."""
-    deadline = time.monotonic() + WAIT_S
-    while not rr.poll(handle):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"rank {rr.rank()}: {what} did not finish within {WAIT_S:g}s (deadlock?)")
-        time.sleep(0.002)
-    return rr.synchronize(handle)
-
-
-def _raises(fn, kind, *fragments) -> str:
-    with pytest.raises(kind) as info:
-        fn()
-    text = str(info.value)
-    for fragment in fragments:
-        assert fragment in text, f"rank {rr.rank()}: {fragment!r} not in error: {text}"
-    return text
-
-
-def _same_everywhere(value, what: str) -> None:
-    seen = MPI.COMM_WORLD.allgather(value)
-    assert all(v == seen[0] for v in seen), f"{what} differs across ranks: {seen}"
-
-
-def _engine_threads() -> int:
-    return sum(1 for t in threading.enumerate() if t.name == "mtrain-engine" and t.is_alive())
-
+from tests.mpi.harness import mpi_test
+from tests.mpi.process_set_helpers import WAIT_S, engine_threads, raises, register_sets, same_everywhere, set_lists, wait_op
 
 # -- queries ---------------------------------------------------------------------------------
 
@@ -69,17 +25,17 @@ def test_set_queries_agree_on_every_rank():
     unregistered = rr.ProcessSet([2, 0])
     assert unregistered.ranks == [0, 2]  # sorted, as in Horovod
     assert (unregistered.size(), unregistered.rank(), unregistered.included()) == (None, None, None)
-    sets = _register()
-    for ps, ranks in zip(sets, _set_lists(n)):
+    sets = register_sets()
+    for ps, ranks in zip(sets, set_lists(n)):
         assert ps.ranks == ranks, ps
         assert ps.size() == len(ranks)
         assert ps.included() is (me in ranks)
         if me in ranks:
             assert ps.rank() == ranks.index(me)
         else:
-            _raises(ps.rank, ValueError, f"rank {me}", "not part of")
+            raises(ps.rank, ValueError, f"rank {me}", "not part of")
     ids = [ps.process_set_id for ps in sets]
-    _same_everywhere(ids, "process set ids")
+    same_everywhere(ids, "process set ids")
     if n == 1:
         assert ids == [0]  # [0] is every rank: the global set itself
     else:
@@ -88,14 +44,14 @@ def test_set_queries_agree_on_every_rank():
     assert g.process_set_id == 0 and g.ranks == list(range(n))
     assert (g.size(), g.rank(), g.included()) == (n, me, True)
     # A fresh ProcessSet of the same ranks registers as the same set.
-    again = rr.ProcessSet(_set_lists(n)[0])
+    again = rr.ProcessSet(set_lists(n)[0])
     rr.init(process_sets=[again])
     assert again.process_set_id == ids[0]
     # Bad constructions are ValueErrors, before any collective.
     for bad in ([0, 0], [0.5], [True], 3, "01"):
-        _raises(lambda: rr.ProcessSet(bad), ValueError, "ProcessSet")
-    _raises(lambda: rr.init(process_sets=5), ValueError, "process_sets")
-    _raises(lambda: rr.init(process_sets=[[0]]), ValueError, "process_sets")
+        raises(lambda: rr.ProcessSet(bad), ValueError, "ProcessSet")
+    raises(lambda: rr.init(process_sets=5), ValueError, "process_sets")
+    raises(lambda: rr.init(process_sets=[[0]]), ValueError, "process_sets")
 
 
 # -- every op on each set --------------------------------------------------------------------
@@ -125,8 +81,8 @@ def _check_every_op(ps, members: "list[int]") -> None:
     h1 = rr.allreduce_async(values(me, shape, np.float64), op=rr.Average, **kw)
     y = values(me, shape, np.float64)
     h2 = rr.allreduce_async_(y, op=rr.Sum, prescale_factor=0.5, postscale_factor=3.0, **kw)
-    assert_matches(_wait(h1), want_sum / k, f"{where} allreduce_async Average")
-    assert _wait(h2) is y
+    assert_matches(wait_op(h1), want_sum / k, f"{where} allreduce_async Average")
+    assert wait_op(h2) is y
     assert_matches(y, want_sum * 1.5, f"{where} allreduce_async_ scaled")
     # grouped, out of place and in place, and async
     shapes = [(0,), (5,), (2, 3), (1,)]
@@ -135,7 +91,7 @@ def _check_every_op(ps, members: "list[int]") -> None:
     for got, want, s in zip(rr.grouped_allreduce(mine, op=rr.Sum, **kw), wants, shapes):
         assert_matches(got, want, f"{where} grouped_allreduce {s}")
     arrays = [a.copy() for a in mine]
-    out = _wait(rr.grouped_allreduce_async_(arrays, op=rr.Average, **kw))
+    out = wait_op(rr.grouped_allreduce_async_(arrays, op=rr.Average, **kw))
     for got, array, want, s in zip(out, arrays, wants, shapes):
         assert got is array
         assert_matches(got, want / k, f"{where} grouped_allreduce_async_ {s}")
@@ -143,7 +99,7 @@ def _check_every_op(ps, members: "list[int]") -> None:
     rr.grouped_allreduce_(arrays, op=rr.Max, **kw)
     for got, s in zip(arrays, shapes):
         assert_matches(got, reference([values(r, s, np.float32) for r in members], rr.Max), f"{where} grouped max")
-    for got, want in zip(_wait(rr.grouped_allreduce_async(mine, op=rr.Sum, **kw)), wants):
+    for got, want in zip(wait_op(rr.grouped_allreduce_async(mine, op=rr.Sum, **kw)), wants):
         assert_matches(got, want, f"{where} grouped_allreduce_async")
 
     # allgather: rows differ per rank (rank 0 and 3 send none); result in set-rank order.
@@ -153,7 +109,7 @@ def _check_every_op(ps, members: "list[int]") -> None:
     gathered = rr.allgather(values(me, (rows(me), 3), np.int32), **kw)
     want = np.concatenate([values(r, (rows(r), 3), np.int32) for r in members])
     assert_matches(gathered, want, f"{where} allgather")
-    got = _wait(rr.allgather_async(values(me, (rows(me) + 1,), np.float64), **kw))
+    got = wait_op(rr.allgather_async(values(me, (rows(me) + 1,), np.float64), **kw))
     assert_matches(got, np.concatenate([values(r, (rows(r) + 1,), np.float64) for r in members]),
                    f"{where} allgather_async")
     pair = rr.grouped_allgather([values(me, (rows(me), 2), np.float32), values(me, (1,), np.int64)], **kw)
@@ -161,7 +117,7 @@ def _check_every_op(ps, members: "list[int]") -> None:
                    f"{where} grouped_allgather[0]")
     assert_matches(pair[1], np.concatenate([values(r, (1,), np.int64) for r in members]),
                    f"{where} grouped_allgather[1]")
-    pair = _wait(rr.grouped_allgather_async([values(me, (0, 4), np.float64)], **kw))
+    pair = wait_op(rr.grouped_allgather_async([values(me, (0, 4), np.float64)], **kw))
     assert pair[0].shape == (0, 4)
 
     # broadcast: root_rank is a global rank of the set.
@@ -172,10 +128,10 @@ def _check_every_op(ps, members: "list[int]") -> None:
         z = values(me, (7,), np.float64)
         assert rr.broadcast_(z, root_rank=root, **kw) is z
         assert_matches(z, want, f"{where} broadcast_ root {root}")
-        assert_matches(_wait(rr.broadcast_async(values(me, (2, 3), np.int32), root_rank=root, **kw)),
+        assert_matches(wait_op(rr.broadcast_async(values(me, (2, 3), np.int32), root_rank=root, **kw)),
                        values(root, (2, 3), np.int32), f"{where} broadcast_async root {root}")
         z = values(me, (0,), np.float32)
-        assert _wait(rr.broadcast_async_(z, root_rank=root, **kw)) is z
+        assert wait_op(rr.broadcast_async_(z, root_rank=root, **kw)) is z
         assert rr.broadcast_object({"from": me, "list": [me] * 3}, root_rank=root, **kw) == \
             {"from": root, "list": [root] * 3}
 
@@ -188,7 +144,7 @@ def _check_every_op(ps, members: "list[int]") -> None:
             mine_rows = full[start:start + base + (sr < extra)]
             got = rr.reducescatter(values(me, (nrows, 3), np.float64), op=op, **kw)
             assert_matches(got, mine_rows, f"{where} reducescatter {nrows} rows {op}")
-    got = _wait(rr.reducescatter_async(values(me, (k + 2,), np.float32), op=rr.Sum, **kw))
+    got = wait_op(rr.reducescatter_async(values(me, (k + 2,), np.float32), op=rr.Sum, **kw))
     full = reference([values(r, (k + 2,), np.float32) for r in members], rr.Sum)
     base, extra = divmod(k + 2, k)
     start = sr * base + min(sr, extra)
@@ -198,7 +154,7 @@ def _check_every_op(ps, members: "list[int]") -> None:
     assert_matches(outs[0], first[:1] if sr == 0 else first[:0], f"{where} grouped_reducescatter[0]")
     second = reference([values(r, (k, 2), np.float64) for r in members], rr.Sum)
     assert_matches(outs[1], second[sr:sr + 1], f"{where} grouped_reducescatter[1]")
-    outs = _wait(rr.grouped_reducescatter_async([values(me, (k,), np.int32)], op=rr.Sum, **kw))
+    outs = wait_op(rr.grouped_reducescatter_async([values(me, (k,), np.int32)], op=rr.Sum, **kw))
     assert_matches(outs[0], reference([values(r, (k,), np.int32) for r in members], rr.Sum)[sr:sr + 1],
                    f"{where} grouped_reducescatter_async")
 
@@ -221,7 +177,7 @@ def _check_every_op(ps, members: "list[int]") -> None:
     want = np.concatenate([np.arange(2 * k * 3, dtype=np.float32).reshape(2 * k, 3)[2 * sr:2 * sr + 2] + 100 * r
                            for r in members])
     assert_matches(got, want, f"{where} alltoall without splits")
-    received, received_splits = _wait(rr.alltoall_async(np.zeros((0, 2)), splits=[0] * k, **kw))
+    received, received_splits = wait_op(rr.alltoall_async(np.zeros((0, 2)), splits=[0] * k, **kw))
     assert received.shape == (0, 2) and received_splits.tolist() == [0] * k
 
     # barrier and the object collectives
@@ -232,8 +188,8 @@ def _check_every_op(ps, members: "list[int]") -> None:
 @mpi_test(nps=(1, 2, 3), timeout=240)
 def test_every_op_on_each_set_and_on_the_global_set():
     n, me = rr.size(), rr.rank()
-    sets = _register()
-    for ps, ranks in zip(sets, _set_lists(n)):
+    sets = register_sets()
+    for ps, ranks in zip(sets, set_lists(n)):
         if me in ranks:
             _check_every_op(ps, ranks)
     _check_every_op(rr.global_process_set, list(range(n)))
@@ -242,8 +198,8 @@ def test_every_op_on_each_set_and_on_the_global_set():
 @mpi_test(nps=(2, 3))
 def test_ops_interleaved_across_sets_in_a_different_order_on_each_rank():
     n, me = rr.size(), rr.rank()
-    sets = _register()
-    mine = [(rr.global_process_set, list(range(n)))] + [(ps, r) for ps, r in zip(sets, _set_lists(n)) if me in r]
+    sets = register_sets()
+    mine = [(rr.global_process_set, list(range(n)))] + [(ps, r) for ps, r in zip(sets, set_lists(n)) if me in r]
     for step in range(4):
         # Per set: unnamed ops (same order on every member) and named ops (any order).
         queues = []
@@ -269,7 +225,7 @@ def test_ops_interleaved_across_sets_in_a_different_order_on_each_rank():
         rng.shuffle(handles)
         for what, members, shape, h in handles:
             want = reference([values(r, shape, np.float64) * (step + 1) for r in members], rr.Sum)
-            assert_matches(_wait(h, what), want, f"step {step} {what}")
+            assert_matches(wait_op(h, what), want, f"step {step} {what}")
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -278,7 +234,7 @@ def test_ops_interleaved_across_sets_in_a_different_order_on_each_rank():
 @mpi_test(nps=(2, 3))
 def test_outsiders_and_roots_outside_the_set_get_clear_errors_on_every_rank():
     n, me = rr.size(), rr.rank()
-    sets = _register()
+    sets = register_sets()
     first = sets[0]  # [0, 2] at np=3, [0] at np=2: rank 1 is outside, and is no root of it
     sid = first.process_set_id
     x = np.arange(6, dtype=np.float32) + me
@@ -311,9 +267,9 @@ def test_outsiders_and_roots_outside_the_set_get_clear_errors_on_every_rank():
     }
     if me == 1:
         for what, call in calls.items():  # every op kind is refused, before anything is submitted
-            _raises(call, rr.InvalidArgumentError, f"rank 1 is not part of process set {sid}", "included()")
-        _raises(first.rank, ValueError, "rank 1")
-        assert first.included() is False and first.size() == len(_set_lists(n)[0])
+            raises(call, rr.InvalidArgumentError, f"rank 1 is not part of process set {sid}", "included()")
+        raises(first.rank, ValueError, "rank 1")
+        assert first.included() is False and first.size() == len(set_lists(n)[0])
     else:
         # A root outside the set, given as a global rank: refused on every caller, before submitting.
         for call in (lambda: rr.broadcast(x, root_rank=1, process_set=first),
@@ -321,19 +277,19 @@ def test_outsiders_and_roots_outside_the_set_get_clear_errors_on_every_rank():
                      lambda: rr.broadcast_async(x, root_rank=1, process_set=first),
                      lambda: rr.broadcast_async_(x.copy(), root_rank=1, process_set=first),
                      lambda: rr.broadcast_object(me, root_rank=1, process_set=first)):
-            _raises(call, rr.InvalidArgumentError, f"root_rank 1 is not part of process set {sid}", "global rank")
-        _raises(lambda: rr.broadcast(x, root_rank=n, process_set=first), rr.InvalidArgumentError, "root_rank")
+            raises(call, rr.InvalidArgumentError, f"root_rank 1 is not part of process set {sid}", "global rank")
+        raises(lambda: rr.broadcast(x, root_rank=n, process_set=first), rr.InvalidArgumentError, "root_rank")
         # alltoall splits count the set's ranks, not the job's.
-        _raises(lambda: rr.alltoall(x, splits=[2] * n + [6 - 2 * n], process_set=first), ValueError,
+        raises(lambda: rr.alltoall(x, splits=[2] * n + [6 - 2 * n], process_set=first), ValueError,
                 f"{first.size()} non-negative integers")
     # Not a set, or not registered: refused on every rank.
-    _raises(lambda: rr.allreduce(x, process_set="everyone"), rr.InvalidArgumentError, "ProcessSet")
-    _raises(lambda: rr.allreduce(x, process_set=rr.ProcessSet([0])), rr.InvalidArgumentError, "not registered")
+    raises(lambda: rr.allreduce(x, process_set="everyone"), rr.InvalidArgumentError, "ProcessSet")
+    raises(lambda: rr.allreduce(x, process_set=rr.ProcessSet([0])), rr.InvalidArgumentError, "not registered")
     # Both classes, as Horovod's errors are RuntimeErrors and mtrain's were ValueErrors.
     assert issubclass(rr.InvalidArgumentError, RuntimeError) and issubclass(rr.InvalidArgumentError, ValueError)
     # Nothing was submitted: every set still works.
     if first.included():
-        members = _set_lists(n)[0]
+        members = set_lists(n)[0]
         assert rr.allgather_object(me, process_set=first) == members
     assert rr.allreduce(np.full(2, me), op=rr.Sum).tolist() == [n * (n - 1) // 2] * 2
 
@@ -341,13 +297,13 @@ def test_outsiders_and_roots_outside_the_set_get_clear_errors_on_every_rank():
 @mpi_test(nps=(3,))
 def test_mismatch_inside_a_set_raises_on_every_member_naming_global_ranks():
     me = rr.rank()
-    pair, single = _register()
+    pair, single = register_sets()
     if pair.included():
-        _raises(lambda: rr.allreduce(np.zeros(4 if me == 0 else 5), name="pair.grad", process_set=pair),
+        raises(lambda: rr.allreduce(np.zeros(4 if me == 0 else 5), name="pair.grad", process_set=pair),
                 rr.MismatchError, "'pair.grad'", "rank 0: allreduce float64[4]", "rank 2: allreduce float64[5]")
-        _raises(lambda: rr.broadcast(np.zeros(3), root_rank=me, process_set=pair), rr.MismatchError,
+        raises(lambda: rr.broadcast(np.zeros(3), root_rank=me, process_set=pair), rr.MismatchError,
                 "rank 0: broadcast", "rank 2: broadcast")  # different roots
-        _raises(lambda: rr.allgather(np.zeros((1, 2 + me)), process_set=pair), rr.MismatchError, "rank 2: allgather")
+        raises(lambda: rr.allgather(np.zeros((1, 2 + me)), process_set=pair), rr.MismatchError, "rank 2: allgather")
         # The set keeps working afterwards.
         assert rr.allreduce(np.full(3, me), op=rr.Sum, process_set=pair).tolist() == [2, 2, 2]
     else:
@@ -359,18 +315,18 @@ def test_mismatch_inside_a_set_raises_on_every_member_naming_global_ranks():
 @mpi_test(nps=(3,))
 def test_a_root_mismatch_inside_a_set_names_the_global_roots():
     me = rr.rank()
-    pair, _ = _register()
+    pair, _ = register_sets()
     if pair.included():
-        _raises(lambda: rr.broadcast(np.zeros(3), root_rank=me, process_set=pair), rr.MismatchError,
+        raises(lambda: rr.broadcast(np.zeros(3), root_rank=me, process_set=pair), rr.MismatchError,
                 "rank 0: broadcast float64[3] root_rank=0", "rank 2: broadcast float64[3] root_rank=2")
 
 
 @mpi_test(nps=(3,), env={"MTRAIN_STALL_WARNING_SECONDS": "0.5", "MTRAIN_STALL_SHUTDOWN_SECONDS": "3"})
 def test_a_stall_inside_a_set_names_the_missing_global_rank():
     me = rr.rank()
-    pair, _ = _register()
+    pair, _ = register_sets()
     if me == 0:
-        _raises(lambda: _wait(rr.allreduce_async(np.ones(3), name="only.rank0", process_set=pair)),
+        raises(lambda: wait_op(rr.allreduce_async(np.ones(3), name="only.rank0", process_set=pair)),
                 rr.StallError, "'only.rank0'", "not yet by rank(s) [2]")
         for peer in (1, 2):  # (the world, never the runtime's communicators)
             MPI.COMM_WORLD.send("stalled", dest=peer, tag=33)
@@ -389,9 +345,9 @@ def test_a_stall_inside_a_set_names_the_missing_global_rank():
 def test_a_pending_op_on_one_set_never_blocks_another_set():
     n, me = rr.size(), rr.rank()
     world = MPI.COMM_WORLD  # the test's own signals, apart from the runtime's communicators
-    sets = _register()
+    sets = register_sets()
     near = sets[0]  # holds rank 0 and not rank 1
-    members = _set_lists(n)[0]
+    members = set_lists(n)[0]
     # 1. Rank 1 waits on a global op; rank 0 (and 2) meanwhile complete many ops on their set.
     if me == 1:
         pending = rr.allreduce_async(np.full(3, me, np.float64), op=rr.Sum, name="global.first")
@@ -400,16 +356,16 @@ def test_a_pending_op_on_one_set_never_blocks_another_set():
         world.send("go", dest=0, tag=12)
     else:
         for i in range(40):
-            got = _wait(rr.allreduce_async(np.full(5, me + i, np.float64), op=rr.Sum, process_set=near), f"near op {i}")
+            got = wait_op(rr.allreduce_async(np.full(5, me + i, np.float64), op=rr.Sum, process_set=near), f"near op {i}")
             assert got.tolist() == [sum(r + i for r in members)] * 5
-            got = _wait(rr.allgather_async(np.full((1,), me * 10 + i), process_set=near), f"near allgather {i}")
+            got = wait_op(rr.allgather_async(np.full((1,), me * 10 + i), process_set=near), f"near allgather {i}")
             assert got.tolist() == [r * 10 + i for r in members]
         rr.barrier(process_set=near)
         if me == 0:
             world.send("done", dest=1, tag=11)
             world.recv(source=1, tag=12)
         pending = rr.allreduce_async(np.full(3, me, np.float64), op=rr.Sum, name="global.first")
-    assert _wait(pending, "global.first").tolist() == [n * (n - 1) / 2] * 3
+    assert wait_op(pending, "global.first").tolist() == [n * (n - 1) / 2] * 3
     # 2. The other way round: an op pending on the set while the global set runs many ops.
     # (np=3 only: at np=2 the set is rank 0 alone, where the op would run at once.)
     if me == 0 and n == 3:
@@ -423,13 +379,13 @@ def test_a_pending_op_on_one_set_never_blocks_another_set():
     if near.included() and n == 3:
         if me != 0:  # the set's other rank submits it only now
             late = rr.allreduce_async(np.full(2, me), op=rr.Sum, name="near.late", process_set=near)
-        assert _wait(late, "near.late").tolist() == [sum(members)] * 2
+        assert wait_op(late, "near.late").tolist() == [sum(members)] * 2
 
 
 @mpi_test(nps=(2, 3), timeout=120)
 def test_threads_run_ops_on_different_sets_at_the_same_time():
     n, me = rr.size(), rr.rank()
-    sets = _register()
+    sets = register_sets()
     failures = []
 
     def run(ps, ranks, label):
@@ -442,7 +398,7 @@ def test_threads_run_ops_on_different_sets_at_the_same_time():
 
     threads = [threading.Thread(target=run, args=(rr.global_process_set, list(range(n)), "global"))]
     threads += [threading.Thread(target=run, args=(ps, ranks, f"set{ps.process_set_id}"))
-                for ps, ranks in zip(sets, _set_lists(n)) if me in ranks]
+                for ps, ranks in zip(sets, set_lists(n)) if me in ranks]
     for t in threads:
         t.start()
     for t in threads:
@@ -471,7 +427,7 @@ def test_add_and_remove_while_other_sets_have_ops_in_flight():
         handles = submit_near()
     for round_ in range(2):
         other = rr.add_process_set(other_ranks)
-        _same_everywhere(other.process_set_id, "the added set's id")
+        same_everywhere(other.process_set_id, "the added set's id")
         assert other.process_set_id not in (0, near.process_set_id)
         assert other.included() is (me in other_ranks) and other.size() == len(other_ranks)
         if other.included():
@@ -489,12 +445,12 @@ def test_add_and_remove_while_other_sets_have_ops_in_flight():
         for gone in (other, twin):  # every object of the set is invalidated, as in Horovod
             assert gone.process_set_id is None and gone.included() is None and gone.size() is None
         # Using it now is a clear error on every rank; removing it again too.
-        _raises(lambda: rr.allreduce(np.ones(2), process_set=other), rr.InvalidArgumentError, "not registered")
-        _raises(lambda: rr.remove_process_set(other), rr.InvalidArgumentError, "not registered")
+        raises(lambda: rr.allreduce(np.ones(2), process_set=other), rr.InvalidArgumentError, "not registered")
+        raises(lambda: rr.remove_process_set(other), rr.InvalidArgumentError, "not registered")
         # Another object for the removed id is not registered either.
         ghost = rr.ProcessSet(other_ranks)
         ghost.process_set_id = old_id
-        _raises(lambda: rr.barrier(process_set=ghost), rr.InvalidArgumentError, "not registered")
+        raises(lambda: rr.barrier(process_set=ghost), rr.InvalidArgumentError, "not registered")
     assert rr.remove_process_set(rr.global_process_set) is False
     assert rr.allreduce(np.ones(2), op=rr.Sum).tolist() == [n, n]  # the global set stays
     if near.included():
@@ -504,9 +460,9 @@ def test_add_and_remove_while_other_sets_have_ops_in_flight():
             assert not any(rr.poll(h) for h in handles), "near's ops finished before rank 2 submitted them"
         for i, h in enumerate(handles):
             want = reference([values(r, (i + 1,), np.float64) for r in near_ranks], rr.Sum)
-            assert_matches(_wait(h, f"near.{i}"), want, f"near.{i}")
+            assert_matches(wait_op(h, f"near.{i}"), want, f"near.{i}")
     # Engines: the global one plus one per set this rank is in (the removed ones are stopped).
-    assert _engine_threads() == 1 + near.included()
+    assert engine_threads() == 1 + near.included()
     MPI.COMM_WORLD.Barrier()  # no rank shuts down (ending every engine) before all have counted
 
 
@@ -515,213 +471,34 @@ def test_bad_adds_fail_on_every_rank_without_a_hang():
     n, me = rr.size(), rr.rank()
     first = rr.add_process_set([0])
     # The same ranks again: as a list, as a new ProcessSet, as the same object: ValueError everywhere.
-    _raises(lambda: rr.add_process_set([0]), ValueError, "exists already", f"process_set_id={first.process_set_id}")
-    _raises(lambda: rr.add_process_set(rr.ProcessSet([0])), ValueError, "exists already")
-    _raises(lambda: rr.add_process_set(first), ValueError, "exists already")
-    _raises(lambda: rr.add_process_set(list(range(n))), ValueError, "exists already", "process_set_id=0")
+    raises(lambda: rr.add_process_set([0]), ValueError, "exists already", f"process_set_id={first.process_set_id}")
+    raises(lambda: rr.add_process_set(rr.ProcessSet([0])), ValueError, "exists already")
+    raises(lambda: rr.add_process_set(first), ValueError, "exists already")
+    raises(lambda: rr.add_process_set(list(range(n))), ValueError, "exists already", "process_set_id=0")
     # Different lists on different ranks.
-    _raises(lambda: rr.add_process_set([0, 1] if me == 0 else [1]), rr.InvalidArgumentError,
+    raises(lambda: rr.add_process_set([0, 1] if me == 0 else [1]), rr.InvalidArgumentError,
             "different ranks", "rank 0: [0, 1]", "rank 1: [1]")
     # One rank names an existing set, the others a new one: no rank may be left waiting.
-    _raises(lambda: rr.add_process_set([0] if me == 1 else [1]), rr.InvalidArgumentError, "different ranks")
+    raises(lambda: rr.add_process_set([0] if me == 1 else [1]), rr.InvalidArgumentError, "different ranks")
     # One rank passes something that is no set at all: it raises its own error, the others name it.
     if me == 0:
-        _raises(lambda: rr.add_process_set([1, 1]), ValueError, "distinct")
+        raises(lambda: rr.add_process_set([1, 1]), ValueError, "distinct")
     else:
-        _raises(lambda: rr.add_process_set([1]), rr.InvalidArgumentError, "rank 0: ValueError", "distinct")
+        raises(lambda: rr.add_process_set([1]), rr.InvalidArgumentError, "rank 0: ValueError", "distinct")
     # Out-of-range ranks, an empty set, a communicator: refused on every rank.
-    _raises(lambda: rr.add_process_set([0, n]), rr.InvalidArgumentError, "out of range")
-    _raises(lambda: rr.add_process_set([]), rr.InvalidArgumentError, "at least one rank")
-    _raises(lambda: rr.add_process_set(rr.ProcessSet(MPI.COMM_WORLD)), NotImplementedError, "list of ranks")
+    raises(lambda: rr.add_process_set([0, n]), rr.InvalidArgumentError, "out of range")
+    raises(lambda: rr.add_process_set([]), rr.InvalidArgumentError, "at least one rank")
+    raises(lambda: rr.add_process_set(rr.ProcessSet(MPI.COMM_WORLD)), NotImplementedError, "list of ranks")
     # init() with a list that differs by rank registers the union; a bad list on one rank fails everywhere.
     if me == 0:
-        _raises(lambda: rr.init(process_sets=[rr.ProcessSet([n + 5])]), rr.InvalidArgumentError, "out of range")
+        raises(lambda: rr.init(process_sets=[rr.ProcessSet([n + 5])]), rr.InvalidArgumentError, "out of range")
     else:
-        _raises(lambda: rr.init(process_sets=[rr.ProcessSet([1])]), rr.InvalidArgumentError,
+        raises(lambda: rr.init(process_sets=[rr.ProcessSet([1])]), rr.InvalidArgumentError,
                 "rank 0: ProcessSet ranks", "out of range")
     # After all that, every rank still agrees: one more set gets the same id everywhere and works.
     last = rr.add_process_set([n - 1])
-    _same_everywhere(last.process_set_id, "id after the failed adds")
+    same_everywhere(last.process_set_id, "id after the failed adds")
     assert last.process_set_id == first.process_set_id + 1
     if last.included():
         assert rr.allreduce(np.full(2, 7.0), process_set=last).tolist() == [7.0, 7.0]
     assert rr.allgather_object(me) == list(range(n))
-
-
-# -- init forms, shutdown and exit ---------------------------------------------------------------
-
-
-COMM_SCRIPT = """
-import numpy as np
-from mpi4py import MPI
-import mtrain.ringreduce as rr
-world = MPI.COMM_WORLD
-me, n = world.Get_rank(), world.Get_size()
-sub = world.Split(color=me % 2, key=me)
-ps = rr.ProcessSet(sub)
-rr.init(world, process_sets=[ps])
-same = [r for r in range(n) if r % 2 == me % 2]
-assert ps.ranks == same, ps
-assert ps.included() and ps.rank() == same.index(me) and ps.size() == len(same)
-ids = world.allgather(ps.process_set_id)
-assert all((ids[a] == ids[b]) == (a % 2 == b % 2) for a in range(n) for b in range(n)), ids
-assert (ids[me] == 0) == (len(same) == n), ids
-got = rr.allreduce(np.array([me, 10.0 * me + 1]), op=rr.Sum, process_set=ps)
-assert got.tolist() == [sum(same), sum(10.0 * r + 1 for r in same)], got
-assert rr.allgather(np.full((me + 1,), me), process_set=ps).tolist() == [r for r in same for _ in range(r + 1)]
-assert rr.broadcast(np.full(2, me), root_rank=same[-1], process_set=ps).tolist() == [same[-1]] * 2
-assert rr.allgather_object(me) == list(range(n))
-print("comm set ok", me, flush=True)
-"""
-
-DYNAMIC_SCRIPT = """
-import numpy as np
-from mpi4py import MPI
-import mtrain.ringreduce as rr
-rr.init(process_sets="dynamic")
-me, n = rr.rank(), rr.size()
-assert rr.global_process_set.ranks == list(range(n))
-wanted = [n - 1, 0] if n > 2 else [n - 1]
-ps = rr.add_process_set(wanted)
-assert ps.ranks == sorted(wanted) and ps.process_set_id == 1
-if ps.included():
-    got = rr.allreduce(np.array([me + 0.5]), process_set=ps)
-    assert got.tolist() == [sum(wanted) / len(wanted) + 0.5], got
-assert rr.remove_process_set(ps)
-print("dynamic ok", me, flush=True)
-"""
-
-
-@pytest.mark.parametrize("nprocs", [1, 3])
-def test_init_with_a_set_from_a_split_communicator(nprocs):
-    result = launch(nprocs, [sys.executable, "-c", COMM_SCRIPT], timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("comm set ok") == nprocs
-
-
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_init_dynamic_then_add(nprocs):
-    result = launch(nprocs, [sys.executable, "-c", DYNAMIC_SCRIPT], timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("dynamic ok") == nprocs
-
-
-@mpi_test(nps=(1, 3))
-def test_shutdown_stops_every_engine_and_forgets_the_sets():
-    n, me = rr.size(), rr.rank()
-    sets = _register()
-    old_ids = [ps.process_set_id for ps in sets]
-    mine = sum(1 for ranks in _set_lists(n) if me in ranks and len(ranks) < n)
-    assert _engine_threads() == 1 + mine
-    MPI.COMM_WORLD.Barrier()  # every rank has counted before any shuts down
-    rr.shutdown()
-    assert _engine_threads() == 0
-    for ps, old in zip(sets, old_ids):  # the sets went with the runtime; the global set stays
-        assert ps.process_set_id == (0 if old == 0 else None), ps
-    assert rr.global_process_set.process_set_id == 0
-    rr.init()
-    # A set from before the shutdown is gone, even when a new set now has its old id.
-    added = rr.add_process_set([0]) if n > 1 else None
-    if added is not None and me == 0:
-        assert added.process_set_id == old_ids[0]  # the id is reused ...
-        stale = rr.ProcessSet(_set_lists(n)[0])
-        stale.process_set_id = old_ids[0]
-        # ... but a [0, 2] set holding that id must not run on [0]:
-        _raises(lambda: rr.allreduce(np.ones(2), process_set=stale), rr.InvalidArgumentError, "not registered")
-        _raises(lambda: rr.allreduce(np.ones(2), process_set=sets[0]), rr.InvalidArgumentError, "not registered")
-    if n > 1:
-        rr.init(process_sets=sets)  # registered afresh, it works again
-        if sets[0].included():
-            assert rr.allreduce(np.ones(2), op=rr.Sum, process_set=sets[0]).tolist() == [2, 2]
-
-
-EXIT_SCRIPT = """
-import sys, numpy as np, mtrain.ringreduce as rr
-rr.init()
-me, n = rr.rank(), rr.size()
-pair = rr.add_process_set([0, n - 1]) if n > 1 else rr.global_process_set
-single = rr.add_process_set([1]) if n == 3 else None
-for i in range(20):
-    if pair.included():
-        rr.allreduce(np.ones(5) * i, process_set=pair)
-    if single is not None and single.included():
-        rr.allreduce(np.ones(5) * i, process_set=single)
-    rr.allreduce(np.ones(3))
-if sys.argv[1] == "abandon" and me == 0:
-    rr.allreduce_async(np.ones(3), name="never.matched", process_set=pair)  # left in flight at exit
-rr.allreduce(np.ones(3), name="last")  # no rank leaves before rank 0 has submitted 'never.matched'
-print("leaving", me, flush=True)
-"""
-
-
-@pytest.mark.parametrize("nprocs", [1, 3])
-@pytest.mark.parametrize("how", ["clean", "abandon"])
-def test_a_program_with_sets_exits_zero_without_shutdown(nprocs, how):
-    start = time.monotonic()
-    result = launch(nprocs, [sys.executable, "-c", EXIT_SCRIPT, how], timeout=90)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("leaving") == nprocs
-    assert time.monotonic() - start < 60
-
-
-THREAD_LEVEL_SCRIPT = """
-import mpi4py
-mpi4py.rc.thread_level = "serialized"
-import numpy as np
-import mtrain.ringreduce as rr
-rr.init()
-try:
-    rr.add_process_set([0])
-except rr.InvalidArgumentError as error:
-    assert "MPI_THREAD_MULTIPLE" in str(error), error
-    print("refused", rr.rank(), flush=True)
-assert rr.allreduce(np.ones(2), op=rr.Sum).tolist() == [rr.size()] * 2
-"""
-
-
-def test_sets_need_thread_multiple_and_say_so_on_every_rank():
-    result = launch(2, [sys.executable, "-c", THREAD_LEVEL_SCRIPT], timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("refused") == 2, result.stdout + result.stderr
-
-
-@mpi_test(nps=(3,))
-def test_private_sets_are_made_by_their_members_alone_and_kept_apart():
-    n, me = rr.size(), rr.rank()
-    # Overlapping sets, made while the ranks outside each do something else: rank 1 makes
-    # [0, 1] then [1, 2]; rank 2 comes to [1, 2] while rank 1 is still making [0, 1].
-    low = rr.private_process_set([1, 0]) if me in (0, 1) else None
-    high = rr.private_process_set([1, 2]) if me in (1, 2) else None
-    alone = rr.private_process_set([me])
-    for ps in (low, high, alone):
-        if ps is not None:
-            assert ps.included() and ps.process_set_id < 0 and ps.rank() == ps.ranks.index(me), ps
-    assert low is None or low.ranks == [0, 1]
-    pending = rr.allreduce_async(values(me, (5,), np.float64), op=rr.Sum, name="global.meanwhile")
-    if low is not None:
-        got = _wait(rr.allreduce_async(values(me, (7,), np.float64), op=rr.Sum, name="x", process_set=low))
-        assert np.array_equal(got, values(0, (7,), np.float64) + values(1, (7,), np.float64))
-        assert rr.broadcast_object(("from", 1), root_rank=1, process_set=low) == ("from", 1)
-    if high is not None:
-        got = _wait(rr.allgather_async(values(me, (3,), np.int64), name="x", process_set=high))
-        assert np.array_equal(got, np.concatenate([values(r, (3,), np.int64) for r in (1, 2)]))
-    assert rr.allgather_object(me, process_set=alone) == [me]
-    assert np.array_equal(_wait(pending), sum(values(r, (5,), np.float64) for r in range(n)))
-    # Kept apart from Horovod's sets: no id that process_set_by_id finds, and registered ids unchanged.
-    _raises(lambda: rr.process_set_by_id(alone.process_set_id), rr.InvalidArgumentError, "no process set")
-    registered = rr.add_process_set([0, 2])
-    assert registered.process_set_id == 1
-    # Released by its members alone; then it is gone, and the other sets still work.
-    if low is not None:
-        assert rr.remove_process_set(low)
-        _raises(lambda: rr.allreduce(np.ones(2), process_set=low), rr.InvalidArgumentError, "not registered")
-    if high is not None:
-        assert rr.allreduce(np.ones(2), op=rr.Sum, process_set=high).tolist() == [2, 2]
-    if registered.included():
-        assert rr.allreduce(np.ones(2), op=rr.Sum, process_set=registered).tolist() == [2, 2]
-    MPI.COMM_WORLD.Barrier()  # every rank is done with its sets before any shuts down
-    assert _engine_threads() == 1 + (high is not None) + 1 + registered.included()
-    rr.shutdown()  # stops the private sets' engines too
-    assert _engine_threads() == 0
-    assert alone.process_set_id is None and (high is None or high.process_set_id is None)
-    rr.init()
