@@ -3,7 +3,6 @@ bounded waits (a deadlock fails a test instead of hanging the suite)."""
 import threading
 import time
 
-import pytest
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
@@ -30,15 +29,6 @@ def wait_op(handle, what: str = "op"):
             raise AssertionError(f"rank {rr.rank()}: {what} did not finish within {WAIT_S:g}s (deadlock?)")
         time.sleep(0.002)
     return rr.synchronize(handle)
-
-
-def raises(fn, kind, *fragments) -> str:
-    with pytest.raises(kind) as info:
-        fn()
-    text = str(info.value)
-    for fragment in fragments:
-        assert fragment in text, f"rank {rr.rank()}: {fragment!r} not in error: {text}"
-    return text
 
 
 def same_everywhere(value, what: str) -> None:

@@ -9,37 +9,29 @@ from mpi4py import MPI
 
 import mtrain.ringreduce as rr
 from mtrain.ringreduce.negotiation import RequestState
+from tests.mpi.expect import raises
 from tests.mpi.harness import launch, mpi_test
-
-
-def _raises(fn, kind, *fragments):
-    with pytest.raises(kind) as info:
-        fn()
-    text = str(info.value)
-    for fragment in fragments:
-        assert fragment in text, f"{fragment!r} not in error: {text}"
-    return text
 
 
 @mpi_test(nps=(2, 3))
 def test_mismatched_calls_fail_on_every_rank_naming_each_side():
     n, me = rr.size(), rr.rank()
     # Different sizes.
-    _raises(lambda: rr.allreduce(np.zeros(10 + (me == 1), np.float32), name="grad.w"),
+    raises(lambda: rr.allreduce(np.zeros(10 + (me == 1), np.float32), name="grad.w"),
             rr.MismatchError, "'grad.w'", "rank 0: allreduce float32[10]", "rank 1: allreduce float32[11]")
     # Different dtypes.
     dtype = np.float64 if me == n - 1 else np.float32
-    _raises(lambda: rr.allreduce(np.zeros(4, dtype)), rr.MismatchError, "float64[4]", "float32[4]")
+    raises(lambda: rr.allreduce(np.zeros(4, dtype)), rr.MismatchError, "float64[4]", "float32[4]")
     # Different ops.
-    _raises(lambda: rr.allreduce(np.zeros(4), op=rr.Max if me == 0 else rr.Sum), rr.MismatchError,
+    raises(lambda: rr.allreduce(np.zeros(4), op=rr.Max if me == 0 else rr.Sum), rr.MismatchError,
             "op=Max", "op=Sum")
     # Different collectives altogether.
     call = (lambda: rr.broadcast(np.zeros(3), 0)) if me == 0 else (lambda: rr.allreduce(np.zeros(3)))
-    _raises(call, rr.MismatchError, "rank 0: broadcast", "rank 1: allreduce")
+    raises(call, rr.MismatchError, "rank 0: broadcast", "rank 1: allreduce")
     # Different broadcast roots.
-    _raises(lambda: rr.broadcast(np.zeros(3), root_rank=me % 2), rr.MismatchError, "root_rank=0", "root_rank=1")
+    raises(lambda: rr.broadcast(np.zeros(3), root_rank=me % 2), rr.MismatchError, "root_rank=0", "root_rank=1")
     # allgather with different trailing shapes.
-    _raises(lambda: rr.allgather(np.zeros((2, 3 + me))), rr.MismatchError, "allgather")
+    raises(lambda: rr.allgather(np.zeros((2, 3 + me))), rr.MismatchError, "allgather")
     # After all that, the runtime still works.
     assert rr.allreduce(np.full(3, me + 1.0), op=rr.Sum).tolist() == [n * (n + 1) / 2] * 3
 
@@ -50,18 +42,18 @@ def test_mismatches_of_every_collective_reach_every_rank():
     # on every rank, naming what each one passed.
     n, me = rr.size(), rr.rank()
     last = me == n - 1
-    _raises(lambda: rr.reducescatter(np.zeros((n, 2 + last)), name="rs.shape"), rr.MismatchError,
+    raises(lambda: rr.reducescatter(np.zeros((n, 2 + last)), name="rs.shape"), rr.MismatchError,
             f"rank 0: reducescatter float64[{n}, 2]", f"rank {n - 1}: reducescatter float64[{n}, 3]")
-    _raises(lambda: rr.reducescatter(np.zeros(n), op=rr.Max if last else rr.Sum), rr.MismatchError,
+    raises(lambda: rr.reducescatter(np.zeros(n), op=rr.Max if last else rr.Sum), rr.MismatchError,
             "op=Sum", "op=Max")
-    _raises(lambda: rr.allgather(np.zeros((me + 1, 2), np.int32 if last else np.float32), name="ag.dtype"),
+    raises(lambda: rr.allgather(np.zeros((me + 1, 2), np.int32 if last else np.float32), name="ag.dtype"),
             rr.MismatchError, "'ag.dtype'", "allgather float32[1, 2]", f"allgather int32[{n}, 2]")
-    _raises(lambda: rr.alltoall(np.zeros((n, 1 + last))), rr.MismatchError,
+    raises(lambda: rr.alltoall(np.zeros((n, 1 + last))), rr.MismatchError,
             f"alltoall float64[{n}, 1]", f"alltoall float64[{n}, 2]")
-    _raises(lambda: rr.broadcast_object(me, root_rank=1 if last else 0), rr.MismatchError,
+    raises(lambda: rr.broadcast_object(me, root_rank=1 if last else 0), rr.MismatchError,
             "broadcast_object root_rank=0", "broadcast_object root_rank=1")
     # Unnamed ops of different kinds meet under one auto-name.
-    _raises(lambda: rr.barrier() if me == 0 else rr.allgather_object(me), rr.MismatchError,
+    raises(lambda: rr.barrier() if me == 0 else rr.allgather_object(me), rr.MismatchError,
             "rank 0: barrier", "rank 1: allgather_object")
     # Afterwards every collective still runs.
     assert rr.allgather_object(me * 10 + 1) == [r * 10 + 1 for r in range(n)]
@@ -84,19 +76,19 @@ def test_barrier_waits_for_every_rank():
 
 @mpi_test(nps=(1, 2))
 def test_bad_arguments_raise_type_and_value_errors():
-    _raises(lambda: rr.allreduce(np.zeros(3, np.complex64)), TypeError, "unsupported dtype complex64")
-    _raises(lambda: rr.allreduce(np.zeros(3), op=42), ValueError, "unsupported reduction op 42")
-    _raises(lambda: rr.allreduce(np.zeros(3), op=rr.Adasum), ValueError, "Adasum is not supported")
-    _raises(lambda: rr.allreduce([1.0, 2.0]), TypeError, "numpy.asarray")
-    _raises(lambda: rr.allreduce(np.zeros(2, bool), op=rr.Sum), TypeError, "bool")
-    _raises(lambda: rr.broadcast(np.zeros(3), root_rank=rr.size()), ValueError, "root_rank")
-    _raises(lambda: rr.alltoall(np.zeros(3), splits=[1] * (rr.size() + 1)), ValueError, "splits")
-    _raises(lambda: rr.reducescatter(np.ones(())), ValueError, "at least one dimension")
+    raises(lambda: rr.allreduce(np.zeros(3, np.complex64)), TypeError, "unsupported dtype complex64")
+    raises(lambda: rr.allreduce(np.zeros(3), op=42), ValueError, "unsupported reduction op 42")
+    raises(lambda: rr.allreduce(np.zeros(3), op=rr.Adasum), ValueError, "Adasum is not supported")
+    raises(lambda: rr.allreduce([1.0, 2.0]), TypeError, "numpy.asarray")
+    raises(lambda: rr.allreduce(np.zeros(2, bool), op=rr.Sum), TypeError, "bool")
+    raises(lambda: rr.broadcast(np.zeros(3), root_rank=rr.size()), ValueError, "root_rank")
+    raises(lambda: rr.alltoall(np.zeros(3), splits=[1] * (rr.size() + 1)), ValueError, "splits")
+    raises(lambda: rr.reducescatter(np.ones(())), ValueError, "at least one dimension")
     if rr.size() > 1:
-        _raises(lambda: rr.alltoall(np.zeros(rr.size() + 1)), ValueError, "divisible")
-    _raises(lambda: rr.alltoall(np.zeros(3), splits=[0.5] * rr.size()), ValueError, "splits")
+        raises(lambda: rr.alltoall(np.zeros(rr.size() + 1)), ValueError, "divisible")
+    raises(lambda: rr.alltoall(np.zeros(3), splits=[0.5] * rr.size()), ValueError, "splits")
     # Pickled in the caller's thread: the call itself fails, on the rank that passed the object.
-    _raises(lambda: rr.allgather_object(lambda: rr.rank()), (pickle.PicklingError, AttributeError, TypeError))
+    raises(lambda: rr.allgather_object(lambda: rr.rank()), (pickle.PicklingError, AttributeError, TypeError))
     # Every rank refused the same calls, so the runtime is still in step.
     assert rr.allgather_object(rr.rank() + 7) == [r + 7 for r in range(rr.size())]
     # Only the root holds the unpicklable object: every rank fails with the root's error class
@@ -111,18 +103,18 @@ def test_bad_arguments_raise_type_and_value_errors():
         assert f"rank {root}: " in str(info.value), str(info.value)
     assert rr.broadcast_object([rr.rank(), 3], root_rank=root) == [root, 3]
     # A name that is not a str (the engine thread used to fail on it, ending the runtime).
-    _raises(lambda: rr.allreduce(np.ones(3), name=5), TypeError, "name must be a str")
-    _raises(lambda: rr.broadcast(np.ones(3), 0, name=b"w"), TypeError, "name must be a str")
+    raises(lambda: rr.allreduce(np.ones(3), name=5), TypeError, "name must be a str")
+    raises(lambda: rr.broadcast(np.ones(3), 0, name=b"w"), TypeError, "name must be a str")
     # An in-place op on a read-only array (the engine thread used to fail writing the result).
     frozen = np.ones(3)
     frozen.flags.writeable = False
-    _raises(lambda: rr.allreduce_(frozen, name="frozen"), rr.InvalidArgumentError, "read-only")
-    _raises(lambda: rr.broadcast_(frozen, 0), rr.InvalidArgumentError, "read-only")
-    _raises(lambda: rr.grouped_allreduce_([np.ones(2), frozen]), rr.InvalidArgumentError, "read-only")
+    raises(lambda: rr.allreduce_(frozen, name="frozen"), rr.InvalidArgumentError, "read-only")
+    raises(lambda: rr.broadcast_(frozen, 0), rr.InvalidArgumentError, "read-only")
+    raises(lambda: rr.grouped_allreduce_([np.ones(2), frozen]), rr.InvalidArgumentError, "read-only")
     assert rr.allreduce(frozen, op=rr.Sum, name="frozen").tolist() == [rr.size()] * 3  # out of place: fine
     # Refused twice under one name, then run at once: each waits its turn, none is "already in flight".
-    _raises(lambda: rr.allreduce_async(np.ones(3), name="thrice", op=rr.Adasum), ValueError, "Adasum")
-    _raises(lambda: rr.allreduce_async(np.ones(3), name="thrice", op="nonsense"), ValueError, "nonsense")
+    raises(lambda: rr.allreduce_async(np.ones(3), name="thrice", op=rr.Adasum), ValueError, "Adasum")
+    raises(lambda: rr.allreduce_async(np.ones(3), name="thrice", op="nonsense"), ValueError, "nonsense")
     assert rr.allreduce(np.ones(3), op=rr.Sum, name="thrice").tolist() == [rr.size()] * 3
 
 
@@ -189,7 +181,7 @@ def test_a_name_that_stalled_is_negotiated_afresh_when_it_comes_late():
     # of it: rank 1 submitting 'late' later completed it, and rank 0's engine, told to run an op it no
     # longer had, failed (KeyError), ending the runtime.
     me = rr.rank()
-    _raises(lambda: rr.allreduce(np.ones(3), name="late" if me == 0 else "other"), rr.StallError)
+    raises(lambda: rr.allreduce(np.ones(3), name="late" if me == 0 else "other"), rr.StallError)
     if me == 0:
         MPI.COMM_WORLD.send("stalled", dest=1, tag=22)  # rank 0's 'late' has ended (else rank 1's would join it)
         assert MPI.COMM_WORLD.recv(source=1, tag=23) == "reported"
@@ -219,7 +211,7 @@ def test_a_cached_op_with_new_arguments_on_one_rank_first_is_a_mismatch_everywhe
     else:
         assert MPI.COMM_WORLD.recv(source=last, tag=24) == "reported"
         handle = rr.allreduce_async(np.ones(3), op=rr.Sum, name="w")
-    _raises(lambda: rr.synchronize(handle), rr.MismatchError, "'w'", "float64[3]", f"rank {last}: allreduce float64[4]")
+    raises(lambda: rr.synchronize(handle), rr.MismatchError, "'w'", "float64[3]", f"rank {last}: allreduce float64[4]")
     assert rr.allreduce(np.ones(3), op=rr.Sum, name="w").tolist() == [n] * 3
 
 
@@ -231,7 +223,7 @@ def test_grouped_ops_of_different_lengths_mismatch_on_every_rank():
     # once: the same group again right away meets no leftover of it.
     n, me = rr.size(), rr.rank()
     arrays = [np.ones(3), np.ones(2)][:1 if me == 0 else 2]
-    _raises(lambda: rr.grouped_allreduce(arrays, op=rr.Sum, name="g"), rr.MismatchError,
+    raises(lambda: rr.grouped_allreduce(arrays, op=rr.Sum, name="g"), rr.MismatchError,
             "'g.0'", "rank 0: allreduce float64[3] op=Sum;", "(part 1 of 2)")
     again = rr.grouped_allreduce([np.full(3, me), np.full(2, 10 * me)], op=rr.Sum, name="g")
     total = n * (n - 1) // 2

@@ -10,7 +10,8 @@ from mpi4py import MPI
 import mtrain.ringreduce as rr
 from tests.mpi.data import values
 from tests.mpi.harness import launch, mpi_test
-from tests.mpi.process_set_helpers import engine_threads, raises, register_sets, set_lists, wait_op
+from tests.mpi.expect import raises
+from tests.mpi.process_set_helpers import engine_threads, register_sets, set_lists, wait_op
 
 
 # -- init forms, shutdown and exit ---------------------------------------------------------------

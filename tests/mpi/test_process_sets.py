@@ -14,7 +14,8 @@ from mpi4py import MPI
 import mtrain.ringreduce as rr
 from tests.mpi.data import assert_matches, reference, values
 from tests.mpi.harness import mpi_test
-from tests.mpi.process_set_helpers import WAIT_S, engine_threads, raises, register_sets, same_everywhere, set_lists, wait_op
+from tests.mpi.expect import raises
+from tests.mpi.process_set_helpers import WAIT_S, engine_threads, register_sets, same_everywhere, set_lists, wait_op
 
 # -- queries ---------------------------------------------------------------------------------
 
