@@ -434,7 +434,7 @@ class Engine:
 
     def _with_joined(self, ready: "list[str]", ready_meta: "dict[str, Any]", joined: "list[int]") -> "list[Request]":
         """The ready ops as this rank runs them while ``joined`` ranks have joined."""
-        own = self.queue.pop_pending_present(ready)
+        own = self.queue.pop_pending(ready, missing_ok=True)
         runnable, refused = join.runnable(ready, own, ready_meta, self.cache.entries,
                                           [self._members[r] for r in joined], self.done_cv)
         for request, error in refused:

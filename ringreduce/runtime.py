@@ -75,8 +75,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     PhaseNote(Phase.INIT_WAITING, ranks=tuple(_job_ranks_of(comm))).emit()
     if isinstance(comm, (list, tuple)):  # Horovod also takes a list of ranks here
         comm = _comm_of_ranks(list(comm))
-    segment = _bytes(settings.RING_SEGMENT_BYTES, ring.DEFAULT_SEGMENT_BYTES) or ring.DEFAULT_SEGMENT_BYTES
-    small = _bytes(settings.SMALL_ALLREDUCE_BYTES, ring.DEFAULT_SMALL_BYTES)
+    segment = int(settings.number_or(settings.RING_SEGMENT_BYTES, ring.DEFAULT_SEGMENT_BYTES)) or ring.DEFAULT_SEGMENT_BYTES
+    small = int(settings.number_or(settings.SMALL_ALLREDUCE_BYTES, ring.DEFAULT_SMALL_BYTES))
     config = EngineConfig.from_environment()
     comms = comm_module.create(comm)
     log.start(config, comms.world.Get_rank())  # the level, and rank 0's notes on the settings
@@ -118,12 +118,6 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     recorder.start(comms.world.Get_rank(), _recorded_sets)  # SIGUSR1 dumps (under mtrain run)
     if wanted:
         registry.register(wanted)
-
-
-def _bytes(setting: settings.Setting, default: int) -> int:
-    """A byte count from ``setting``'s variable (a number, cut to a whole one), else ``default``."""
-    value = setting.read()
-    return int(default if value is None else value)
 
 
 def _recorded_sets() -> "list[recorder.SetView]":

@@ -251,17 +251,12 @@ class SubmitQueue:
             for request in requests:
                 pending[request.name] = request
 
-    def pop_pending(self, names: "list[str]") -> "list[Request]":
-        """Take the pending ops of ``names`` out (they run or fail now)."""
+    def pop_pending(self, names: "list[str]", missing_ok: bool = False) -> "list[Request | None]":
+        """Take the pending ops of ``names`` out (they run or fail now); with ``missing_ok``, None
+        for a name this rank lacks (it has joined)."""
         with self.lock:
             pop = self.pending.pop
-            return [pop(name) for name in names]
-
-    def pop_pending_present(self, names: "list[str]") -> "list[Request | None]":
-        """``pop_pending`` where this rank may lack some of them (None there: it has joined)."""
-        with self.lock:
-            pop = self.pending.pop
-            return [pop(name, None) for name in names]
+            return [pop(name, None) for name in names] if missing_ok else [pop(name) for name in names]
 
     def done(self, names: "list[str]") -> None:
         """These ops (none a refusal) ended on this rank: their names are free again."""
