@@ -99,17 +99,24 @@ def _read(path: Path) -> str:
 def _start(key: PoolKey, deadline: float) -> _Job:
     # A folder of this user's alone (mkdtemp makes it 0700): the socket in it takes orders to
     # import and run code, and no one else may connect to it.
+    command = mpirun_command(key.nprocs)  # (no mpirun: the test fails here, before anything is made)
     folder = Path(tempfile.mkdtemp(prefix="mtrain-test-pool-"))
     address = str(folder / "s")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(key.nprocs)
     stack = contextlib.ExitStack()
-    env = stack.enter_context(job_environment(dict(key.env)))
-    with open(folder / "mpirun.out", "wb") as out, open(folder / "mpirun.err", "wb") as err:
-        proc = subprocess.Popen(mpirun_command(key.nprocs) + [sys.executable, "-m", "tests.mpi.rank_server", address],
-                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
-                                env=env, cwd=REPO)
+    try:
+        listener.bind(address)
+        listener.listen(key.nprocs)
+        env = stack.enter_context(job_environment(dict(key.env)))
+        with open(folder / "mpirun.out", "wb") as out, open(folder / "mpirun.err", "wb") as err:
+            proc = subprocess.Popen(command + [sys.executable, "-m", "tests.mpi.rank_server", address],
+                                    stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env=env, cwd=REPO)
+    except BaseException:
+        listener.close()
+        stack.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     job = _Job(key, folder, proc, stack)
     try:
         connected: "dict[int, socket.socket]" = {}
@@ -123,11 +130,15 @@ def _start(key: PoolKey, deadline: float) -> _Job:
                 if time.monotonic() >= deadline:
                     raise _JobFailed("did not start within its time (hang?)") from None
                 continue
-            conn.settimeout(None)
+            # A rank that connected says which it is at once; one that stalls or dies first fails the start.
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
             reader = conn.makefile("rb")
-            hello = json.loads(reader.readline() or b"{}")
-            connected[hello["rank"]] = conn
-            job.readers.append((hello["rank"], reader))
+            try:
+                rank = json.loads(reader.readline())["rank"]
+            except (OSError, ValueError, KeyError, TypeError):
+                raise _JobFailed("lost a rank that connected before it said which it was") from None
+            connected[rank] = conn
+            job.readers.append((rank, reader))
         job.ranks = [connected[rank] for rank in range(key.nprocs)]
         job.readers = [reader for _, reader in sorted(job.readers, key=lambda pair: pair[0])]
     except BaseException:
@@ -150,11 +161,17 @@ def _collect(job: _Job, deadline: float) -> "dict[int, dict[str, Any]]":
                 raise _JobFailed("did not finish within its time (hang?)")
             for event, _ in selector.select(timeout=min(left, 1.0)):
                 rank = event.data
-                line = job.readers[rank].readline()
-                if not line:
+                # Bounded too: a rank that wrote part of its answer and stopped must not hold us.
+                job.ranks[rank].settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    line = job.readers[rank].readline()
+                    answer = json.loads(line) if line else None
+                except (OSError, ValueError):
+                    answer = None
+                if answer is None:
                     job.proc.poll()
                     raise _JobFailed(f"lost rank {rank} (the job died; mpirun: {job.proc.returncode})")
-                answers[rank] = json.loads(line)
+                answers[rank] = answer
                 selector.unregister(job.ranks[rank])
                 if not answers[rank]["ok"]:
                     return answers
@@ -187,6 +204,9 @@ def run_pooled(key: PoolKey, body: Body, timeout: float, env: "dict[str, str] | 
     rank for this body alone."""
     deadline = time.monotonic() + timeout
     job = _jobs.get(key)
+    if job is not None and job.proc.poll() is not None:  # it died between bodies: start afresh
+        _drop(key)
+        job = None
     if job is None:
         try:
             job = _start(key, deadline)
@@ -197,8 +217,11 @@ def run_pooled(key: PoolKey, body: Body, timeout: float, env: "dict[str, str] | 
     order = {"module": body.module, "function": body.function, "output": output, "env": env or {}}
     answers: "dict[int, dict[str, Any]]" = {}
     try:
-        for conn in job.ranks:
-            conn.sendall(json.dumps(order).encode() + b"\n")
+        for rank, conn in enumerate(job.ranks):
+            try:
+                conn.sendall(json.dumps(order).encode() + b"\n")
+            except OSError:
+                raise _JobFailed(f"lost rank {rank} before the body reached it") from None
         answers = _collect(job, deadline)
         what = "" if all(answer["ok"] for answer in answers.values()) else (
             f"failed on rank(s) {sorted(rank for rank, answer in answers.items() if not answer['ok'])} "

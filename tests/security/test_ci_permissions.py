@@ -34,7 +34,7 @@ def step(*args: str) -> None:
 
 
 def test_a_checkout_under_a_sticky_folder_leaves_it_writable_and_every_acl_as_found():
-    top = Path(tempfile.mkdtemp(prefix="mtrain-acl-"))  # 0700, root's: the users cannot pass
+    top = Path(tempfile.mkdtemp(prefix="mtrain-acl-", dir="/tmp"))  # 0700, root's: the users cannot pass
     try:
         shared = top / "shared"
         shared.mkdir()
@@ -65,7 +65,7 @@ def test_a_checkout_under_a_sticky_folder_leaves_it_writable_and_every_acl_as_fo
 
 
 def test_a_user_entry_that_allows_more_keeps_it():
-    top = Path(tempfile.mkdtemp(prefix="mtrain-acl-"))
+    top = Path(tempfile.mkdtemp(prefix="mtrain-acl-", dir="/tmp"))
     try:
         subprocess.run(["setfacl", "-m", f"u:{JOB_USER}:rw-", str(top)], check=True)
         before = acl(top)

@@ -384,10 +384,10 @@ def test_connection_lost_mid_job_is_reported_as_host_lost(scratch, tmp_path):
 def test_a_guard_killed_mid_job_is_a_host_lost_even_when_its_agent_is_gone(scratch, tmp_path, agent_stays):
     # The whole job on a host killed, its guard too: the session ends with a signal (status -1)
     # while the connection lives. mpirun may have stopped the agent already: the master says it.
-    stopped = threading.Event()
+    stopped, waited = threading.Event(), []
 
     def killed(channel: FakeChannel, first: str) -> None:
-        stopped.wait(10) if not agent_stays else channel.relayed()  # mid-job
+        waited.append(stopped.wait(10) if not agent_stays else channel.relayed())  # mid-job
         channel.status_event.set()
 
     master = make_master(scratch, events=str(tmp_path / "events"))
@@ -407,6 +407,7 @@ def test_a_guard_killed_mid_job_is_a_host_lost_even_when_its_agent_is_gone(scrat
         events = reader.poll()
         time.sleep(0.05)
     master.close()
+    assert waited == [True], "the session ended before it was mid-job (its wait timed out)"
     detail = "host hosta: the job's processes there were killed, its remote guard with them"
     assert [(e.kind, e.host, e.detail) for e in events] == [(AgentEventKind.HOST_LOST, "hosta", detail)]
     if agent_stays:
