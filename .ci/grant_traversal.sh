@@ -37,7 +37,7 @@ grant_one() {  # STATE USER DIR
     saved="$state/$(printf '%04d' "$(find "$state" -name '*.acl' | wc -l)").acl"
     getfacl --absolute-names "$dir" >"$saved"
     # Keep whatever the user's entry already allows; add x to it.
-    current=$(getfacl --absolute-names --omit-header "$dir" | sed -n "s/^user:$user:\([rwx-]*\).*/\1/p")
+    current=$(getfacl --absolute-names --omit-header "$dir" | awk -F: -v u="$user" '$1 == "user" && $2 == u {print $3}')
     current=${current:----}
     setfacl -m "u:$user:${current:0:1}${current:1:1}x" "$dir"
 }
@@ -47,7 +47,7 @@ grant() {
     local state=$1 users=() paths=() user path dir parts part
     shift
     while [ $# -gt 0 ] && [ "$1" != -- ]; do users+=("$1"); shift; done
-    [ $# -gt 1 ] || usage
+    [ ${#users[@]} -gt 0 ] && [ $# -gt 1 ] || usage
     shift
     paths=("$@")
     mkdir -p -m 0700 "$state"
@@ -68,11 +68,16 @@ grant() {
 
 undo() {
     [ $# -eq 1 ] || usage
-    local state=$1 saved
+    local state=$1 saved failed=0
     [ -d "$state" ] || return 0
-    for saved in $(find "$state" -name '*.acl' | sort -r); do
-        setfacl --restore="$saved"
-    done
+    # Newest first; one that cannot be put back (its folder is gone) does not keep the rest.
+    while IFS= read -r saved; do
+        setfacl --restore="$saved" || failed=1
+    done < <(find "$state" -name '*.acl' | sort -r)
+    if [ "$failed" -ne 0 ]; then
+        echo "$0: some ACLs could not be put back; their saved copies are in $state" >&2
+        return 1
+    fi
     rm -rf "$state"
 }
 

@@ -43,6 +43,7 @@ from mtrain.launcher.records.exits import ExitRecord
 DISCOVERY_INTERVAL = 1.0      # seconds between runs of the discovery script while a generation runs
 DISCOVERY_TIMEOUT = 30.0      # one run of the script
 STATE_DIRECTORY = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+INTERRUPTED_WAIT = 2.0       # for the discovery script a Ctrl-C'd job's watcher is running
 CLEANUP_TIMEOUT = 5.0         # connecting to a host, and removing its snapshots, at the job's end
 
 
@@ -240,10 +241,12 @@ class ElasticDriver:
                 try:
                     status = launch(config, generation=generation)
                 finally:
-                    stop.set()  # (on Ctrl-C, or SIGTERM, the job ends without waiting for its script)
+                    stop.set()
+                # What the watcher saw before `stop` counts in _after(); a script it is running ends
+                # before mtrain does. On Ctrl-C or SIGTERM the wait is short: the user asked to stop.
+                watcher.join(timeout=INTERRUPTED_WAIT if generation.interrupted else DISCOVERY_TIMEOUT + 2)
                 if status == 0 or generation.interrupted:
                     return status
-                watcher.join(timeout=DISCOVERY_TIMEOUT + 2)  # what it saw before `stop` counts in _after()
                 decision = self._after(generation, status, plan)
                 if decision is not None:
                     return decision
