@@ -13,33 +13,17 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-INSTALLED = {"bindings": "mtrain", "ringreduce": "mtrain.ringreduce", "launcher": "mtrain.launcher"}
+from tests.unit.source_modules import import_source, installed_modules
 
-
-def modules() -> "dict[str, Path]":
-    found = {}
-    for folder, name in INSTALLED.items():
-        for path in sorted((REPO / folder).rglob("*.py")):
-            parts = [*name.split("."), *path.relative_to(REPO / folder).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join(parts)] = path
-    return found
 
 
 def imports_of(name: str, path: Path, known: "set[str]") -> "set[str]":
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             bases = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
+            base = import_source(name, path.name == "__init__.py", node)
             bases = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
@@ -88,7 +72,7 @@ def cycles(graph: "dict[str, set[str]]") -> "list[list[str]]":
 
 
 def test_no_import_cycle():
-    known = modules()
+    known = installed_modules()
     graph = {name: imports_of(name, path, set(known)) for name, path in known.items()}
     assert not cycles(graph), "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles(graph))
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.unit.source_modules import REPO, import_source, module_name
+
 FOLDERS = ("bindings", "ringreduce", "launcher", "benchmarks", "examples", "tests")
-INSTALLED = {"bindings": "mtrain", "ringreduce": "mtrain.ringreduce", "launcher": "mtrain.launcher"}
 # Underscored names that are public API of the standard library or a dependency.
 PUBLIC_ELSEWHERE = {
     "_replace", "_asdict", "_fields", "_make", "_field_defaults",  # namedtuple
@@ -49,43 +49,33 @@ FRAMEWORK_PRIVATE = {
 OURS = ("mtrain", "tests", "benchmarks", "examples")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    if parts[0] in INSTALLED:
-        parts = (*INSTALLED[parts[0]].split("."), *parts[1:])
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
+def _targets(statement: ast.stmt) -> "list[str]":
+    """The plain names a module- or class-level statement binds."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [statement.name]
+    targets = statement.targets if isinstance(statement, ast.Assign) else (
+        [statement.target] if isinstance(statement, (ast.AnnAssign, ast.AugAssign)) else [])
+    return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
 
 
-def import_source(here: str, is_package: bool, node: ast.ImportFrom) -> str:
-    if not node.level:
-        return node.module or ""
-    package = here.split(".")
-    if not is_package:
-        package = package[:-1]
-    base = package[: len(package) - node.level + 1]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
-def own_private_names(tree: ast.AST) -> set[str]:
+def own_private_names(tree: ast.Module) -> set[str]:
+    """What a module defines as its own: what it binds at module level or in a class body (a
+    local variable does not count: `_x = other._x` in a function still reaches in), every
+    function's name, what it reads or sets on `self` / `cls`, and the names in `__slots__`."""
     names = set()
+    bodies = [tree.body] + [node.body for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    for body in bodies:
+        for statement in body:
+            names.update(_targets(statement))
+            if isinstance(statement, ast.Assign) and "__slots__" in _targets(statement):
+                names.update(n.value for n in ast.walk(statement.value)
+                             if isinstance(n, ast.Constant) and isinstance(n.value, str))
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
         elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
               and node.value.id in ("self", "cls")):
             names.add(node.attr)  # a class's own (set here, or read here and set by a factory beside it)
-        elif isinstance(node, ast.arg):
-            names.add(node.arg)
-    # __slots__ and dataclass fields declared by annotation are the class's own too.
-    for node in ast.walk(tree):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_"):
-            names.add(node.value)  # __slots__ = ("_x",), getattr(self, "_x")
     return {name for name in names if name.startswith("_")}
 
 
@@ -132,6 +122,8 @@ def test_no_underscored_name_is_used_across_modules():
     ("import os\nos._exit(0)\n", False),
     ("def f(engine):\n    return engine._flight\n", True),
     ("def f(master, watch):\n    master._gate = watch\n", True),
+    ("def f(engine):\n    _flight = engine._flight\n", True),
+    ("class A:\n    __slots__ = ('_x',)\n    def same(self, other):\n        return other._x\n", False),
 ])
 def test_the_check_sees_a_reach_in(code, bad):
     found = offenders_in(code, "probe.py", "mtrain.ringreduce.probe")
