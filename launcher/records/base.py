@@ -24,6 +24,8 @@ Codec = typing.Tuple[typing.Callable[[typing.Any], typing.Any], typing.Callable[
 def _codec(hint: typing.Any) -> Codec:
     """(encode, decode) for one field's type hint: value -> JSON-able, JSON value -> value."""
     if getattr(hint, "__origin__", None) is tuple:
+        if hint.__args__[1:] != (Ellipsis,):  # type: ignore[attr-defined]
+            raise TypeError(f"a record's tuple field is tuple[T, ...], not {hint!r}")
         item_encode, item_decode = _codec(hint.__args__[0])  # type: ignore[attr-defined]
         return (lambda value: [item_encode(item) for item in value],
                 lambda data: tuple(item_decode(item) for item in data))
@@ -57,6 +59,9 @@ class Record:
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         names = tuple(cls.__dict__.get("__annotations__", {}))
+        inherited = [base.__name__ for base in cls.__mro__[1:] if issubclass(base, Record) and base._fields]
+        if inherited:  # their fields would be lost: records are flat
+            raise TypeError(f"record {cls.__name__} cannot extend {inherited[0]}, which has fields")
         cls._fields = names
         cls._defaults = {name: cls.__dict__[name] for name in names if name in cls.__dict__}
         cls._codecs = {name: _codec(cls.__dict__["__annotations__"][name]) for name in names}
