@@ -225,14 +225,14 @@ def _runtime_settings() -> Any:
     is plain Python (the standard library only), so this copy reads the environment exactly as
     every rank's ``init()`` will."""
     import importlib.util
-    from mtrain.launcher.module_files import load_module_file
+    from mtrain.launcher.module_files import NotAModuleFile, load_module_file
     package = importlib.util.find_spec("mtrain.ringreduce")
     if package is None or not package.submodule_search_locations:
         return None
     path = os.path.join(list(package.submodule_search_locations)[0], "settings.py")
     try:
         return load_module_file("mtrain.launcher._runtime_settings", path)
-    except ImportError:
+    except NotAModuleFile:  # (an error inside settings.py itself is a bug to see, not to hide)
         return None
 
 
