@@ -147,6 +147,16 @@ def after_probe(wait: float) -> int:
     return _run_guarded(command, template if layout else None, layout, rest)
 
 
+def _tell(data: bytes) -> None:
+    """Write `data` to our stderr (the session's), if it is still there.  The session may have
+    ended already: sshd closes our stderr as it goes, and a guard that died of the broken pipe
+    would leave the job's processes here running (the notice is news, ending them is the job)."""
+    try:
+        os.write(2, data)
+    except OSError:
+        pass
+
+
 def end_tree(grace: float = TERM_GRACE) -> None:
     """SIGTERM every descendant, then SIGKILL whatever is left after `grace` seconds."""
     me = os.getpid()
@@ -244,8 +254,7 @@ def _run_daemon(command: "str | list[str]", env: "dict[str, str]", updates_path:
     def end_once(reason: str) -> None:
         if ending.acquire(blocking=False):
             # Reaches mpirun's stderr through the agent: shown with --verbose and in DIR/mpirun.log.
-            print(f"mtrain-guard: {socket.gethostname()}: ending the job's processes here: {reason}",
-                  file=sys.stderr, flush=True)
+            _tell(f"mtrain-guard: {socket.gethostname()}: ending the job's processes here: {reason}\n".encode())
             end_tree()
 
     def watchdog() -> None:
@@ -275,8 +284,8 @@ def _run_daemon(command: "str | list[str]", env: "dict[str, str]", updates_path:
             killer = -status if status < 0 else status - 128 if status > 128 else 0
             if killer and killer not in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT) and not ending.locked():
                 host = socket.gethostname()
-                os.write(2, event_line(AgentEvent(AgentEventKind.DAEMON_DIED, host, f"host {host}: the MPI daemon "
-                                                  f"there died (killed by {signal_name(killer)})", time.time())))
+                _tell(event_line(AgentEvent(AgentEventKind.DAEMON_DIED, host, f"host {host}: the MPI daemon "
+                                            f"there died (killed by {signal_name(killer)})", time.time())))
     done.set()
     return exit_code(status if status is not None else 255)
 
