@@ -94,41 +94,68 @@ def reducer(xp: Any, op: ReduceOp, dtype: np.dtype) -> Callable:
     return reducers(xp)(op, dtype)
 
 
-def _bfloat16() -> "np.dtype | None":
-    try:
-        import ml_dtypes  # optional: only present where the user installed it
-    except ImportError:
-        return None
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-# The order of this tuple is the wire code used in metadata checks: append, never reorder.
-_DTYPES = [np.dtype(t) for t in (
+# The order of these is the wire code used in metadata checks: append, never reorder.
+_BUILTIN_DTYPES: tuple = tuple(np.dtype(t) for t in (
     np.float16, np.float32, np.float64,
     np.int8, np.int16, np.int32, np.int64,
     np.uint8, np.uint16, np.uint32, np.uint64,
     np.bool_,
-)]
-_BF16 = _bfloat16()
-if _BF16 is not None:
-    _DTYPES.append(_BF16)
-SUPPORTED_DTYPES: tuple = tuple(_DTYPES)
-_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+))
+BFLOAT16_CODE = len(_BUILTIN_DTYPES)  # ml_dtypes' bfloat16, where that package is installed
+_CODE = {dt: i for i, dt in enumerate(_BUILTIN_DTYPES)}
+_bfloat16_dtype: "list[np.dtype | None]" = []  # [bfloat16 or None] once looked for
+
+
+def _bfloat16() -> "np.dtype | None":
+    """NumPy's bfloat16 (from ``ml_dtypes``, optional), looked for on first need: importing
+    ml_dtypes takes about 0.7 s, which every rank of every job paid at ``import mtrain.ringreduce``
+    when it was looked for there.  A program with bfloat16 arrays has imported it already."""
+    if not _bfloat16_dtype:
+        try:
+            import ml_dtypes  # optional: only present where the user installed it
+        except ImportError:
+            found = None
+        else:
+            found = np.dtype(ml_dtypes.bfloat16)
+            _CODE[found] = BFLOAT16_CODE
+        _bfloat16_dtype.append(found)
+    return _bfloat16_dtype[0]
+
+
+def supported_dtypes() -> tuple:
+    """Every dtype the runtime accepts, in wire-code order (bfloat16 last, where ml_dtypes is installed)."""
+    found = _bfloat16()
+    return _BUILTIN_DTYPES + ((found,) if found is not None else ())
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SUPPORTED_DTYPES":  # (looked up on use: it may import ml_dtypes)
+        return supported_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_code(dtype: object) -> int:
     """Small integer naming a supported dtype; TypeError for anything else."""
     dt = np.dtype(dtype)
     code = _CODE.get(dt)
+    if code is None and not _bfloat16_dtype:
+        _bfloat16()  # bfloat16's code is known once ml_dtypes is looked for
+        code = _CODE.get(dt)
     if code is None:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        hint = "" if _BF16 is not None else " (bfloat16 needs the ml_dtypes package)"
+        names = ", ".join(str(d) for d in supported_dtypes())
+        hint = "" if _bfloat16() is not None else " (bfloat16 needs the ml_dtypes package)"
         raise TypeError(f"unsupported dtype {dt}; mtrain supports {names}{hint}")
     return code
 
 
 def dtype_from_code(code: int) -> np.dtype:
-    return SUPPORTED_DTYPES[code]
+    if code == BFLOAT16_CODE:
+        found = _bfloat16()
+        if found is None:
+            raise TypeError("another rank sent bfloat16, which needs the ml_dtypes package on this rank too: "
+                            "pip install ml_dtypes")
+        return found
+    return _BUILTIN_DTYPES[code]
 
 
 def check_reducible(dtype: np.dtype, op: ReduceOp) -> None:

@@ -38,6 +38,30 @@ def test_unsupported_op_and_dtype_are_named():
         assert ops.dtype_from_code(ops.dtype_code(dtype)) == np.dtype(dtype)
 
 
+def _fresh(code: str) -> str:
+    """What ``code`` prints in an interpreter of its own (nothing imported before it)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_importing_the_runtime_leaves_ml_dtypes_until_bfloat16_is_needed():
+    # Importing ml_dtypes takes most of a second; every rank of every job paid it at import.
+    assert _fresh("import sys, mtrain.ringreduce, mtrain.ringreduce.ops as ops; "
+                  "ops.dtype_code('float32'); ops.dtype_from_code(1); print('ml_dtypes' in sys.modules)") == "False"
+
+
+def test_bfloat16_keeps_its_wire_code_however_it_is_first_met():
+    pytest.importorskip("ml_dtypes")
+    # Sent by this rank (its own array), received from another (a code alone), or listed.
+    assert _fresh("import numpy as np, ml_dtypes, mtrain.ringreduce.ops as ops; "
+                  "print(ops.dtype_code(np.zeros(2, ml_dtypes.bfloat16).dtype))") == str(ops.BFLOAT16_CODE)
+    assert _fresh("import mtrain.ringreduce.ops as ops; print(ops.dtype_from_code(ops.BFLOAT16_CODE))") == "bfloat16"
+    assert _fresh("from mtrain.ringreduce.ops import SUPPORTED_DTYPES; print(SUPPORTED_DTYPES[-1], "
+                  "len(SUPPORTED_DTYPES))") == f"bfloat16 {ops.BFLOAT16_CODE + 1}"
+    assert ops.BFLOAT16_CODE == 12  # after the twelve built-in dtypes: the order is the wire code
+
+
 def test_reducer_takes_each_array_modules_own_functions():
     """One table for NumPy and CuPy: the functions come from the module passed in (a stand-in
     module here), and bool Min/Max are logical and/or."""
