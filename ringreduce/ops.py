@@ -6,6 +6,7 @@ Max=4, Product=5``) so code that stores or compares them keeps working.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -103,23 +104,20 @@ _BUILTIN_DTYPES: tuple = tuple(np.dtype(t) for t in (
 ))
 BFLOAT16_CODE = len(_BUILTIN_DTYPES)  # ml_dtypes' bfloat16, where that package is installed
 _CODE = {dt: i for i, dt in enumerate(_BUILTIN_DTYPES)}
-_bfloat16_dtype: "list[np.dtype | None]" = []  # [bfloat16 or None] once looked for
 
 
+@functools.cache
 def _bfloat16() -> "np.dtype | None":
     """NumPy's bfloat16 (from ``ml_dtypes``, optional), looked for on first need: importing
     ml_dtypes takes about 0.7 s, which every rank of every job paid at ``import mtrain.ringreduce``
     when it was looked for there.  A program with bfloat16 arrays has imported it already."""
-    if not _bfloat16_dtype:
-        try:
-            import ml_dtypes  # optional: only present where the user installed it
-        except ImportError:
-            found = None
-        else:
-            found = np.dtype(ml_dtypes.bfloat16)
-            _CODE[found] = BFLOAT16_CODE
-        _bfloat16_dtype.append(found)
-    return _bfloat16_dtype[0]
+    try:
+        import ml_dtypes  # optional: only present where the user installed it
+    except ImportError:
+        return None
+    found = np.dtype(ml_dtypes.bfloat16)
+    _CODE[found] = BFLOAT16_CODE
+    return found
 
 
 def supported_dtypes() -> tuple:
@@ -138,8 +136,7 @@ def dtype_code(dtype: object) -> int:
     """Small integer naming a supported dtype; TypeError for anything else."""
     dt = np.dtype(dtype)
     code = _CODE.get(dt)
-    if code is None and not _bfloat16_dtype:
-        _bfloat16()  # bfloat16's code is known once ml_dtypes is looked for
+    if code is None and _bfloat16() is not None:  # bfloat16's code is known once ml_dtypes is looked for
         code = _CODE.get(dt)
     if code is None:
         names = ", ".join(str(d) for d in supported_dtypes())
