@@ -77,14 +77,20 @@ def test_a_sleeping_rank_is_named_and_no_other(cluster, tmp_path, token):
 
 
 def test_a_host_throttled_onto_a_busy_core_is_named(cluster, tmp_path, token):
-    # mtr-b's rank shares core 1 with a busy loop; mtr-a's rank has core 0.
-    hog = subprocess.Popen(["taskset", "-c", "1", PYTHON, "-c", f"# {token}\nwhile True:\n    pass"])
+    # mtr-b's rank shares core 1 with three busy loops; mtr-a's rank has core 0. Each loop is a
+    # session of its own: the kernel shares a core fairly between sessions (autogroups), not
+    # processes, so three loops in one session would take no more of it than one. Three take
+    # about 3/4 of core 1: mtr-b's rank computes several times as long, a margin that whatever
+    # else runs on core 0 of a busy machine (the launcher, sshd, the test itself) does not eat.
+    hogs = [subprocess.Popen(["taskset", "-c", "1", PYTHON, "-c", f"# {token}\nwhile True:\n    pass"],
+                             start_new_session=True) for _ in range(3)]
     try:
         done = run_mtrain(cluster, "-np", "2", "-H", "mtr-a:1,mtr-b:1", PYTHON, RANK, "cpu", "mtr-b", "1", "40",
                           token, cwd=tmp_path, timeout=120)
     finally:
-        hog.kill()
-        hog.wait()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     assert done.returncode == 0, done.stderr
     whole = tables(done.stderr)[-1]
     assert flagged(whole) == [1], done.stderr
