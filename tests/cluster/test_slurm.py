@@ -47,24 +47,18 @@ def batch_script(tmp_path: Path, *lines: str) -> Path:
     return script
 
 
-def sbatch_wait(slurm, tmp_path: Path, *lines: str) -> "tuple[int, str, str]":
-    """(sbatch --wait's status, the job's id, its output) of a batch job running `lines`."""
-    script = batch_script(tmp_path, *lines)
-    done = subprocess.run(["sbatch", "--parsable", "--wait", str(script)], env=no_ssh_env(slurm, tmp_path),
-                          capture_output=True, text=True, timeout=150, cwd=tmp_path)
-    job = done.stdout.split(";")[0].strip()
-    output = tmp_path / f"out-{job}.txt"
-    return done.returncode, job, output.read_text() if output.exists() else done.stderr
-
-
 def mtrain_run(*args: str) -> str:
     import shlex
     return shlex.join(mtrain_argv(*args))
 
 
 def test_a_training_job_of_2_nodes_by_2_tasks_under_sbatch(slurm, cluster, tmp_path, token):
-    status, job, output = sbatch_wait(slurm, tmp_path, mtrain_run(PYTHON, str(HERE / "slurm_train.py"), "5", token))
-    assert status == 0, output + slurm.log_tails()
+    # Polled, not `sbatch --wait` (test_slurm_cluster.py checks that it returns the script's
+    # status): its own look every 10 s or more made this test take 10 to 42 s.
+    job, output_file = submit(slurm, tmp_path, mtrain_run(PYTHON, str(HERE / "slurm_train.py"), "5", token))
+    wait_job_gone(slurm, job, timeout=150)
+    output = output_file.read_text() if output_file.exists() else ""
+    assert slurm.job_exit_code(job) == "0:0", output + slurm.log_tails()
     ranks = json_lines(output, "rank")
     assert sorted(ranks) == [0, 1, 2, 3], output
     assert [ranks[r]["host"] for r in range(4)] == ["mtr-a", "mtr-a", "mtr-b", "mtr-b"]
@@ -73,7 +67,6 @@ def test_a_training_job_of_2_nodes_by_2_tasks_under_sbatch(slurm, cluster, tmp_p
     assert {ranks[r]["master_addr"] for r in range(4)} == {"10.77.0.11"}
     assert ranks[0]["equal_to_one_process"] and ranks[0]["moved"], ranks[0]
     assert "mtrain:" not in output, output
-    assert slurm.job_exit_code(job) == "0:0"
     assert_no_leftovers(cluster, token, within=10)
 
 
@@ -90,7 +83,6 @@ def test_under_salloc_from_a_host_outside_the_allocation(slurm, cluster, tmp_pat
 
 @pytest.mark.parametrize("how", ["raise", "sigkill"])
 def test_a_failing_rank_under_sbatch_is_named_and_the_job_exit_code_agrees(slurm, cluster, tmp_path, token, how):
-    # (Polled here: `sbatch --wait` looks every 10 s, and the training test above already uses it.)
     job, output = submit(slurm, tmp_path, mtrain_run(PYTHON, str(HERE / "exit_rank.py"), how, "collective", token))
     wait_job_gone(slurm, job, timeout=90)
     code, line = FAILURES[how]
