@@ -11,7 +11,7 @@ import sys
 import time
 
 import mtrain.ringreduce as rr
-from leaving import leave
+from leaving import SETTLE, leave
 from mtrain.elastic import ObjectState
 
 call, how = sys.argv[1], sys.argv[2]
@@ -19,7 +19,7 @@ rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
 print(f"ready {rank}", flush=True)
 if call == "init":
     if rank == 3:
-        leave(how)  # before init(): the others wait for it there
+        leave(how, 1.0)  # before init(): the others wait for it there, once they have imported it all
     rr.init()
     time.sleep(300)
 rr.init()
@@ -27,7 +27,7 @@ process_set = rr.add_process_set([0, 1, 2]) if call == "remove_process_set" else
 state = ObjectState(epoch=rank)
 rr.barrier()
 if rank == 3:
-    leave(how)
+    leave(how, SETTLE)
 elif call == "shutdown":
     rr.shutdown()  # needs no other rank's program: it returns, and this rank ends normally
 elif call == "add_process_set":

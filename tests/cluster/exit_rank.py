@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 import mtrain.ringreduce as rr
-from leaving import leave
+from leaving import SETTLE, leave
 
 how, others = sys.argv[1], sys.argv[2]
 rr.init()
@@ -23,7 +23,7 @@ if others == "remove_process_set":
 rr.barrier()
 print(f"ready {rank}", flush=True)
 if rank == 3:
-    leave(how)  # "return": on to the script's end
+    leave(how, SETTLE)  # "return": on to the script's end
 elif others == "collective":
     while True:
         rr.allreduce(np.arange(1000, dtype=np.float64) + rank, name="loop")

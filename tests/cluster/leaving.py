@@ -1,7 +1,7 @@
 """The ways rank 3 leaves a job in the exit tests (exit_rank.py, blocking_rank.py), and what
 mtrain must say of each: one place, so both tests mean the same by a name.
 
-leave(how), about a second after the others went where the test wants them:
+leave(how, settle), `settle` seconds after the others set off to where the test wants them:
 exit7 (sys.exit(7)), raise, osexit (os._exit(7)), sigkill, sigsegv, exit0 (sys.exit(0):
 leaving politely), return (the script just ends), and the ways nothing wrapped can see:
 systemexit (`raise SystemExit(3)` in the main module), thread_exit (a worker thread's
@@ -30,12 +30,15 @@ FAILURES = {
     "thread_exit": (3, "first failure: rank 3 on mtr-b: exit code 3 (rank 3 ending on purpose: thread_exit)"),
     "thread_error": (4, "first failure: rank 3 on mtr-b: exit code 4 (rank 3 ending on purpose: thread_error)"),
 }
+# From a barrier every rank has left, the others' next call is a few lines away: half a second
+# puts them in it even on a busy machine, where a rank can wait that long for a core.
+SETTLE = 0.5
 UNSEEN = ["systemexit", "thread_exit", "thread_error"]  # no wrapped function sees these: the runner does
 POLITE = ["exit0", "return"]  # status 0 while the others may still need rank 3
 
 
-def leave(how: str) -> None:
-    time.sleep(1)  # the others are where the test wants them by now
+def leave(how: str, settle: float) -> None:
+    time.sleep(settle)  # the others are where the test wants them by now
     print(f"leaving at {time.time()}", flush=True)
     print(f"rank 3 ending on purpose: {how}", file=sys.stderr, flush=True)
     if how == "exit7":
