@@ -21,16 +21,19 @@ os.environ.setdefault("OMPI_MCA_btl", "^ofi")
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
-def _close_pools() -> None:
+def _close_pools(file_only: bool = False) -> None:
     pool = sys.modules.get("tests.mpi.pool")  # never imported: no job was pooled
     if pool is not None:
-        pool.close_all()
+        pool.close_file_jobs() if file_only else pool.close_all()
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: "pytest.Item | None") -> None:
-    # A file's jobs hold its modules (and torch, TF) in every rank: end them before the next file.
-    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+    # A file's jobs hold its modules (and torch, TF) in every rank: end them before the next file;
+    # the jobs of a shared pool (the TensorFlow files') before the next folder.
+    if nextitem is None or nextitem.path.parent != item.path.parent:
         _close_pools()
+    elif getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        _close_pools(file_only=True)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -37,18 +37,20 @@ def launch(nprocs: int, argv: "list[str]", timeout: float = 120,
 
 def mpi_test(nps: Iterable[int] = (1, 2, 3), timeout: float = 120,
              env: "dict[str, str] | None" = None, fresh: bool = False,
-             body_env: "Callable[[], dict[str, str]] | None" = None) -> Callable:
+             body_env: "Callable[[], dict[str, str]] | None" = None, pool: str = "") -> Callable:
     """Turn a rank body into a pytest test run under mpirun once per job size.
 
     ``env``: the job's environment (bodies with different ones run in different jobs).
     ``body_env``: made anew for each run of the body and set on every rank for it alone (a
-    rendezvous port, say). ``fresh``: a job of the body's own (see the module's note)."""
+    rendezvous port, say). ``fresh``: a job of the body's own (see the module's note).
+    ``pool``: a pool shared with other files' bodies that name it (pool.py), whose jobs outlive
+    the file; every such body must leave its ranks as the next file's bodies expect them."""
     def wrap(body: Callable[[], None]) -> Callable:
         @pytest.mark.parametrize("nprocs", list(nps), ids=lambda n: f"np{n}")
         def test(nprocs: int) -> None:
             extra = body_env() if body_env is not None else {}
             if not fresh:
-                key = PoolKey(nprocs, tuple(sorted((env or {}).items())))
+                key = PoolKey(nprocs, tuple(sorted((env or {}).items())), pool)
                 run_pooled(key, Body(body.__module__, body.__name__), timeout, extra)
                 return
             result = launch(nprocs, [sys.executable, "-m", "tests.mpi.harness", body.__module__, body.__name__],

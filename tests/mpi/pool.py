@@ -3,13 +3,16 @@
 A job started for each test pays for mpirun's start and for importing Python, torch and
 TensorFlow in every rank, over and over; the bodies themselves mostly take a fraction of that.
 So the pytest process keeps a job per (size, environment) while the tests of one file run, and
-sends it body after body (``rank_server.py`` is the rank side).
+sends it body after body (``rank_server.py`` is the rank side). Files whose bodies name the same
+shared pool (``PoolKey.shared``: the TensorFlow files, whose ranks take 5 s and more to import
+it) keep their jobs from one file to the next, until pytest leaves their folder.
 
 One body's failure stays its own: when a body fails on any rank, outlives its time, or the job
 dies under it, that test fails with every rank's output, the whole job is killed (its ranks may
 be out of step: waiting in a collective that a failed rank never joins), and the next body
-starts a fresh job. ``close_all`` (called by tests/conftest.py when pytest leaves a test file,
-and at exit) ends every job, leaving no process behind.
+starts a fresh job. ``close_file_jobs`` (called by tests/conftest.py when pytest leaves a test
+file) ends the jobs of no shared pool, and ``close_all`` (when it leaves a folder, and at exit)
+every job, leaving no process behind.
 
 Jobs of one rank are pooled too, not run in the pytest process: a body would initialize MPI and
 the runtime (an engine thread, signal handlers, exit hooks) in pytest itself, where the launcher
@@ -43,9 +46,11 @@ _TAIL = 6000  # characters of each stream a failure shows, as a one-off job's fa
 
 
 class PoolKey(NamedTuple):
-    """What makes two bodies able to share a job: its size and its environment."""
+    """What makes two bodies able to share a job: its size, its environment, and the shared pool
+    its file's bodies name ("": none, the job ends with the file)."""
     nprocs: int
     env: "tuple[tuple[str, str], ...]"
+    shared: str = ""
 
 
 class Body(NamedTuple):
@@ -257,6 +262,12 @@ def close_all() -> None:
     while _jobs:
         _, job = _jobs.popitem()
         job.kill()
+
+
+def close_file_jobs() -> None:
+    """End the jobs of no shared pool: a file's jobs hold its modules in every rank."""
+    for key in [key for key in _jobs if not key.shared]:
+        _drop(key)
 
 
 atexit.register(close_all)

@@ -137,3 +137,21 @@ def test_closing_the_pools_leaves_no_process():
     pool.close_all()
     assert pool.job_pid(KEY) is None
     assert not session_members(pid)
+
+
+def test_a_shared_pools_job_outlives_its_file_and_ends_with_the_folder():
+    # conftest.py ends a file's jobs when pytest leaves the file (close_file_jobs), and a shared
+    # pool's (the TensorFlow files') only when it leaves the folder (close_all).
+    shared = pool.PoolKey(KEY.nprocs, KEY.env, "harness-shared")
+    _run(passes)
+    pool.run_pooled(shared, pool.Body(__name__, passes.__name__), 120)
+    plain, kept = pool.job_pid(KEY), pool.job_pid(shared)
+    assert plain is not None and kept is not None and plain != kept
+    pool.close_file_jobs()
+    assert pool.job_pid(KEY) is None and pool.job_pid(shared) == kept
+    assert not session_members(plain), "the file's job left processes running"
+    pool.run_pooled(shared, pool.Body(__name__, passes.__name__), 120)
+    assert pool.job_pid(shared) == kept  # the next file's body ran in the same job
+    pool.close_all()
+    assert pool.job_pid(shared) is None
+    assert not session_members(kept), "the shared job left processes running"
