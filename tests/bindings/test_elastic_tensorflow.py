@@ -9,7 +9,7 @@ import tempfile
 import numpy as np
 
 from tests.bindings.requires import require
-from tests.bindings.tf_setup import setup_tensorflow
+from tests.bindings.tf_setup import TF_POOL, setup_tensorflow
 from tests.mpi.harness import mpi_test
 
 require("tensorflow", "pip install '.[tensorflow]'")
@@ -33,7 +33,7 @@ def _identical(rr, array: np.ndarray, what: str) -> None:
     assert all(np.array_equal(other, array) for other in everyone), f"{what}: ranks differ"
 
 
-@mpi_test(nps=(2,), timeout=240)
+@mpi_test(pool=TF_POOL, nps=(2,), timeout=240)
 def test_tensorflow_and_keras_states_callbacks_and_resume():
     tf, keras = _setup()
     import mtrain.ringreduce as rr

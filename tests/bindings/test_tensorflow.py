@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.bindings.requires import require
-from tests.bindings.tf_setup import setup_tensorflow
+from tests.bindings.tf_setup import TF_POOL, setup_tensorflow
 from tests.mpi.harness import mpi_test
 
 require("tensorflow", "pip install '.[tensorflow]'")
@@ -36,7 +36,7 @@ def _assert_identical_across_ranks(hvd, array: np.ndarray, what: str) -> None:
     assert all(b == everyone[0] for b in everyone), f"{what}: ranks differ"
 
 
-@mpi_test(nps=(2, 3), timeout=240)
+@mpi_test(pool=TF_POOL, nps=(2, 3), timeout=240)
 def test_keras_fit_and_gradient_tape_equal_one_process_on_the_concatenated_batch():
     tf, keras = _setup()
     import mtrain.tensorflow as tfhvd
@@ -97,7 +97,7 @@ def test_keras_fit_and_gradient_tape_equal_one_process_on_the_concatenated_batch
     _assert_identical_across_ranks(hvd, _flat(model), "DistributedGradientTape")
 
 
-@mpi_test(nps=(2,), timeout=240)
+@mpi_test(pool=TF_POOL, nps=(2,), timeout=240)
 def test_callbacks_collectives_and_errors():
     tf, keras = _setup()
     import mtrain.tensorflow as tfhvd

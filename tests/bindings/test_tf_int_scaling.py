@@ -4,15 +4,14 @@ Average is a sum scaled once by postscale / size."""
 import numpy as np
 
 from tests.bindings.requires import require
+from tests.bindings.tf_setup import TF_POOL, setup_threads
 from tests.mpi.harness import mpi_test
 
 require("tensorflow", "pip install '.[tensorflow]'")
 
 
 def _setup():
-    import os
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
+    tf = setup_threads()
     import mtrain.tensorflow as hvd
     n, me = hvd.size(), hvd.rank()
     mine = lambda r: np.arange(-7, 7).reshape(7, 2) * (r + 1) + 3 * r  # noqa: E731  (odd and negative values)
@@ -64,7 +63,7 @@ def _allreduce_negative_integers_truncate_toward_zero():
         assert np.array_equal(got, trunc(summed, 1.0 / n)), f"allreduce Average in a graph {dtype}"
 
 
-@mpi_test(nps=(2, 3), timeout=300)
+@mpi_test(pool=TF_POOL, nps=(2, 3), timeout=300)
 def test_integer_scaling_truncates_toward_zero_in_one_scaling():
     """The three checks above in one job per size (TensorFlow's start-up is most of a job)."""
     _reducescatter_integer_scaling_truncates_toward_zero()

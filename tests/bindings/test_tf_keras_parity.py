@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.bindings.requires import require
-from tests.bindings.tf_setup import setup_tensorflow
+from tests.bindings.tf_setup import TF_POOL, setup_tensorflow
 from tests.mpi.harness import mpi_test
 
 require("tensorflow", "pip install '.[tensorflow]'")
@@ -29,7 +29,7 @@ def _model(keras, seed: int):
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
 
 
-@mpi_test(nps=(3,), timeout=300)
+@mpi_test(pool=TF_POOL, nps=(3,), timeout=300)
 def test_sync_batch_norm_partial_optimizers_and_callback():
     tf, keras = _setup()
     import mtrain.keras as khvd

@@ -8,18 +8,13 @@ import numpy as np
 import pytest
 
 from tests.bindings.requires import require
+from tests.bindings.tf_setup import TF_POOL, setup_threads
 from tests.mpi.harness import mpi_test
 
 require("tensorflow", "pip install '.[tensorflow]'")
 
 
-def _setup():
-    import os
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
-    return tf
+_setup = setup_threads
 
 
 def _rows(r: int, count: int, width: int = 2, salt: float = 0.0) -> np.ndarray:
@@ -89,7 +84,7 @@ def _check_gradients(tf, hvd, graph: bool) -> None:
     assert np.allclose(grad, np.concatenate(blocks)), f"{tag} alltoall"
 
 
-@mpi_test(nps=(3,), timeout=240)
+@mpi_test(pool=TF_POOL, nps=(3,), timeout=240)
 def test_gradients_errors_splits_and_ops():
     tf = _setup()
     import mtrain.ringreduce as rr

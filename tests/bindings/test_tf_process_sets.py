@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.bindings.requires import require
-from tests.bindings.tf_setup import setup_tensorflow
+from tests.bindings.tf_setup import TF_POOL, setup_tensorflow
 from tests.mpi.harness import mpi_test
 
 require("tensorflow", "pip install '.[tensorflow]'")
@@ -130,7 +130,7 @@ def _check_set(tf, hvd, ps, tag: str) -> None:
     assert np.allclose(got, k * np.concatenate([w(r, _shares(2 * k + 1, k)[members.index(r)]) for r in members]))
 
 
-@mpi_test(nps=(3,), timeout=420)
+@mpi_test(pool=TF_POOL, nps=(3,), timeout=420)
 def test_every_op_on_process_sets():
     tf, _ = setup_tensorflow()
     import mtrain.tensorflow as hvd
@@ -195,7 +195,7 @@ def test_every_op_on_process_sets():
     assert np.allclose(got, sum(_rows(r, 2) for r in range(3)))
 
 
-@mpi_test(nps=(3,), timeout=420)
+@mpi_test(pool=TF_POOL, nps=(3,), timeout=420)
 def test_training_on_a_process_set_matches_one_process_on_its_batch():
     tf, keras = setup_tensorflow()
     import mtrain.keras as khvd
@@ -283,7 +283,7 @@ def test_training_on_a_process_set_matches_one_process_on_its_batch():
         assert np.allclose(v.numpy(), before[i] - step), f"PartialDistributedOptimizer {i}"
 
 
-@mpi_test(nps=(3,), timeout=300)
+@mpi_test(pool=TF_POOL, nps=(3,), timeout=300)
 def test_join_with_ranks_finishing_at_different_steps():
     tf, keras = setup_tensorflow()
     import mtrain.tensorflow as hvd

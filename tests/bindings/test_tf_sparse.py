@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.bindings.requires import require
-from tests.bindings.tf_setup import setup_tensorflow
+from tests.bindings.tf_setup import TF_POOL, setup_tensorflow
 from tests.mpi.harness import mpi_test
 
 require("tensorflow", "pip install '.[tensorflow]'")
@@ -162,7 +162,7 @@ def _check_keras(tf, keras, hvd, n: int, me: int) -> None:
             assert np.allclose(mine, theirs, rtol=1e-12), where
 
 
-@mpi_test(nps=(2, 3), timeout=240)
+@mpi_test(pool=TF_POOL, nps=(2, 3), timeout=240)
 def test_indexed_slices_reduce_by_allgather_as_in_horovod():
     tf, keras = setup_tensorflow()
     import mtrain.tensorflow as hvd
