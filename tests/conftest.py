@@ -1,5 +1,6 @@
-"""Test-suite-wide hooks: pooled MPI jobs (tests/mpi/pool.py) end when pytest leaves their file,
-Open MPI's OFI transport stays out of the tests' jobs, and their ranks yield the cores they share."""
+"""Test-suite-wide hooks: pooled MPI jobs (tests/mpi/pool.py) end when pytest leaves their file
+(a shared pool's, their folder), Open MPI's OFI transport stays out of the tests' jobs, and
+their ranks yield the cores they share."""
 from __future__ import annotations
 
 import os
