@@ -1,9 +1,13 @@
 """`mtrain timeline-summary`: what a timeline file says, as a table and a picture.
 
-Reads the Chrome trace the ranks write (``ringreduce/timeline.py``: one process per
-rank, one thread row per op name, complete events per phase, STEP events per
-training step), also one a crashed job left without its closing bracket. Stdlib
-only; matplotlib is imported when a picture is asked for.
+Reads the Chrome trace the ranks write (``ringreduce/timeline.py``, Horovod's layout: one
+process per op name, B/E spans per phase with the activities nested in the op's span, one
+thread per rank, STEP events per training step on pid 0), a Horovod timeline (rank 0's
+events alone, no thread ids), and the layout of earlier mtrain versions (one process per
+rank, one thread row per op name, complete events per phase); also a file a crashed job left
+without its closing bracket. A phase's time is its own, less the activities nested in it, so
+an op's phases add up to its time. Stdlib only; matplotlib is imported when a picture is
+asked for.
 """
 from __future__ import annotations
 
@@ -93,6 +97,63 @@ def _parse(text: str) -> "list | None":
 
 
 def summarize(events: "list[dict]") -> Summary:
+    if any(e.get("ph") == "B" for e in events):
+        return _summarize_spans(events)
+    return _summarize_rows(events)
+
+
+def _summarize_spans(events: "list[dict]") -> Summary:
+    """Horovod's layout: op names from each pid's process_name, phases from B/E pairs per
+    (pid, tid), the rank being the tid (0 in Horovod's own files, which have none)."""
+    ops_by_pid: "dict[Any, str]" = {}
+    for event in events:
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            name = (event.get("args") or {}).get("name")
+            if name is not None:
+                ops_by_pid[event.get("pid")] = str(name)
+    phases: "dict[str, dict[str, float]]" = defaultdict(lambda: defaultdict(float))
+    counts: "dict[tuple[str, Any], dict[str, int]]" = defaultdict(lambda: defaultdict(int))
+    open_spans: "dict[tuple[Any, Any], list[list]]" = defaultdict(list)  # [name, start, nested time]
+    steps: "list[Step]" = []
+    ranks: "set[int]" = set()
+    for event in events:
+        ph, pid, rank = event.get("ph"), event.get("pid"), event.get("tid", 0)
+        try:
+            ts = float(event.get("ts", 0.0))
+        except (TypeError, ValueError):
+            continue
+        if ph == "X" and event.get("name") == STEP and isinstance(rank, int):
+            args = event.get("args") or {}
+            ranks.add(rank)
+            try:
+                steps.append(Step(rank, int(args.get("step", len(steps))), float(args.get("compute_s", 0.0)),
+                                  float(args.get("wait_s", 0.0)), float(event.get("dur", 0.0)) / 1e6))
+            except (TypeError, ValueError):
+                pass
+            continue
+        op = ops_by_pid.get(pid)
+        if op is None or ph not in ("B", "E"):
+            continue  # rank-ready ticks (X), markers, metadata
+        if isinstance(rank, int):
+            ranks.add(rank)
+        stack = open_spans[(pid, rank)]
+        if ph == "B":
+            stack.append([str(event.get("name", "")), ts, 0.0])
+            continue
+        if not stack:
+            continue  # an end whose begin the file lacks (a timeline started mid-op)
+        name, start, nested = stack.pop()
+        took = max(ts - start, 0.0)
+        phases[op][name] += max(took - nested, 0.0)
+        if stack:
+            stack[-1][2] += took
+        else:
+            counts[(op, rank)][name] += 1
+    return _totals(phases, counts, steps, ranks)
+
+
+def _summarize_rows(events: "list[dict]") -> Summary:
+    """Earlier mtrain versions' layout: pid = rank, one thread row per op name, X per phase."""
     rows: "dict[tuple[Any, Any], str]" = {}
     for event in events:
         if event.get("ph") == "M" and event.get("name") == "thread_name":
@@ -123,6 +184,11 @@ def summarize(events: "list[dict]") -> Summary:
         op = rows.get((pid, event.get("tid")), name)
         phases[op][name] += dur
         counts[(op, pid)][name] += 1
+    return _totals(phases, counts, steps, ranks)
+
+
+def _totals(phases: "dict[str, dict[str, float]]", counts: "dict[tuple[str, Any], dict[str, int]]",
+            steps: "list[Step]", ranks: "set[int]") -> Summary:
     runs: "dict[str, int]" = defaultdict(int)
     for (op, _), by_phase in counts.items():
         runs[op] += max(by_phase.values())  # each run of an op has each of its phases once

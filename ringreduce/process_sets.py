@@ -183,6 +183,9 @@ class Registry:
         self.local_rank, self.local_size = comms.local.Get_rank(), comms.local.Get_size()
         self.cross_rank, self.cross_size = comms.cross.Get_rank(), comms.cross.Get_size()
         self.homogeneous = True  # every host runs the same number of ranks; set by init()
+        # Whether sets may be added and removed after init() (runtime._dynamic_process_sets):
+        # None, unset, allows it; False is HOROVOD_DYNAMIC_PROCESS_SETS=0.
+        self.dynamic: "bool | None" = None
         # Process sets: id -> state; set 0 is every rank, on the main engine.
         self.sets: "dict[int, SetState]" = {
             0: SetState(0, list(range(self.size)), self.rank, comms, engine)}

@@ -49,22 +49,32 @@ def _refuse_lone_srun_task(world_size: int, env: "dict[str, str] | os._Environ")
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Start the runtime on ``comm`` (an mpi4py communicator; default COMM_WORLD).
+    """Start the runtime on ``comm``, as Horovod's ``hvd.init(comm, process_sets)``
+    (horovod/common/basics.py): None or ``[]`` for COMM_WORLD, a list of COMM_WORLD ranks (in
+    the list's order: its first rank is rank 0), or an mpi4py communicator. Only the ranks in it
+    call init(); ``rank()``, ``size()``, ``local_rank()`` and ``cross_rank()`` are then the
+    communicator's, and so are the ranks that ``ProcessSet`` and ``root_rank`` name.
 
-    ``process_sets``: a list of ``ProcessSet`` to register (every rank passes the same list),
-    or ``"dynamic"`` (accepted for Horovod; sets may always be added later).
+    ``process_sets``: a list of ``ProcessSet`` to register (every rank passes the same sets;
+    one listed twice is a ValueError, as in Horovod), or ``"dynamic"``: sets may be added and
+    removed later even under ``HOROVOD_DYNAMIC_PROCESS_SETS=0``.
 
     Safe to call more than once. Installs abort-on-uncaught-exception so one
     failing rank ends the job instead of blocking the others.
     """
     wanted = _check_process_sets_argument(process_sets)
+    dynamic = _dynamic_process_sets(process_sets)
+    comm = _check_comm_argument(comm)
     if comm is None:
         _refuse_lone_srun_task(MPI.COMM_WORLD.Get_size(), os.environ)
     live = _ps.installed()
     if live is not None:
         if live.engine.running():
+            if dynamic:
+                live.dynamic = True
             if wanted:
                 live.register(wanted)
+                _refuse_duplicates(wanted)
             return
         shutdown()  # another rank shut the job's engine down: start afresh, together
     if not comm_module.threading_level_ok():
@@ -110,6 +120,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     engine = make_engine(comms, world_ranks)
     registry = _ps.Registry(comms, engine, make_engine, admin, private_parent)
     registry.homogeneous = homogeneous
+    registry.dynamic = dynamic
     _ps.install(registry)
     global_process_set.ranks = world_ranks  # as Horovod fills in hvd.global_process_set.ranks
     comm_module.install_abort_on_exception()
@@ -118,6 +129,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     recorder.start(comms.world.Get_rank(), _recorded_sets)  # SIGUSR1 dumps (under mtrain run)
     if wanted:
         registry.register(wanted)
+        _refuse_duplicates(wanted)
 
 
 def _recorded_sets() -> "list[recorder.SetView]":
@@ -144,8 +156,53 @@ def _job_ranks_of(comm: Any) -> "list[int]":
     return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
 
 
+def _dynamic_process_sets(process_sets: Any) -> "bool | None":
+    """Whether sets may be added and removed after init(): True for ``process_sets="dynamic"``
+    (any case, as Horovod reads it), else HOROVOD_DYNAMIC_PROCESS_SETS (None: unset, allowed)."""
+    if isinstance(process_sets, str) and process_sets.lower() == "dynamic":
+        return True
+    return settings.DYNAMIC_PROCESS_SETS.read()
+
+
+def _refuse_duplicates(wanted: "list[ProcessSet]") -> None:
+    """Horovod's rule for init(process_sets=[...]) (basics.py): a set listed twice, with its ranks
+    in any order, is a ValueError, raised after the others are registered (they stay usable)."""
+    seen: "dict[int, int]" = {}
+    for index, process_set in enumerate(wanted):
+        set_id = process_set.process_set_id
+        if set_id is None or set_id == 0:  # outside a communicator's set; or the global set
+            continue
+        if set_id in seen:
+            process_set.process_set_id = None  # unregistered again, as Horovod's duplicate check leaves it
+            raise ValueError(f"process_sets entry number {index} is a duplicate of entry number {seen[set_id]} "
+                             f"({process_set.ranks}): list each process set once")
+        seen[set_id] = index
+
+
+def _check_comm_argument(comm: Any) -> Any:
+    """``comm`` as init() uses it: None (COMM_WORLD), a list of ranks, or a communicator;
+    Horovod's ValueError for anything else, and for a communicator this rank is outside of."""
+    if comm is None or isinstance(comm, MPI.Comm):
+        if comm is not None and comm == MPI.COMM_NULL:
+            raise ValueError("init(comm=MPI.COMM_NULL): this rank is not in the communicator; only the "
+                             "communicator's ranks call init()")
+        return comm
+    if isinstance(comm, (str, bytes)):
+        ranks = None
+    else:
+        try:
+            ranks = list(comm)
+        except TypeError:
+            ranks = None
+    if ranks is None or any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) for r in ranks):
+        raise ValueError(f"init(comm={comm!r}): comm must be a list of integer ranks of COMM_WORLD or an "
+                         "mpi4py communicator (MPI.Comm)")
+    # Horovod takes an empty list for "every rank" (its comm=None becomes []).
+    return [int(r) for r in ranks] or None
+
+
 def _check_process_sets_argument(process_sets: Any) -> "list[ProcessSet]":
-    if process_sets is None or process_sets == "dynamic":
+    if process_sets is None or (isinstance(process_sets, str) and process_sets.lower() == "dynamic"):
         return []
     if isinstance(process_sets, ProcessSet):
         process_sets = [process_sets]
@@ -165,7 +222,8 @@ def _comm_of_ranks(ranks: "list[int]") -> MPI.Comm:
     if world.Get_rank() not in ranks:
         raise ValueError(f"rank {world.Get_rank()} is not in init(comm={ranks}): every rank that calls init() "
                          "must be in its list")
-    group = world.Get_group().Incl(sorted(ranks))
+    # In the list's order, as Horovod's MPI_Group_incl: init(comm=[2, 0]) makes COMM_WORLD's rank 2 rank 0.
+    group = world.Get_group().Incl(ranks)
     comm = world.Create_group(group, tag=9001)
     group.Free()
     return comm
@@ -175,6 +233,7 @@ def add_process_set(process_set: "ProcessSet | Sequence[int]") -> ProcessSet:
     """Register a process set after ``init()``; every rank makes the same call, member or not.
     Returns the registered ``ProcessSet``."""
     runtime = current()
+    _refuse_static("adding", runtime)
     problem: "Exception | None" = None
     try:
         if not isinstance(process_set, ProcessSet):
@@ -227,7 +286,20 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (every rank makes the same call; for a private set,
     ``private_process_set``, its members alone). Its ops still in flight end with an error.
     Returns False for the global set, which stays."""
-    return current().remove(process_set)
+    runtime = current()
+    # As Horovod, the global set is not removed (False) whatever the setting; private sets are mtrain's own.
+    if process_set.process_set_id is not None and process_set.process_set_id > 0:
+        _refuse_static("removing", runtime)
+    return runtime.remove(process_set)
+
+
+def _refuse_static(doing: str, runtime: _ps.Registry) -> None:
+    """Horovod's refusal (basics.py) when HOROVOD_DYNAMIC_PROCESS_SETS is 0 and init() was not
+    given process_sets="dynamic": its ValueError, on every rank alike (no rank waits for another)."""
+    if runtime.dynamic is False:
+        raise ValueError(f"Set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or call init(process_sets=\"dynamic\")) to allow "
+                         f"{doing} process sets after initialization; HOROVOD_DYNAMIC_PROCESS_SETS=0 fixes the "
+                         "sets given to init(process_sets=[...])")
 
 
 def shutdown() -> None:

@@ -199,10 +199,12 @@ LOG_LEVEL = Setting("MTRAIN_LOG_LEVEL", "HOROVOD_LOG_LEVEL", _level,
 # choice, not a flag: ALLREDUCE_ALGORITHM; collectives.algorithm_from_environment, where ours wins too).
 HIERARCHICAL_ALLREDUCE = Setting(None, "HOROVOD_HIERARCHICAL_ALLREDUCE", _flag, _FLAG, False)
 # Read so that a bad value is still an error; mtrain has no hierarchical allgather (init says so
-# once), its runtime messages carry no timestamp, and its process sets may always be added.
+# once), and its runtime messages carry no timestamp.
 HIERARCHICAL_ALLGATHER = Setting(None, "HOROVOD_HIERARCHICAL_ALLGATHER", _flag, _FLAG, False)
 LOG_HIDE_TIME = Setting(None, "HOROVOD_LOG_HIDE_TIME", _flag, _FLAG, False)
-DYNAMIC_PROCESS_SETS = Setting(None, "HOROVOD_DYNAMIC_PROCESS_SETS", _flag, _FLAG, False)
+# None (unset): sets may be added and removed after init(), as mtrain always allowed; set to 0,
+# add_process_set and remove_process_set refuse, as Horovod's do (runtime.add_process_set).
+DYNAMIC_PROCESS_SETS = Setting(None, "HOROVOD_DYNAMIC_PROCESS_SETS", _flag, _FLAG, None)
 
 # The autotuner (autotune.py). Horovod's defaults (parameter_manager.cc): 3 warm-up samples, 10
 # steps a sample, 20 Bayesian samples, noise 0.8.

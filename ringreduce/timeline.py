@@ -1,13 +1,30 @@
 """Chrome-trace timeline of every op on every rank (``MTRAIN_TIMELINE=path``, or
 ``start_timeline(path)`` and ``stop_timeline()`` at run time, called on every rank).
 
-Open the file in chrome://tracing or ui.perfetto.dev: one process row per rank
-(pid = the job rank), and in it one row per op name with its NEGOTIATE,
-MEMCPY_IN_FUSION_BUFFER, ALLREDUCE (the ring) and MEMCPY_OUT_FUSION_BUFFER
-phases, plus a STEP row (``Timeline.step``: compute and wait per training
-step). Rank 0 writes the one file, events appended as they happen; it is a valid
-JSON array once ``close()`` runs (viewers, and ``mtrain timeline-summary``, also
-accept it without the closing bracket, e.g. after a crash).
+The file is Horovod's (horovod/common/timeline.cc), so tools that read Horovod
+timelines read ours; open it in chrome://tracing or ui.perfetto.dev:
+
+- pid 0 opens the file: ``process_name`` with ``start_time_since_epoch_in_micros``
+  and ``process_sort_index``; each op name (tensor) is a process of its own, pid
+  1, 2, ... in order of first sight, named by a ``process_name`` metadata event
+  (``args.name``) with its ``process_sort_index``;
+- in it, per run of the op, ``NEGOTIATE_<TYPE>`` (B ... E) from submit to the
+  cycle that runs it, with a rank-ready tick (X, dur 0, named by the rank, as
+  Horovod's ``NegotiateRankReady``); then ``<TYPE>`` (ALLREDUCE, ALLGATHER,
+  BROADCAST, REDUCESCATTER, ALLTOALL, BARRIER; B ... E, the E with ``dtype`` and
+  ``shape`` args) around its activities: MEMCPY_IN_FUSION_BUFFER, MPI_ALLREDUCE
+  (our ring, shared-memory or hierarchical all-reduce), MEMCPY_OUT_FUSION_BUFFER,
+  MPI_ALLGATHER, MPI_BCAST, MPI_REDUCESCATTER, MPI_ALLTOALL;
+- ``CYCLE_START`` instant markers (``mark_cycles``; rank 0's cycles, ph i, s g).
+
+Ours beyond Horovod's, under names of our own: Horovod records rank 0 alone;
+here every rank's events are in the file, each on the thread (``tid``) of its
+rank, named ``rank N`` (rank 0's events are Horovod's own view); pid 0 holds
+each rank's ``STEP`` complete events (``Timeline.step``: compute and wait per
+training step), and an ``end`` instant closes the file. Rank 0 writes the one
+file, events appended as they happen; it is a valid JSON array once ``close()``
+runs (viewers, and ``mtrain timeline-summary``, also accept it without the
+closing bracket, e.g. after a crash).
 
 How the other ranks' events get there. The issue asked for the launcher to merge
 per-rank files; that needs a shared filesystem or a transport the launcher does
@@ -51,7 +68,28 @@ HELLO_WAIT_SECONDS = 1.0
 COLLECT_SECONDS = 0.02
 PING_ROUNDS = 5
 _TAG_PING, _TAG_BATCH = 1, 2
-STEP_ROW = "STEP"
+STEP = "STEP"
+# An event's op name until rank 0's writer gives the op its pid (pids are the file's, not a rank's).
+_TENSOR = "_tensor"
+# Horovod's request and response types by our op kinds (message.cc); the object collectives are
+# Horovod's broadcast and allgather of a byte tensor (horovod/torch/functions.py).
+_TYPES = {"BROADCAST_OBJECT": "BROADCAST", "ALLGATHER_OBJECT": "ALLGATHER"}
+# Horovod's activity for each type's data movement on the CPU (common.h; mpi_operations.cc).
+ACTIVITIES = {"ALLREDUCE": "MPI_ALLREDUCE", "ALLGATHER": "MPI_ALLGATHER", "BROADCAST": "MPI_BCAST",
+              "REDUCESCATTER": "MPI_REDUCESCATTER", "ALLTOALL": "MPI_ALLTOALL"}
+
+
+def op_type(kind_name: str) -> str:
+    """Horovod's name for an op kind (``Kind.name``): NEGOTIATE_<it> and the op's top-level span."""
+    return _TYPES.get(kind_name, kind_name)
+
+
+def _output_args(array: Any) -> "dict[str, str]":
+    """Horovod's args on an op's end: the output's dtype and shape ("[2, 3]"); none without an array."""
+    dtype, shape = getattr(array, "dtype", None), getattr(array, "shape", None)
+    if dtype is None or shape is None:
+        return {}
+    return {"dtype": str(dtype), "shape": "[" + ", ".join(str(int(d)) for d in shape) + "]"}
 
 
 class ClockSample(NamedTuple):
@@ -118,23 +156,49 @@ class TraceLink:
 
 
 class _Writer:
-    """Rank 0's file: events appended as they come, times made relative to ``origin``."""
+    """Rank 0's file: events appended as they come, times made relative to ``origin``, each op
+    name given its pid (with Horovod's metadata) and each (pid, rank) its thread name."""
 
     def __init__(self, path: str, origin: float) -> None:
         self._file = open(path, "w", encoding="utf-8")
         self._file.write("[\n")
         self._origin = origin
         self.dirty = False
+        self._pids: "dict[str, int]" = {}
+        self._threads: "set[tuple[int, int]]" = set()
+        # Horovod's opening lines (TimelineWriter::WriteAtFileStart): the wall clock at ts 0.
+        epoch_us = int((time.time() - (time.monotonic() - origin)) * 1e6)
+        self._line({"name": "process_name", "ph": "M", "pid": 0,
+                    "args": {"start_time_since_epoch_in_micros": epoch_us}})
+        self._line({"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}})
+
+    def _line(self, event: dict) -> None:
+        self._file.write(json.dumps(event) + ",\n")
 
     @property
     def closed(self) -> bool:
         return self._file.closed
 
     def write(self, event: dict) -> None:
-        """``event``'s "ts" is in seconds on rank 0's monotonic clock (µs in the file)."""
+        """``event``'s "ts" is in seconds on rank 0's monotonic clock (µs in the file); an op's
+        event names its op (``_TENSOR``), and gets that op's pid here."""
+        tensor = event.pop(_TENSOR, None)
+        if tensor is not None:
+            pid = self._pids.get(tensor)
+            if pid is None:  # Horovod's metadata for a new tensor "process"
+                pid = self._pids[tensor] = len(self._pids) + 1
+                self._line({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": tensor}})
+                self._line({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+            event["pid"] = pid
+        tid = event.get("tid")
+        if tid is not None and (event["pid"], tid) not in self._threads:
+            self._threads.add((event["pid"], tid))
+            if event.get("name") != "thread_name":
+                self._line({"name": "thread_name", "ph": "M", "pid": event["pid"], "tid": tid,
+                            "args": {"name": f"rank {tid}"}})
         if "ts" in event:
             event["ts"] = round((event["ts"] - self._origin) * 1e6, 1)
-        self._file.write(json.dumps(event) + ",\n")
+        self._line(event)
         self.dirty = True
 
     def flush(self) -> None:
@@ -157,7 +221,6 @@ class Timeline:
         self._rank = link.rank if link is not None else 0
         self._offset = link.offset if link is not None else 0.0
         self._lock = threading.Lock()
-        self._rows: "dict[str, int]" = {}
         self._closed = False
         self._writer: "_Writer | None" = None
         self._collector: "_Collector | None" = None
@@ -172,7 +235,10 @@ class Timeline:
             self._writer = _Writer(path, time.monotonic())
         elif link is None or not link.sends:
             self._closed = True  # nowhere to send: record nothing
-        self._emit({"name": "process_name", "ph": "M", "pid": self._rank, "args": {"name": f"rank {self._rank}"}})
+        # This rank's row on pid 0 (its steps); from a rank other than 0, also its first batch,
+        # which tells rank 0 that this rank started this timeline (_Collector.finish).
+        self._emit({"name": "thread_name", "ph": "M", "pid": 0, "tid": self._rank,
+                    "args": {"name": f"rank {self._rank}"}})
         if self._writer is not None and link is not None and link.sends:
             # Started last: from here on its thread writes too (under the lock).
             self._collector = _Collector(link, self._session, self._writer, self._lock)
@@ -182,13 +248,6 @@ class Timeline:
         return self._rank
 
     # -- recording (the engine thread) ---------------------------------------------
-    def _row(self, name: str) -> int:
-        row = self._rows.get(name)
-        if row is None:
-            row = self._rows[name] = len(self._rows) + 1
-            self._emit({"name": "thread_name", "ph": "M", "pid": self._rank, "tid": row, "args": {"name": name}})
-        return row
-
     def _emit(self, event: dict) -> None:
         """One event (under the lock, or from __init__); "ts" in this rank's seconds."""
         if self._closed:
@@ -218,48 +277,91 @@ class Timeline:
         self._sends.append((link.comm.Issend([buffer, MPI.BYTE], dest=0, tag=_TAG_BATCH), buffer))
         self._sends = [(request, held) for request, held in self._sends if not request.Test()]
 
-    def span(self, name: str, phase: str, start: float, end: float, **args: object) -> None:
-        """One phase of op ``name`` from ``start`` to ``end`` (time.monotonic() seconds)."""
+    def _op_events(self, tensor: str, spans: "list[tuple[str, float, float, dict]]") -> None:
+        """Nested spans of op ``tensor`` on this rank's row, as Horovod's B/E pairs: the first is the
+        outer one, the others its activities, in order; ``(name, start, end, args)``, the outer
+        span's args on its E (Horovod's dtype and shape), an activity's on its B (ours)."""
         with self._lock:
             if self._closed:  # stopped (stop_timeline) while the engine was mid-op
                 return
-            self._emit({"name": phase, "ph": "X", "pid": self._rank, "tid": self._row(name), "ts": start,
-                        "dur": round(max(end - start, 0.0) * 1e6, 1), "args": args})
+            rank = self._rank
+            outer, activities = spans[0], spans[1:]
+            self._emit({"ph": "B", "name": outer[0], "ts": outer[1], "tid": rank, _TENSOR: tensor})
+            for name, start, end, args in activities:
+                begin = {"ph": "B", "name": name, "ts": start, "tid": rank, _TENSOR: tensor}
+                if args:
+                    begin["args"] = args
+                self._emit(begin)
+                self._emit({"ph": "E", "ts": max(end, start), "tid": rank, _TENSOR: tensor})
+            last = {"ph": "E", "ts": max(outer[2], outer[1]), "tid": rank, _TENSOR: tensor}
+            if outer[3]:
+                last["args"] = outer[3]
+            self._emit(last)
+
+    def span(self, name: str, kind_name: str, start: float, end: float, output: Any = None) -> None:
+        """One op ``name`` of kind ``kind_name`` (``Kind.name``) run alone, from ``start`` to ``end``
+        (time.monotonic() seconds): Horovod's top-level span with its one data-movement activity
+        (none for a barrier); ``output``: the result, for the dtype and shape args."""
+        kind = op_type(kind_name)
+        spans = [(kind, start, end, _output_args(output))]
+        activity = ACTIVITIES.get(kind)
+        if activity is not None:
+            spans.append((activity, start, end, {}))
+        self._op_events(name, spans)
 
     def step(self, index: int, compute_start: float, compute_end: float, end: float, wait_s: float) -> None:
         """One training step of this rank (time.monotonic() seconds): computing from
         ``compute_start`` to ``compute_end``, done at ``end``, of which ``wait_s`` waiting for
-        the collectives. One complete event on the STEP row; ``mtrain timeline-summary`` reads them."""
+        the collectives. One complete event (ours: pid 0, this rank's tid); ``mtrain timeline-summary`` reads them."""
         with self._lock:
             if self._closed:
                 return
-            self._emit({"name": "STEP", "ph": "X", "pid": self._rank, "tid": self._row(STEP_ROW),
+            self._emit({"name": STEP, "ph": "X", "pid": 0, "tid": self._rank,
                         "ts": compute_start, "dur": round(max(end - compute_start, 0.0) * 1e6, 1),
                         "args": {"step": int(index), "compute_s": round(max(compute_end - compute_start, 0.0), 6),
                                  "wait_s": round(max(float(wait_s), 0.0), 6)}})
 
     def negotiated(self, requests: "list", start: float, mark_cycle: bool) -> None:
-        """Each op's NEGOTIATE phase, from its submit to ``start`` (a cycle's execution)."""
+        """Each op's NEGOTIATE_<TYPE> span, from its submit to ``start`` (a cycle's execution), with
+        this rank's ready tick at the submit (Horovod's NegotiateStart/RankReady/End)."""
         if mark_cycle:
             self.mark("CYCLE_START")
-        for request in requests:
-            self.span(request.name, "NEGOTIATE", request.submitted, start)
+        label = str(self._rank)
+        with self._lock:
+            if self._closed:
+                return
+            rank = self._rank
+            for request in requests:
+                name, submitted = request.name, request.submitted
+                self._emit({"ph": "B", "name": "NEGOTIATE_" + op_type(request.kind.name), "ts": submitted,
+                            "tid": rank, _TENSOR: name})
+                self._emit({"ph": "X", "name": label, "ts": submitted, "dur": 0, "tid": rank, _TENSOR: name})
+                self._emit({"ph": "E", "ts": max(start, submitted), "tid": rank, _TENSOR: name})
 
     def ring(self, packed: "list", alone: "list", packed_bytes: int, times: "tuple[float, float, float, float]") -> None:
-        """One ring's phases: packing (t0-t1), the ring (t1-t2), unpacking (t2-t3)."""
+        """One all-reduce's phases: packing (t0-t1), the reduction (t1-t2), unpacking (t2-t3): for
+        a packed op MEMCPY_IN_FUSION_BUFFER, MPI_ALLREDUCE, MEMCPY_OUT_FUSION_BUFFER inside its
+        ALLREDUCE; for one reduced in its own memory, MPI_ALLREDUCE alone."""
         t0, t1, t2, t3 = times
         ring_ops = len(packed) + len(alone)
         for request in packed:
-            self.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
-            self.span(request.name, "ALLREDUCE", t1, t2, fused_bytes=packed_bytes, ring_ops=ring_ops)
-            self.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
+            self._op_events(request.name, [
+                ("ALLREDUCE", t0, t3, _output_args(request.array)),
+                ("MEMCPY_IN_FUSION_BUFFER", t0, t1, {}),
+                ("MPI_ALLREDUCE", t1, t2, {"fused_bytes": packed_bytes, "ring_ops": ring_ops}),
+                ("MEMCPY_OUT_FUSION_BUFFER", t2, t3, {})])
         for request in alone:
-            self.span(request.name, "ALLREDUCE", t1, t2, bytes=request.nbytes, ring_ops=ring_ops)
+            self._op_events(request.name, [
+                ("ALLREDUCE", t0, t3, _output_args(request.array)),
+                ("MPI_ALLREDUCE", t1, t2, {"bytes": request.nbytes, "ring_ops": ring_ops})])
 
     def mark(self, label: str) -> None:
-        """An instant event across this rank's rows (``mark_cycles``: one per engine cycle that ran ops)."""
+        """Horovod's cycle marker (``mark_cycles``): an instant across the whole file, rank 0's cycles
+        only, as Horovod's coordinator marks its own."""
+        if self._rank != 0:
+            return
         with self._lock:
-            self._emit({"name": label, "ph": "i", "pid": self._rank, "tid": 0, "ts": time.monotonic(), "s": "p"})
+            self._emit({"name": label, "ph": "i", "ts": time.monotonic(), "s": "g"})
 
     # -- ending (a user thread, or the engine's shutdown) ------------------------------
     def close(self, gone: "Iterable[int]" = ()) -> None:

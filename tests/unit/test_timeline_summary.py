@@ -123,9 +123,50 @@ def test_a_rank_0_timeline_records_steps_and_is_valid_json_after_close(tmp_path)
     timeline.close()
     timeline.step(8, 3.0, 3.1, 3.2, 0.1)  # after close: ignored
     events = json.loads(path.read_text())
-    steps = [e for e in events if e["name"] == "STEP"]
-    assert len(steps) == 1 and steps[0]["pid"] == 0 and steps[0]["dur"] == 500000.0
+    steps = [e for e in events if e.get("name") == "STEP"]
+    assert len(steps) == 1 and steps[0]["pid"] == 0 and steps[0]["tid"] == 0 and steps[0]["dur"] == 500000.0
     assert steps[0]["args"] == {"step": 7, "compute_s": 0.25, "wait_s": 0.25}
-    rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert rows[steps[0]["tid"]] == "STEP"
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert rows[(0, 0)] == "rank 0"
     assert [s.number for s in ts.summarize(events).steps] == [7]
+
+
+def _horovod_op(pid: int, tid: "int | None", start_us: float, negotiate_us: float,
+                phases: "list[tuple[str, float]]") -> "list[dict]":
+    """One run of an op as Horovod's timeline.cc writes it: NEGOTIATE_ALLREDUCE B, a rank tick, E;
+    ALLREDUCE B, its activities B/E one after another, E with dtype and shape."""
+    where = {"pid": pid} if tid is None else {"pid": pid, "tid": tid}
+    events = [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": start_us, **where},
+              {"ph": "X", "name": "0", "ts": start_us, "dur": 0, **where},
+              {"ph": "E", "ts": start_us + negotiate_us, **where},
+              {"ph": "B", "name": "ALLREDUCE", "ts": start_us + negotiate_us, **where}]
+    t = start_us + negotiate_us + 10  # 10 µs of the op's own before its first activity
+    for name, took in phases:
+        events += [{"ph": "B", "name": name, "ts": t, **where}, {"ph": "E", "ts": t + took, **where}]
+        t += took
+    events.append({"ph": "E", "ts": t, "args": {"dtype": "float32", "shape": "[3]"}, **where})
+    return events
+
+
+@pytest.mark.parametrize("tid", [None, 0, 2], ids=["horovod-file", "rank0", "rank2"])
+def test_horovods_layout_sums_each_phase_less_its_nested_activities(tid):
+    """horovod/common/timeline.cc: a pid per tensor named by process_name, B/E spans nested
+    (ALLREDUCE around MEMCPY_IN_FUSION_BUFFER, MPI_ALLREDUCE, MEMCPY_OUT_FUSION_BUFFER); a Horovod
+    file has no tid (rank 0's view), ours puts each rank on its tid."""
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"start_time_since_epoch_in_micros": 1}},
+              {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.g"}},
+              {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "allreduce.h"}}]
+    fused = [("MEMCPY_IN_FUSION_BUFFER", 30.0), ("MPI_ALLREDUCE", 400.0), ("MEMCPY_OUT_FUSION_BUFFER", 70.0)]
+    for run in range(3):
+        events += _horovod_op(1, tid, run * 1e4, 100.0 + run, fused)
+        events += _horovod_op(2, tid, run * 1e4 + 5000, 7.0, [("MPI_ALLREDUCE", 20.0)])
+    events.append({"name": "CYCLE_START", "ph": "i", "ts": 5.0, "s": "g"})
+    summary = ts.summarize(events)
+    assert summary.ranks == [0 if tid is None else tid]
+    assert [(o.name, o.runs) for o in summary.ops] == [("allreduce.g", 3), ("allreduce.h", 3)]
+    g = summary.ops[0]
+    assert g.phases == pytest.approx({"NEGOTIATE_ALLREDUCE": 303.0, "ALLREDUCE": 30.0, "MEMCPY_IN_FUSION_BUFFER": 90.0,
+                                      "MPI_ALLREDUCE": 1200.0, "MEMCPY_OUT_FUSION_BUFFER": 210.0})
+    assert g.total_us == pytest.approx(303.0 + 3 * 510.0)
+    assert summary.ops[1].phases == pytest.approx({"NEGOTIATE_ALLREDUCE": 21.0, "ALLREDUCE": 30.0,
+                                                   "MPI_ALLREDUCE": 60.0})
