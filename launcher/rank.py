@@ -13,7 +13,10 @@ It runs the user's command as a child and
   catches it: the runtime's flight recorder dumps on it (ringreduce/recorder.py),
   and a program that has not called `init()` would be killed by it;
 * starts a command that runs this environment's Python through
-  ``mtrain.launcher.pymain``, which learns the status the program ends with.
+  ``mtrain.launcher.pymain``, which learns the status the program ends with;
+* hands the child its stderr pipe a second time ($MTRAIN_MARKER_FD), so the
+  runtime's marker lines reach us even when the program points fd 2 elsewhere
+  (pytest's capture does: see records/marker.py).
 
 Ranks that fail only because another one died are the usual noise around a
 root cause: with Open MPI, a peer's death closes sockets and the survivors
@@ -49,6 +52,7 @@ from mtrain.launcher.records.errors import ENV_ERROR_FILE, ErrorReport, FailureC
 from mtrain.launcher.records.exits import ExitRecord, exception_line
 from mtrain.launcher.records.flight_recorder import DUMP_MARKER, DUMP_REQUEST_MARKER
 from mtrain.launcher.records.job_layout import ENV_JOB_FILE, JobLayout
+from mtrain.launcher.records.marker import ENV_MARKER_FD, marker_channel
 from mtrain.launcher.records.phase import PHASE_MARKER, Phase, PhaseNote
 from mtrain.launcher.records.steps import STEP_MARKER
 
@@ -222,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     # A Python program runs through mtrain's runner, so that its exit status is known however
     # it leaves (see launcher/pymain.py).
     command = pymain.command_through_runner(argv, environment) or argv
+    # The stderr pipe a second time, for marker lines: a program may point fd 2 elsewhere (pytest's
+    # capture does), and a hung rank's dumps must still reach the supervisor (records/marker.py).
+    environment[ENV_MARKER_FD] = marker_channel(err_write)
     try:
-        child = subprocess.Popen(command, stdout=out_write, stderr=err_write,
+        child = subprocess.Popen(command, stdout=out_write, stderr=err_write, pass_fds=(err_write,),
                                  env=environment, umask=_user_umask(environment),
                                  start_new_session=True, preexec_fn=_set_child_deathsig)
     except OSError as error:

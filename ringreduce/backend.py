@@ -38,10 +38,12 @@ def _reduce(xp: Any, dst: Any, src: Any, op: ReduceOp) -> None:
 
 
 def scale_in_place(xp: Any, buf: Any, factor: float) -> None:
-    """``buf *= factor`` in place by Horovod's CPU rule (horovod/common/ops/collective_operations.h,
-    ``ScaleBufferCPUImpl``): the product is taken in float64 for integers, float32 and float64,
-    and in float32, with the factor rounded to float32, for 16-bit floats; then it is rounded back
-    to the buffer's dtype (integers truncated toward zero: -37 * 0.5 -> -18, not the floor -19).
+    """``buf *= factor`` in place by Horovod's CPU rule (horovod/common/ops/collective_operations.cc,
+    ``HorovodOp::ScaleBuffer``, and ``ScaleBufferCPUImpl`` in collective_operations.h): float32 and
+    float64 are multiplied in their own dtype by the factor cast to it (``(float)scale_factor`` for
+    float32: 1/3 becomes float32's 1/3 before the product); 16-bit floats are widened to float32
+    and multiplied by the factor rounded to float32; integers are multiplied in float64 and
+    truncated toward zero on the way back (-37 * 0.5 -> -18, not the floor -19).
 
     Each wider type is asked for explicitly (``astype``): CuPy 13 promotes NumPy scalars by value
     (NumPy 1 rules), so ``int8_array * np.float64(f)`` would be computed in float16 there.
@@ -50,21 +52,17 @@ def scale_in_place(xp: Any, buf: Any, factor: float) -> None:
     if dtype.kind in "iu":
         buf[...] = xp.trunc(buf.astype(np.float64) * np.float64(factor)).astype(dtype)
         return
-    wide: "type | None" = None
-    if dtype.kind == "f" and dtype.itemsize == 2 or dtype.name == "bfloat16":
-        wide = np.float32
-    elif dtype == np.float32 and float(np.float32(factor)) != factor:
-        # A factor that float32 holds exactly gives the same bits in float32 (a product of two
-        # 24-bit significands is exact in float64), so only the others need the wider pass.
-        wide = np.float64
-    if wide is None:
+    if not (dtype.name == "bfloat16" or dtype.kind == "f" and dtype.itemsize == 2):
+        # float32 and float64 (and bool, as before): the factor is rounded to the buffer's dtype
+        # first, so the product is one rounding of buf * dtype(factor); taking it in float64 with
+        # the exact factor can land one ulp away.
         xp.multiply(buf, dtype.type(factor), out=buf)
     elif xp is np and dtype.name != "bfloat16":
-        # NumPy widens block by block inside the ufunc: no temporaries the size of the buffer
-        # (4x faster than astype at 16 MiB, the same bits).
-        np.multiply(buf, wide(factor), out=buf, dtype=wide)
+        # NumPy widens float16 block by block inside the ufunc: no temporaries the size of the
+        # buffer (4x faster than astype at 16 MiB, the same bits).
+        np.multiply(buf, np.float32(factor), out=buf, dtype=np.float32)
     else:
-        buf[...] = (buf.astype(wide) * wide(factor)).astype(dtype)
+        buf[...] = (buf.astype(np.float32) * np.float32(factor)).astype(dtype)
 
 
 def finishing_factor(op: ReduceOp, postscale: float, divisor: int) -> float:

@@ -120,7 +120,9 @@ def differentiable_grouped_reducescatter(inputs: Sequence[tf.Tensor], op: Any, n
     def backward(dys: Sequence[Any], outputs: List[tf.Tensor], xs: Sequence[tf.Tensor]) -> List[Any]:
         # Horovod: allgather the gradient (times the set's size for Sum); the scale factors by the chain rule.
         factor = prescale * postscale * (set_size(process_set) if op == Sum else 1)
-        dys = [dy * tf.cast(factor, dy.dtype) if factor != 1 else dy for dy in _zeros_for_missing(dys, outputs)]
+        # The factor as a constant of the gradient's dtype: tf.cast of a Python float rounds it through float32.
+        dys = [dy * (tf.constant(factor, dy.dtype) if dy.dtype.is_floating else tf.cast(factor, dy.dtype))
+               if factor != 1 else dy for dy in _zeros_for_missing(dys, outputs)]
         return [raw_grouped_allgather([dy], None if name is None else f"{name}.grad.{i}", process_set)[0]
                 for i, dy in enumerate(dys)]
     return differentiable(lambda xs: raw_grouped_reducescatter(xs, op, name, prescale, postscale, process_set),

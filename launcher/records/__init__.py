@@ -20,7 +20,8 @@ launcher reads what the ranks and agents write (as torchrun's error-file format 
     flight_recorder  RecorderDump    the runtime's flight recorder    the supervisor's hang report
     flight_recorder  DumpRequest     the runtime (a stall it coordinates) the supervisor (signals every rank to dump)
 
-Beside them: ``marker`` (records sent as marker lines on a rank's stderr), ``frames`` (the
+Beside them: ``marker`` (records sent as marker lines on a rank's stderr pipe, which the rank
+wrapper also hands over as ``$MTRAIN_MARKER_FD``), ``frames`` (the
 program's own line a report names) and ``daemon_env`` (the umask and TMPDIR notes that the
 launcher passes to Open MPI's daemons and the rank wrapper).
 

@@ -1,10 +1,12 @@
 """Pre- and postscale factors and Average through mtrain.torch, bit for bit Horovod's CPU rule.
 
-Horovod 0.28 (horovod/common/ops/collective_operations.h, ``ScaleBufferCPUImpl``; Average
-becomes Sum with ``postscale / size`` in horovod/common/operations.cc): float16 is scaled
-in float32 with the factor rounded to float32, then rounded back; float32, float64 and
-integers are multiplied by the float64 factor, integers truncated toward zero on the way
-back. Average is that one scaling by ``postscale / size``, not a division and a scaling.
+Horovod 0.28 (horovod/common/ops/collective_operations.cc ``HorovodOp::ScaleBuffer`` and
+collective_operations.h ``ScaleBufferCPUImpl``; Average becomes Sum with ``postscale / size``
+in horovod/common/ops/mpi_operations.cc for allreduce and horovod/common/operations.cc for
+reducescatter): float32 is multiplied in float32 by ``(float)factor``, float64 in float64;
+float16 is scaled in float32 with the factor rounded to float32, then rounded back; integers
+are multiplied by the float64 factor and truncated toward zero on the way back. Average is
+that one scaling by ``postscale / size`` (computed in float64), not a division and a scaling.
 
 Each element is non-zero on one rank only (element i on rank i % n), so the sum is exact
 in any order and the expected bits depend on the scaling rule alone.
@@ -36,8 +38,8 @@ def _scaled(values: np.ndarray, factor: float) -> np.ndarray:
     if values.dtype == np.float16:
         f32 = np.float32(factor)
         return np.array([np.float16(np.float32(v) * f32) for v in values.ravel()], np.float16).reshape(values.shape)
-    return np.array([values.dtype.type(float(v) * factor) for v in values.ravel()],
-                    values.dtype).reshape(values.shape)
+    own = values.dtype.type(factor)  # (float)factor for float32: rounded before the product
+    return np.array([values.dtype.type(v) * own for v in values.ravel()], values.dtype).reshape(values.shape)
 
 
 def _expected(n: int, shape, dtype: torch.dtype, average: bool, pre: float, post: float) -> np.ndarray:
@@ -62,8 +64,11 @@ def test_scaling_and_average_are_horovods_rule_bit_for_bit():
     lo = 7 // n * me + min(me, 7 % n)
     rows = slice(lo, lo + 7 // n + (1 if me < 7 % n else 0))
     dtypes = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
+    # Factors float32 cannot hold (0.37, 0.1, 1/3, 2.9): a product taken in float64 lands one ulp
+    # away on some elements. Average at np 3 makes postscale / 3 inexact as well.
     for op, pre, post in ((hvd.Sum, 0.37, 1.0), (hvd.Sum, 1.0, -0.61), (hvd.Average, 0.37, 1.0),
-                          (hvd.Average, 1.0, 2.9), (hvd.Sum, 0.1, 3.3)):
+                          (hvd.Average, 1.0, 2.9), (hvd.Sum, 0.1, 3.3), (hvd.Average, 1 / 3, 1.0),
+                          (hvd.Average, 1.0, 1.0)):
         average = op == hvd.Average
         for dtype in dtypes:
             want = _expected(n, shape, dtype, average, pre, post)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,3 +106,56 @@ def test_sigusr1_before_the_job_runs_does_not_end_mtrain():
             "sys.exit(main(['run', '-np', '1', 'true']))\n")
     done = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
     assert done.returncode == 0 and "still here" in done.stdout, (done.returncode, done.stderr)
+
+
+def test_marker_lines_go_to_the_wrappers_pipe_only_while_it_is_still_that_pipe(tmp_path):
+    from mtrain.launcher.records.marker import ENV_MARKER_FD, marker_channel, marker_fd
+    read, write = os.pipe()
+    other = os.open(tmp_path / "file", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert marker_fd({ENV_MARKER_FD: marker_channel(write)}) == write
+        fd, dev, ino = marker_channel(write).split(":")
+        # The number taken by another file (a grandchild that inherited the variable, not the fd).
+        assert marker_fd({ENV_MARKER_FD: f"{other}:{dev}:{ino}"}) == 2
+        assert marker_fd({ENV_MARKER_FD: f"{fd}:{dev}:{int(ino) + 1}"}) == 2
+        assert marker_fd({ENV_MARKER_FD: "nonsense"}) == 2
+        assert marker_fd({}) == 2
+        os.close(write)
+        assert marker_fd({ENV_MARKER_FD: f"{fd}:{dev}:{ino}"}) == 2  # closed
+    finally:
+        os.close(read)
+        os.close(other)
+
+
+# A rank program run by pytest, whose default capture (--capture=fd) points fd 2 at a temporary
+# file for the whole test: the two ranks submit different ops and wait for each other.
+_DIVERGING_TEST = '''
+import numpy as np
+import mtrain.ringreduce as rr
+
+
+def test_ranks_diverge():
+    rr.init()
+    name = "diverge.a" if rr.rank() == 0 else "diverge.b"
+    rr.allreduce(np.ones(5, np.float32), name=name)
+'''
+
+
+def test_stall_report_names_each_ranks_op_when_pytest_captures_stderr(tmp_path):
+    """A hang inside a test run by pytest under mtrain run (Horovod's test/parallel/test_tensorflow.py
+    reducescatter scaling tests hung this way when ranks diverged): the stall warning's report
+    must reach mtrain run and name the op each rank waits in. Before the marker channel, pytest's
+    capture swallowed the stall request and every rank's dump ("rank 0: no answer")."""
+    script = tmp_path / "test_diverge.py"
+    script.write_text(_DIVERGING_TEST)
+    env = {**_env(), "MTRAIN_STALL_WARNING_SECONDS": "2", "MTRAIN_STALL_SHUTDOWN_SECONDS": "8",
+           "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-m", "pytest", "-q",
+                           "-p", "no:cacheprovider", str(script)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    stderr = done.stderr
+    assert done.returncode != 0, stderr  # the stall shutdown ends it
+    assert "mtrain: flight recorder (stall warning): where each rank is" in stderr, stderr
+    assert re.search(r"rank 0 \([^)]*\): waiting in allreduce 'diverge\.a'", stderr), stderr
+    assert re.search(r"rank 1 \([^)]*\): waiting in allreduce 'diverge\.b'", stderr), stderr
+    assert "no answer" not in stderr, stderr
