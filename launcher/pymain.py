@@ -18,10 +18,11 @@ the ``sys.argv``, ``sys.path[0]``, ``__main__`` and tracebacks it would have see
 ``final_status()`` is how the runtime's exit handler (``mtrain.ringreduce.exits``) reads the
 status; ``abort_mpi_at_exit`` is the one place that turns an error status into MPI_Abort.
 This module must stay stdlib-only and must not start MPI: it only looks at an ``mpi4py.MPI``
-the program itself imported.
+(and a ``torch.distributed``, see ``close_torch_process_groups``) the program itself imported.
 """
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -72,6 +73,8 @@ def abort_mpi_at_exit(status: int) -> bool:
 
 def _ended(status: int, leaving: "BaseException | None" = None) -> None:
     global _final
+    if status == 0:
+        close_torch_process_groups()
     _final = status
     # The supervisor learns that this rank will call nothing more: others waiting for it in
     # init() never would get out (see supervise.stuck_in_init); and the program's own line it
@@ -82,6 +85,30 @@ def _ended(status: int, leaving: "BaseException | None" = None) -> None:
     # Whether or not the runtime was initialized: a rank that fails before init() must not
     # keep the others waiting in theirs (its exit handler, when it has one, says the same).
     abort_mpi_at_exit(status)
+
+
+def close_torch_process_groups() -> None:
+    """Destroy the torch.distributed process groups a program that ended well left open, and
+    collect the garbage that may still hold one, while the interpreter is whole.
+
+    A gloo group left to the interpreter's finalization keeps worker threads that may still
+    have work in flight: one that then needs the GIL (a future's callback, a tensor whose
+    memory Python owns) is ended by the finalizing interpreter inside C++ code that cannot
+    unwind, and the process dies with "terminate called without an active exception"
+    (SIGABRT), its status 134 instead of 0. Destroying the groups waits for their work; a
+    group that outlives that in a reference cycle (a DDP model's reducer) goes with the
+    collection. Only after a status 0: a failing rank's peers may never finish the work its
+    groups wait for. Only a torch.distributed the program imported itself is looked at.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as error:  # noqa: BLE001 - the program has ended: say it, and leave as it would have
+        sys.stderr.write(f"mtrain: closing torch.distributed's process groups at exit failed: {error}\n")
+    gc.collect()
 
 
 def command_through_runner(argv: Sequence[str], env: "Mapping[str, str] | None" = None) -> "list[str] | None":

@@ -1,10 +1,10 @@
 """TensorFlow adapter: ``import mtrain.tensorflow as hvd`` in place of ``import horovod.tensorflow as hvd``.
 
 Ops take ``tf.Tensor``/``tf.Variable`` values, eagerly or inside ``tf.function``
-(there they run as ``tf.numpy_function`` calls into the runtime). Every collective
+(there they run as Python ops, ``tf.numpy_function`` and ``tf.py_function``, calling into the runtime). Every collective
 is differentiable with Horovod's backward rule (see ``gradients``), and
-ranks that disagree raise ``tf.errors.FailedPreconditionError`` eagerly (see
-``bridge.run_collective`` for graphs). Keras lives in ``mtrain.tensorflow.keras``.
+ranks that disagree raise ``tf.errors.FailedPreconditionError``, eagerly and in graphs (see
+``bridge.run_collective``). Keras lives in ``mtrain.tensorflow.keras``.
 
 Process sets are Horovod's: ``init(process_sets=[...])`` or ``add_process_set``, then
 ``process_set=`` on every op (and on the tape and optimizer). ``root_rank`` stays a
@@ -13,7 +13,8 @@ global rank; Average divides by the set's size; a rank outside the set gets
 
 The collectives are ``mpi_ops``, the helpers on them (broadcasting variables and objects, the
 ``*_op`` tensors) ``functions``; ``DistributedGradientTape`` and the gradient reduction the Keras
-optimizer shares are ``gradient_tape``; ``SyncBatchNormalization`` is ``sync_batch_norm``.
+optimizer shares are ``gradient_tape``; ``SyncBatchNormalization`` is ``sync_batch_norm``; the
+``DistributedOptimizer`` of a TF1 optimizer is ``legacy_optimizer``.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ from .mpi_ops import (  # noqa: F401
     join, reducescatter,
 )
 from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
+# Horovod's hvd has it, and its tests call it.
+from tensorflow import executing_eagerly as _executing_eagerly  # noqa: F401,E402
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer",
@@ -67,14 +70,21 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
                          gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
                          num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
                          scale_local_gradients: bool = True) -> Any:
-    """Wrap a Keras optimizer so that gradients are averaged over the ranks of ``process_set`` (as
-    Horovod does in TF2, this is ``mtrain.tensorflow.keras.DistributedOptimizer``)."""
+    """Wrap an optimizer so that gradients are averaged over the ranks of ``process_set``: a Keras
+    optimizer (as Horovod does in TF2, this is ``mtrain.tensorflow.keras.DistributedOptimizer``), or a
+    TF1 ``tf.compat.v1.train`` optimizer (Horovod's legacy path, see ``legacy_optimizer``)."""
     import keras
 
     from .keras import keras2, not_a_keras_optimizer
+    from .legacy_optimizer import is_legacy_optimizer, legacy_distributed_optimizer
+    if is_legacy_optimizer(optimizer):
+        return legacy_distributed_optimizer(
+            optimizer, name, use_locking, compression, sparse_as_dense, backward_passes_per_step, op,
+            gradient_predivide_factor, average_aggregated_gradients, num_groups, groups, process_set,
+            scale_local_gradients)
     if not isinstance(optimizer, keras.optimizers.Optimizer) and not keras2.is_keras2_optimizer(optimizer):
-        raise TypeError(f"{not_a_keras_optimizer(optimizer)}; TF1 tf.compat.v1.train optimizers are not "
-                        "supported: use a Keras optimizer or DistributedGradientTape")
+        raise TypeError(f"{not_a_keras_optimizer(optimizer)}; a TF1 tf.compat.v1.train.Optimizer is wrapped "
+                        "too: pass one of those, or use DistributedGradientTape")
     from .keras import DistributedOptimizer as keras_distributed_optimizer
     return keras_distributed_optimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from mtrain.ringreduce import MismatchError, ProcessSet
 
-from .errors import RanksDisagreeError, eager_errors
+from .errors import RanksDisagreeError, eager_errors, failed_precondition_outputs
 
 __all__ = ["Finish", "GraphBridge", "contiguous", "dense_tensor", "first_dim_unknown", "graph_name", "int_op",
            "run_collective"]
@@ -86,9 +86,13 @@ class GraphBridge:
         self._last_submit[graph] = _LastSubmit(ticket.op, context)
         return ticket
 
-    def wait(self, ticket: np.ndarray) -> List[np.ndarray]:
-        """The wait op's body: the result of the collective submitted under ``ticket``."""
-        return [np.asarray(o) for o in self._submitted.pop(int(ticket))()]
+    def wait(self, ticket: tf.Tensor) -> List[Any]:
+        """The wait op's body (a ``tf.py_function``): the result of the collective submitted under
+        ``ticket``; ranks that disagree fail the op with FailedPreconditionError, as Horovod's."""
+        try:
+            return [np.asarray(o) for o in self._submitted.pop(int(ticket))()]
+        except MismatchError as error:
+            return failed_precondition_outputs(str(error))
 
 
 _graph_bridge = GraphBridge()
@@ -111,14 +115,10 @@ def run_collective(submit: Callable[..., Finish], inputs: Sequence[tf.Tensor], o
     rank or will be by a thread that is free. (A tf.function runs its stateful ops in program
     order, one collective at a time, the same on every rank.)
 
-    Eagerly, ranks that disagree raise FailedPreconditionError (Horovod's type, and a
-    MismatchError). In a graph the error leaves through a numpy_function, where
-    TensorFlow maps Python exceptions by class alone (py_func.cc, DoCallPyFunc: ValueError
-    and TypeError -> InvalidArgumentError, StopIteration -> OutOfRange, MemoryError ->
-    ResourceExhausted, NotImplementedError -> Unimplemented, anything else -> UnknownError;
-    an OpError's own code is ignored, a TODO there, and tf.py_function shares that path):
-    there it is an InvalidArgumentError with the same message. No TensorFlow op raises a
-    chosen code with a chosen message, so only a compiled kernel could do better.
+    Ranks that disagree raise FailedPreconditionError (Horovod's type): eagerly one that is
+    also a MismatchError; in a graph the wait op (a ``tf.py_function``) fails with that code
+    (see ``errors.failed_precondition_outputs``: TensorFlow gives a Python exception raised
+    there a code by its class alone, a ValueError such as MismatchError INVALID_ARGUMENT).
     """
     if tf.executing_eagerly():
         try:
@@ -132,7 +132,9 @@ def run_collective(submit: Callable[..., Finish], inputs: Sequence[tf.Tensor], o
     # Stateful, so that it is never pruned or merged, and so that a tf.function runs it in program
     # order with every other stateful op (a wait, then the next submit): a collective in a
     # tf.while_loop then waits for the previous iteration's, which has the same name.
-    outputs = tf.numpy_function(_graph_bridge.wait, [ticket], list(out_dtypes), stateful=True)
+    # (A py_function, always stateful, where the submit op is a numpy_function: only a
+    # py_function can fail with FailedPrecondition, see ``GraphBridge.wait``.)
+    outputs = tf.py_function(_graph_bridge.wait, [ticket], list(out_dtypes))
     for out, shape in zip(outputs, shapes):
         out.set_shape(shape)
     return list(outputs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import tensorflow as tf
+
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import ProcessSet
 
@@ -20,6 +22,11 @@ def check_process_set(process_set: Any) -> ProcessSet:
     if process_set.process_set_id is None:
         raise InvalidArgument(f"{process_set} is not registered: pass it to hvd.init(process_sets=[...]) or "
                               "hvd.add_process_set() on every rank first")
+    if process_set.process_set_id != 0 and not tf.executing_eagerly():
+        # An id the runtime does not know: refused while the graph is built, a ValueError as
+        # Horovod's (eagerly the runtime refuses it the same way; in a graph it would be the op's
+        # InvalidArgumentError only when it runs).
+        set_of_id(process_set.process_set_id)
     return process_set
 
 

@@ -4,7 +4,6 @@ No mtrain import (except `import mtrain.distributed` for backend "mtrain", which
 Prints one JSON line per rank: its torchrun variables, host and the trained parameters.
 MODE `raise` makes rank 1 raise in the middle of training.
 """
-import gc
 import json
 import os
 import socket
@@ -37,15 +36,5 @@ print(json.dumps({"rank": rank, "world": world, "host": socket.gethostname(),
                   "local_rank": int(os.environ["LOCAL_RANK"]), "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
                   "group_rank": int(os.environ["GROUP_RANK"]), "group_world_size": int(os.environ["GROUP_WORLD_SIZE"]),
                   "params": [p.detach().double().flatten().tolist() for p in model.parameters()]}), flush=True)
-# As torch asks: without it, gloo's worker threads are still alive when the interpreter
-# finalizes, and one that frees a tensor then needs the GIL it can no longer get: the
-# process dies with "terminate called without an active exception" (SIGABRT) now and then.
-# The DDP model holds the group too (its reducer): dropped first, so that the group itself
-# is destroyed here, while the interpreter is whole, not at finalization.
-del model, optimizer
-dist.destroy_process_group()
-# The gloo group can outlive destroy_process_group() in a reference cycle, and then its threads
-# meet the interpreter's finalization all the same (measured: 1 job in 13 to 20 aborted after
-# every rank's "destroyed"; 0 in 36 with this collection).  Collected here, while the interpreter
-# is whole.
-gc.collect()
+# No destroy_process_group() and no garbage collection here: mtrain's rank runner closes the
+# groups a program leaves open when it ends well (launcher/pymain.py, close_torch_process_groups).
