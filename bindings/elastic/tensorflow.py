@@ -1,5 +1,6 @@
-"""TensorFlow / Keras 3 elastic states and callbacks (``hvd.elastic`` in ``mtrain.tensorflow``
-and ``mtrain.tensorflow.keras``, Horovod's names).
+"""TensorFlow / Keras elastic states and callbacks (``hvd.elastic`` in ``mtrain.tensorflow``
+and ``mtrain.tensorflow.keras``, Horovod's names), for Keras 3 and for Keras 2 (tf_keras under
+``TF_USE_LEGACY_KERAS=1``, its new and its legacy optimizers).
 
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
     callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=10),
@@ -7,6 +8,9 @@ and ``mtrain.tensorflow.keras``, Horovod's names).
 
 Values are kept as NumPy copies and synced by broadcasting rank 0's (one object broadcast),
 so a rank whose Keras optimizer has not built its variables yet (a new host) builds them.
+As in Horovod (horovod/tensorflow/elastic.py), ``sync()`` keeps what it synced as the committed
+state: a ``restore()`` after it goes back to rank 0's values, not to this rank's older ones.
+The callbacks derive from ``tf.keras``' Callback in this process (tf_keras' under Keras 2).
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import keras
 import numpy as np
 
 import mtrain.ringreduce as rr
+
+from mtrain import tf_keras_versions as keras2
 
 from . import HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State, run
 
@@ -27,6 +33,29 @@ __all__ = ["CommitStateCallback", "HorovodInternalError", "HostsUpdatedInterrupt
 def _values(variables: Sequence[Any]) -> "list[np.ndarray]":
     return [np.array(variable.numpy() if hasattr(variable, "numpy") else variable, copy=True)
             for variable in variables]
+
+
+def _optimizer_variables(optimizer: Any) -> "list[Any]":
+    """An optimizer's variables: a list in Keras 3 and tf_keras' new optimizers, a method in its legacy ones."""
+    variables = optimizer.variables
+    return list(variables() if callable(variables) and not isinstance(variables, list) else variables)
+
+
+def _built_optimizer_variables(optimizer: Any, trainable_variables: Sequence[Any]) -> "list[Any]":
+    """The variables of ``optimizer`` once its slots for ``trainable_variables`` exist (a fresh optimizer
+    creates them on its first step; a resumed one needs them now)."""
+    if keras2.is_keras2_optimizer(optimizer):
+        return keras2.optimizer_variables(optimizer, trainable_variables)
+    if not getattr(optimizer, "built", True):
+        optimizer.build(list(trainable_variables))
+    return _optimizer_variables(optimizer)
+
+
+def _keras_callback_base() -> type:
+    """``tf.keras.callbacks.Callback`` as TensorFlow resolves it: tf_keras' under ``TF_USE_LEGACY_KERAS=1``
+    (Keras 2's ``fit`` takes no Keras 3 callback), Keras 3's otherwise."""
+    tf_keras = keras2.import_tf_keras() if keras2.legacy_keras_requested() else None
+    return tf_keras.callbacks.Callback if tf_keras is not None else keras.callbacks.Callback
 
 
 def _assign(variables: Sequence[Any], values: Sequence[np.ndarray], what: str) -> None:
@@ -58,6 +87,7 @@ class TensorFlowState(ObjectState):
     def sync(self) -> None:
         _assign(self.variables, rr.broadcast_object(_values(self.variables), root_rank=0,
                                                     name="mtrain.elastic.tf.variables"), "TensorFlowState.sync")
+        self._saved_variables = _values(self.variables)  # as Horovod: the synced values are the committed ones
         super().sync()
 
     def committed_values(self) -> Any:
@@ -74,6 +104,9 @@ class TensorFlowKerasState(ObjectState):
     """A Keras model's weights and its optimizer's variables, plus plain attributes."""
 
     def __init__(self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
+        if not getattr(model, "built", True):
+            raise ValueError("KerasState: the model must be built first; run model.build(input_shape) "
+                             "(or call it on a batch)")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self._saved_model = self._model_values()
@@ -84,18 +117,18 @@ class TensorFlowKerasState(ObjectState):
         return _values(self.model.weights)
 
     def _optimizer_values(self) -> "list[np.ndarray]":
-        return _values(self.optimizer.variables) if self.optimizer is not None else []
+        return _values(_optimizer_variables(self.optimizer)) if self.optimizer is not None else []
 
     def _load(self, model_values: "list[np.ndarray]", optimizer_values: "list[np.ndarray]", what: str) -> None:
         _assign(self.model.weights, model_values, f"{what} (model)")
         if self.optimizer is None:
             return
-        if optimizer_values and len(self.optimizer.variables) != len(optimizer_values) \
-                and not getattr(self.optimizer, "built", True):
+        variables = _optimizer_variables(self.optimizer)
+        if optimizer_values and len(variables) != len(optimizer_values):
             # A fresh optimizer creates its slots on its first step; this one resumes a trained one.
-            self.optimizer.build(self.model.trainable_variables)
-        if optimizer_values or self.optimizer.variables:
-            _assign(self.optimizer.variables, optimizer_values, f"{what} (optimizer)")
+            variables = _built_optimizer_variables(self.optimizer, self.model.trainable_variables)
+        if optimizer_values or variables:
+            _assign(variables, optimizer_values, f"{what} (optimizer)")
 
     def save(self) -> None:
         self._saved_model = self._model_values()
@@ -110,6 +143,8 @@ class TensorFlowKerasState(ObjectState):
         model_values, optimizer_values = rr.broadcast_object(
             (self._model_values(), self._optimizer_values()), root_rank=0, name="mtrain.elastic.keras.variables")
         self._load(model_values, optimizer_values, "sync")
+        # As Horovod: the synced values are the committed ones (a restore() goes back to them).
+        self._saved_model, self._saved_optimizer = model_values, optimizer_values
         super().sync()
 
     def committed_values(self) -> Any:
@@ -129,7 +164,10 @@ class KerasState(TensorFlowKerasState):
         super().__init__(model, optimizer=optimizer, **kwargs)
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+_KerasCallback = _keras_callback_base()
+
+
+class CommitStateCallback(_KerasCallback):
     """Commit the state every `batches_per_commit` batches and at the end of every epoch."""
 
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
@@ -151,7 +189,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(_KerasCallback):
     """Keep ``state.batch`` at the last finished batch (0 after an epoch), and shorten the
     resumed epoch by the batches already done when Keras reports its step count."""
 
@@ -177,7 +215,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(_KerasCallback):
     """Keep ``state.epoch`` at the number of epochs finished, counted across resets
     (Keras counts each ``fit`` from 0; the state carries the epochs of earlier generations)."""
 

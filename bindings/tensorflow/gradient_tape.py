@@ -58,9 +58,10 @@ def scaled(grad: Any, factor: float) -> Any:
     """``grad`` times ``factor``: a tensor, or an IndexedSlices (its values scaled)."""
     if factor == 1.0:
         return grad
+    # tf.constant in the gradient's dtype: tf.cast(factor, ...) would round a Python float through float32.
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
+        return tf.IndexedSlices(grad.values * tf.constant(factor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.constant(factor, grad.dtype)
 
 
 def divided(grad: Any, divisor: int) -> Any:
@@ -129,7 +130,7 @@ def _wrap_tape(gradtape: tf.GradientTape, op: Any, gradient_predivide_factor: fl
                sparse_as_dense: bool) -> tf.GradientTape:
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
-    op = check_gradient_op(op, gradient_predivide_factor)
+    op = check_gradient_op(op, gradient_predivide_factor, adasum=True)  # Horovod's tape passes op= on
     tape = _DistributedGradientTape.__new__(_DistributedGradientTape)
     tape.__dict__.update(gradtape.__dict__)
     tape._mtrain_op, tape._mtrain_predivide, tape._mtrain_compression = op, gradient_predivide_factor, compression

@@ -45,6 +45,9 @@ FRAMEWORK_PRIVATE = {
     "_hyper": "Keras 2 (tf_keras) optimizers: their hyperparameters",
     "_get_hyper": "Keras 2 (tf_keras) optimizers: one hyperparameter",
     "_compute_gradients": "Keras 2 (tf_keras) optimizers: the method Horovod's wrapper overrides",
+    "_aggregate_gradients": "Keras 2 (tf_keras) optimizers: the hook Horovod's wrapper keeps from reducing twice",
+    "_HAS_AGGREGATE_GRAD": "Keras 2 (tf_keras) optimizers: the flag Horovod's wrapped optimizer sets",
+    "_agg_helper": "Horovod's wrapped Keras 2 optimizer: its gradient aggregation, which Horovod programs read",
 }
 OURS = ("mtrain", "tests", "benchmarks", "examples")
 

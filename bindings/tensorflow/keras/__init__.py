@@ -23,7 +23,7 @@ from .. import (  # noqa: F401  (re-exported: the Horovod API)
     sycl_built,
 )
 from ...gradient_op import check_gradient_op
-from ..gradient_tape import divided, local_refs, reduce_gradients, variable_key
+from ..gradient_tape import divided, local_refs, reduce_gradients, scaled, variable_key
 from ..process_sets import check_process_set, set_size
 from . import callbacks, keras2  # noqa: F401
 
@@ -92,10 +92,13 @@ class _DistributedOptimizer:
         out = list(grads)
         for i, g in zip(shared, reduced):
             out[i] = g
-        if self._mtrain_scale_local and len(shared) != len(grads):
-            # Horovod divides the local gradients by the size of the process set.
-            size = set_size(process_set)
-            out = [g if i in shared or g is None else divided(g, size) for i, g in enumerate(out)]
+        if len(shared) != len(grads):
+            # Horovod divides the local gradients by the size of the process set; summed passes
+            # (Keras averaged them) are scaled back like the reduced ones.
+            size = set_size(process_set) if self._mtrain_scale_local else 1
+            shared_set = set(shared)
+            out = [g if i in shared_set or g is None else scaled(divided(g, size), self._mtrain_postscale)
+                   for i, g in enumerate(out)]
         return super()._clip_gradients(out)  # type: ignore[misc]
 
 
@@ -132,6 +135,9 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None,
     is_keras2 = keras2.is_keras2_optimizer(optimizer)
     if not is_keras2 and not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(not_a_keras_optimizer(optimizer))
+    if op == Adasum:  # Horovod's refusal (horovod/tensorflow/__init__.py DistributedOptimizer), and its class
+        raise ValueError("op == Adasum is not supported yet with Keras; reduce with op=Average, or with "
+                         "DistributedGradientTape(op=Adasum) in a custom training loop")
     op = check_gradient_op(op, gradient_predivide_factor)
     check_process_set(process_set)
     if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \

@@ -2,8 +2,8 @@
 ``TF_USE_LEGACY_KERAS=1``), both ``tf_keras.optimizers.Optimizer`` and ``tf_keras.optimizers.legacy``.
 
 As in Horovod's ``horovod/_keras``, gradients are reduced where the optimizer computes them:
-``minimize`` (hence ``fit``), ``compute_gradients`` (``_compute_gradients`` and ``get_gradients`` for
-legacy optimizers). ``apply_gradients`` applies what it is given, so a custom loop that computes its
+``minimize`` (hence ``fit``), ``compute_gradients`` and ``_compute_gradients`` (new and legacy
+optimizers alike), ``get_gradients`` (legacy optimizers). ``apply_gradients`` applies what it is given, so a custom loop that computes its
 own gradients reduces them with ``DistributedGradientTape``. With ``backward_passes_per_step=k``
 the gradients are summed on the rank and reduced every k-th time, and ``apply_gradients`` only
 applies on those steps (it counts ``iterations`` on the others): Horovod's
@@ -13,8 +13,6 @@ This module never imports tf_keras: a tf_keras optimizer means the user has impo
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from types import ModuleType
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
@@ -22,6 +20,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 import tensorflow as tf
 
 from mtrain.ringreduce import Average, ProcessSet, global_process_set
+# Which Keras this process runs, for this module and the elastic state alike (re-exported here).
+from mtrain.tf_keras_versions import (import_tf_keras, is_keras2_optimizer, legacy_base, legacy_keras_requested,
+                                      optimizer_variables, tf_keras_installed)
 
 from ..gradient_tape import divided, reduce_gradients, scaled, variable_key
 from ..process_sets import set_size
@@ -31,53 +32,10 @@ __all__ = ["Settings", "default_settings", "distributed_class", "distributed_opt
            "slot_variables", "tf_keras_installed"]
 
 
-def legacy_keras_requested() -> bool:
-    """Whether ``tf.keras`` is tf_keras in this process: TensorFlow's own rule (``TF_USE_LEGACY_KERAS``)."""
-    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
-
-
-def import_tf_keras() -> Optional[ModuleType]:
-    """tf_keras, or None when it is not installed."""
-    try:
-        import tf_keras
-    except ImportError:
-        return None
-    return tf_keras
-
-
-def tf_keras_installed() -> bool:
-    """Whether tf_keras can be imported (without importing it)."""
-    if "tf_keras" in sys.modules:
-        return sys.modules["tf_keras"] is not None
-    return importlib.util.find_spec("tf_keras") is not None
-
-
-def _legacy_base() -> Optional[type]:
-    tf_keras = sys.modules.get("tf_keras")
-    return None if tf_keras is None else tf_keras.optimizers.legacy.Optimizer
-
-
-def is_keras2_optimizer(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is a tf_keras optimizer (new or legacy)."""
-    tf_keras = sys.modules.get("tf_keras")
-    return tf_keras is not None and isinstance(
-        optimizer, (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer))
-
-
-def optimizer_variables(optimizer: Any, trainable_variables: Sequence[Any]) -> List[Any]:
-    """A tf_keras optimizer's variables, its slots created first for ``trainable_variables``."""
-    with tf.init_scope():
-        if isinstance(optimizer, _legacy_base()):
-            optimizer._create_all_weights(list(trainable_variables))
-        else:
-            optimizer.build(list(trainable_variables))
-    return list(optimizer.variables())
-
-
 def slot_variables(optimizer: Any, variables: Sequence[Any]) -> set:
     """The keys (``variable_key``) of the optimizer slots (Adam's moments, ...) that belong to ``variables``."""
     keys = set()
-    if isinstance(optimizer, _legacy_base()):
+    if isinstance(optimizer, legacy_base()):
         for variable in variables:
             for slot_name in optimizer.get_slot_names():
                 try:
@@ -97,7 +55,7 @@ def slot_variables(optimizer: Any, variables: Sequence[Any]) -> set:
 def legacy_hyper(optimizer: Any, name: str) -> Optional[float]:
     """The value of a legacy (OptimizerV2) optimizer's hyperparameter ``name``; None for any other
     optimizer, or when it has no such hyperparameter."""
-    legacy = _legacy_base()
+    legacy = legacy_base()
     if legacy is None or not isinstance(optimizer, legacy) or name not in optimizer._hyper:
         return None
     value = optimizer._get_hyper(name)
@@ -133,6 +91,7 @@ class _Aggregation:
 
     def __init__(self, passes: int) -> None:
         self.passes = passes
+        self.backward_passes_per_step = passes  # Horovod's name (opt._agg_helper.backward_passes_per_step)
         with tf.init_scope():
             self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="mtrain_aggregation_counter")
         self.sums: Optional[List[tf.Variable]] = None
@@ -175,9 +134,18 @@ class _Aggregation:
 
 
 class _DistributedOptimizer:
-    """Mixed in before a tf_keras optimizer's own class (see ``distributed_optimizer``)."""
+    """Mixed in before a tf_keras optimizer's own class (see ``distributed_optimizer``).
+
+    The surface of Horovod's wrapped Keras optimizer (horovod/_keras/__init__.py), for the new and the
+    legacy optimizers alike: ``compute_gradients`` and ``_compute_gradients`` (reduced),
+    ``_aggregate_gradients`` (the base's own, across tf.distribute replicas only), ``register_local_var``,
+    ``_agg_helper`` (None, or the aggregation with its ``counter``) and ``variables`` usable both as a
+    list and as a call.
+    """
 
     _mtrain_settings: Settings
+    # apply_gradients takes experimental_aggregate_gradients (passed on), as Horovod's declares.
+    _HAS_AGGREGATE_GRAD = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -189,6 +157,41 @@ class _DistributedOptimizer:
     def register_local_var(self, var: Any) -> None:
         """Keep ``var``'s gradient on this rank (not reduced over ranks)."""
         self._mtrain_local.add(variable_key(var))
+
+    @property
+    def _agg_helper(self) -> Optional[_Aggregation]:
+        """Horovod's name for the ``backward_passes_per_step`` aggregation (None when it is 1)."""
+        return self._mtrain_aggregation
+
+    @property
+    def variables(self) -> "CallableList":
+        # The new optimizers' ``variables`` is a list, the legacy ones' a method; Horovod's wrapper
+        # answers both ways, and so do elastic states and user code that call or iterate it.
+        base = super().variables  # type: ignore[misc]
+        return CallableList(base() if callable(base) and not isinstance(base, list) else base)
+
+    def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> List[Any]:
+        """(gradient, variable) pairs of ``loss``, reduced over the ranks (the new optimizers' ``minimize``
+        calls this; a legacy optimizer gets it too, as in Horovod)."""
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    def _compute_gradients(self, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None) -> List[Any]:
+        """The legacy optimizers' ``minimize`` calls this; the new ones get it too (Horovod's tests call it)."""
+        base = super()
+        if hasattr(base, "_compute_gradients"):  # legacy (OptimizerV2)
+            pairs = base._compute_gradients(loss, var_list, grad_loss, tape=tape)  # type: ignore[misc]
+        else:
+            if grad_loss is not None:
+                raise ValueError("grad_loss is taken by the legacy (tf_keras.optimizers.legacy) optimizers only")
+            pairs = base.compute_gradients(loss, var_list, tape=tape)  # type: ignore[misc]
+        return self._mtrain_reduced_pairs(pairs)
+
+    def _aggregate_gradients(self, grads_and_vars: Any) -> Any:
+        """The base's aggregation across tf.distribute replicas (the reduction over ranks is done already)."""
+        base = super()
+        if hasattr(base, "_aggregate_gradients"):
+            return base._aggregate_gradients(grads_and_vars)  # type: ignore[misc]
+        return base.aggregate_gradients(grads_and_vars)  # type: ignore[misc]
 
     def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         aggregation = self._mtrain_aggregation
@@ -256,20 +259,20 @@ class _DistributedOptimizer:
 class _DistributedNewOptimizer(_DistributedOptimizer):
     """For the new tf_keras optimizers, whose ``minimize`` calls ``compute_gradients``."""
 
-    def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> List[Any]:
-        return self._mtrain_reduced_pairs(super().compute_gradients(loss, var_list, tape))  # type: ignore[misc]
-
 
 class _DistributedLegacyOptimizer(_DistributedOptimizer):
     """For ``tf_keras.optimizers.legacy`` optimizers (OptimizerV2), whose ``minimize`` calls
     ``_compute_gradients``, and whose ``get_gradients`` graph code calls."""
 
-    def _compute_gradients(self, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None) -> List[Any]:
-        pairs = super()._compute_gradients(loss, var_list, grad_loss, tape=tape)  # type: ignore[misc]
-        return self._mtrain_reduced_pairs(pairs)
-
     def get_gradients(self, loss: Any, params: Any) -> List[Any]:
         return self._mtrain_reduce(super().get_gradients(loss, params), params)  # type: ignore[misc]
+
+
+class CallableList(list):
+    """A list that also answers ``()`` with itself: ``opt.variables`` and ``opt.variables()`` alike."""
+
+    def __call__(self) -> "CallableList":
+        return self
 
 
 def distributed_optimizer(optimizer: Any, settings: Settings, name: Optional[str]) -> Any:
@@ -287,7 +290,7 @@ def distributed_optimizer(optimizer: Any, settings: Settings, name: Optional[str
 def distributed_class(base: type, settings: Settings) -> type:
     """``base`` (a tf_keras optimizer class) with the reduction mixed in, named after it (so saved models
     load without mtrain)."""
-    legacy = _legacy_base()
+    legacy = legacy_base()
     mixin = _DistributedLegacyOptimizer if legacy is not None and issubclass(base, legacy) \
         else _DistributedNewOptimizer
     return type(base.__name__, (mixin, base), {"__module__": base.__module__, "_mtrain_settings": settings})
