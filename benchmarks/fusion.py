@@ -21,7 +21,8 @@ variants take turns (one step each per round), so a drifting machine favours non
 Each step submits every tensor, then waits for each, the way a training step does.
 The last column is a variant's time over the same workload's MPI_Allreduce per
 tensor (Sum). ``--sweep`` also times the engine over fusion thresholds (how the
-default was chosen).
+default was chosen). ``--adasum`` also times the engine with op=Adasum (adasum.py: fused,
+per-tensor dot products; vector halving over point-to-point messages) beside its Sum.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per variant (approx.)")
     parser.add_argument("--sweep", action="store_true", help="also sweep the fusion threshold")
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--adasum", action="store_true", help="also time op=Adasum (power-of-two ranks)")
     args = parser.parse_args()
     rr.init()
     comm = MPI.COMM_WORLD
@@ -146,6 +148,10 @@ def main() -> None:
             variants[f"{fused}, {path}, Sum"] = engine_step(summed, prefix + "s", rr.Sum, path=path)
         variants["ringreduce fusion off, ring, Average"] = engine_step(arrays, prefix + "a",
                                                                        fusion_threshold_bytes=0)
+        if args.adasum:
+            # Real values: after the first step every rank holds the same vectors, whose Adasum is
+            # themselves, so they stay finite; the work does not depend on the values.
+            variants[f"{fused}, Adasum"] = engine_step([a.copy() for a in arrays], prefix + "d", rr.Adasum)
         if hvd is not None:
             tensors = [torch.from_numpy(a.copy()) for a in arrays]
             for path in paths:

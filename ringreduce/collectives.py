@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import ring, settings, shm
+from .adasum import AdasumRunner
 from .backend import NumpyBackend, backend_for, finishing_factor
 from .ops import ReduceOp
 
@@ -128,6 +129,7 @@ class Executor:
         # around them. From there up shared memory moves fewer bytes and wins.
         self.shm_min_bytes = self._shm_min_bytes(self.algorithm)
         self.shared: "shm.SharedMemoryAllreduce | None" = None
+        self.adasum = AdasumRunner(comm, local, cross)
         if self.algorithm is not Algorithm.RING and local is not None and self.size > 1:
             # Collective over ``comm``: fine here, the engine thread has not started yet.
             local_sizes = comm.allgather(local.Get_size())
@@ -189,6 +191,13 @@ class Executor:
                 self.shared.allreduce(buf, op, backend, postscale_factor)
                 return
         ring.allreduce(self.comm, buf, op, backend, self.segment_bytes, self.small_bytes, postscale_factor)
+
+    def adasum_flat(self, flats: "list[np.ndarray]", counts: "list[int]", backend: NumpyBackend,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> None:
+        """Adasum over already-agreed contiguous buffers (one logical buffer whose tensors hold
+        ``counts`` elements each: each tensor gets its own coefficients), with scaling."""
+        self.adasum.run(flats, counts, backend, prescale_factor, postscale_factor, self.segment_bytes,
+                        self.small_bytes)
 
     def close(self) -> None:
         """Unmap the shared segment (local; nothing collective)."""

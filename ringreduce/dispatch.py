@@ -19,6 +19,7 @@ from typing import Any
 from .backend import NumpyBackend
 from .collectives import Executor, Kind
 from .fusion import FusionBuffers, Plan, PlanCache, Ring
+from .ops import Adasum
 from .recorder import FlightRecorder
 from .requests import Completion, Request
 from .settings import EngineConfig
@@ -156,7 +157,7 @@ class Dispatcher:
             raise AssertionError(kind)
         timeline = self.timelines.current  # read once: stop_timeline() may clear it from a user thread
         if timeline is not None:
-            timeline.span(request.name, kind.name, begin, time.monotonic())
+            timeline.span(request.name, kind.name, begin, time.monotonic(), result)
         self.finish(request, result)
 
     def _run_ring(self, ring: Ring, batch: "list[Request]", alone: "list[Request]") -> None:
@@ -179,7 +180,12 @@ class Dispatcher:
             outs.append(out)
             flats.append(flat)
             copied.append(was_copied)
-        self.executor.allreduce_flat(flats, first.op, backend, first.prescale, first.postscale)
+        if first.op is Adasum:  # not elementwise: it needs each tensor's bounds in the buffer
+            counts = [size for _, size in ring.pieces] if batch else []
+            counts += [flat.size for flat in flats[1 if batch else 0:]]
+            self.executor.adasum_flat(flats, counts, backend, first.prescale, first.postscale)
+        else:
+            self.executor.allreduce_flat(flats, first.op, backend, first.prescale, first.postscale)
         t2 = time.monotonic()
         results = ring.unpack(batch, arrays, backend, host) if batch else []
         t3 = time.monotonic()

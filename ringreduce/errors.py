@@ -77,7 +77,7 @@ _ERROR_OF = {Verdict.MISMATCH: MismatchError, Verdict.STALLED: StallError}
 # The classes a submit-time check raises, so that a refusal can name its class to the other ranks
 # by position (most specific first: a class not listed travels as the first one it derives from).
 REFUSABLE: "tuple[type[Exception], ...]" = (InvalidArgumentError, TypeError, ValueError, pickle.PicklingError,
-                                              AttributeError)
+                                              AttributeError, NotImplementedError)
 
 
 class Refusal(NamedTuple):

@@ -17,7 +17,7 @@ from .errors import InvalidArgumentError  # a RuntimeError, as Horovod's refusal
 class ReduceOp(enum.IntEnum):
     Average = 0
     Sum = 1
-    Adasum = 2  # named for Horovod compatibility; not implemented, rejected by check_op
+    Adasum = 2  # adaptive summation (adasum.py): float arrays, a power-of-two number of ranks
     Min = 3
     Max = 4
     Product = 5
@@ -30,7 +30,7 @@ Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
 
-SUPPORTED_OPS = (Average, Sum, Min, Max, Product)
+SUPPORTED_OPS = (Average, Sum, Adasum, Min, Max, Product)
 # Every accepted op (and its int value) -> the ReduceOp: one dict lookup on the per-tensor
 # path instead of an Enum call.
 _SUPPORTED = {op: op for op in SUPPORTED_OPS}
@@ -155,7 +155,15 @@ def dtype_from_code(code: int) -> np.dtype:
     return _BUILTIN_DTYPES[code]
 
 
+# What Adasum reduces (Horovod's ``Adasum::DispatchFusedAllreduce``): its dot products need floats.
+ADASUM_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
 def check_reducible(dtype: np.dtype, op: ReduceOp) -> None:
-    """Bool buffers only take Min/Max (logical and/or); everything else takes every op."""
+    """Bool buffers only take Min/Max (logical and/or); Adasum takes float16/32/64 only; everything
+    else takes every op."""
+    if op is Adasum and dtype not in ADASUM_DTYPES:
+        raise TypeError(f"op Adasum reduces float16, float32 or float64 arrays, got {dtype}; "
+                        "cast the array to a float dtype, or use op=Sum or op=Average")
     if dtype.kind == "b" and op not in (Min, Max):
         raise TypeError(f"op {op.name} is not defined for bool arrays; use Min (logical and) or Max (logical or)")

@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from . import exits
+from .adasum import is_power_of_two
 from .backend import is_device_array
 from .collectives import Kind
 from .engine import Engine
@@ -101,6 +102,38 @@ def check_splits(splits: "Sequence[int] | None", first: int,
     return [int(n) for n in send]
 
 
+def check_adasum(array: Any, process_set: ProcessSet) -> None:
+    """Horovod's rules for running Adasum (horovod/torch/mpi_ops.py ``_allreduce_async``, the same
+    in horovod/tensorflow/__init__.py): the global set only; host arrays on a power-of-two number
+    of ranks; device arrays (summed within each host, then Adasum across hosts) on a power-of-two
+    number of hosts that each run the same number of ranks. NotImplementedError, as Horovod's."""
+    registry = current()
+    if process_set.process_set_id != 0:
+        raise NotImplementedError("Adasum does not support non-global process sets yet. Run it on the "
+                                  "global process set, or use op=Average on this one")
+    if is_device_array(array):
+        if not registry.homogeneous:
+            raise NotImplementedError("Running GPU Adasum on heterogeneous cluster is not supported yet. Run the "
+                                      "same number of ranks on every host, or use op=Average")
+        hosts = registry.size // registry.local_size
+        if not is_power_of_two(hosts):
+            raise NotImplementedError(f"Running GPU Adasum with non-power of 2 nodes is not supported yet. This "
+                                      f"job has {hosts} hosts: use 1, 2, 4, 8, ... hosts, or op=Average")
+    elif not is_power_of_two(registry.size):
+        raise NotImplementedError(f"Running Adasum with non-power of 2 ranks is not supported yet. This job has "
+                                  f"{registry.size} ranks: run 1, 2, 4, 8, ... ranks, or use op=Average")
+
+
+def check_scattering_op(op: Any) -> ReduceOp:
+    """A reduce-scatter's op: every elementwise one (Horovod's takes Average and Sum only), never
+    Adasum, which reduces whole tensors."""
+    checked = check_op(op)
+    if checked is Adasum:
+        raise InvalidArgumentError("reducescatter does not support op Adasum (as Horovod's: 'Reducescatter "
+                                   "currently only supports AVERAGE and SUM.'); use op=Sum or op=Average")
+    return checked
+
+
 def _reduction(op: Any, prescale_factor: float, postscale_factor: float) -> "dict[str, Any]":
     return dict(op=op, prescale=float(prescale_factor), postscale=float(postscale_factor))
 
@@ -165,12 +198,14 @@ def submit_allreduce(array: Any, op: Any, name: "str | None", prescale_factor: f
         # The same checks as the general path's, in the same order, each skipped where the
         # common case (a ReduceOp member, a host array, not bool) makes it a no-op.
         try:
-            if type(op) is not ReduceOp or op is Adasum:  # a ReduceOp member passes as is (check_op's result)
+            if type(op) is not ReduceOp:  # a ReduceOp member passes as is (check_op's result)
                 op = check_op(op)
             if type(array) is not np.ndarray:
                 array = check_array(array)
-            if array.dtype.kind == "b":  # only bool arrays restrict the op
+            if array.dtype.kind == "b" or op is Adasum:  # only these restrict the dtype
                 check_reducible(array.dtype, op)
+            if op is Adasum:
+                check_adasum(array, process_set)
             prescale_factor, postscale_factor = float(prescale_factor), float(postscale_factor)
             if type(array) is np.ndarray:  # the signature checks the dtype (TypeError)
                 if in_place and not array.flags.writeable:
@@ -198,6 +233,8 @@ def submit_grouped_allreduce(arrays: Any, op: ReduceOp, name: "str | None", pres
             check_reducible(array.dtype, checked_op)
             if in_place:
                 check_writable(array, "grouped_allreduce_")
+        if checked_op is Adasum and group:
+            check_adasum(group[0], process_set)
         return Checked(group, dict(_reduction(checked_op, prescale_factor, postscale_factor), in_place=in_place))
     return _submit(Kind.ALLREDUCE, name, process_set, checked, len(items), True)
 
@@ -226,7 +263,7 @@ def submit_reducescatter(array: Any, op: Any, name: "str | None", prescale_facto
                          process_set: ProcessSet) -> Handle:
     def checked() -> Checked:
         checked_array = check_array(array)
-        checked_op = check_op(op)
+        checked_op = check_scattering_op(op)
         check_reducible(checked_array.dtype, checked_op)
         if checked_array.ndim == 0:
             raise InvalidArgumentError("reducescatter needs an array with at least one dimension to split; "
@@ -240,7 +277,7 @@ def submit_grouped_reducescatter(arrays: Any, op: Any, name: "str | None", presc
     items = listed(arrays)
 
     def checked() -> Checked:
-        checked_op = check_op(op)
+        checked_op = check_scattering_op(op)
         group = [check_array(a) for a in items]
         for index, array in enumerate(group):
             check_reducible(array.dtype, checked_op)

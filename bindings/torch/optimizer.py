@@ -8,11 +8,12 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from mtrain.ringreduce import Average, ProcessSet, global_process_set
+from mtrain.ringreduce import Adasum, Average, ProcessSet, global_process_set, size
 from mtrain.ringreduce.requests import UNNAMED_PREFIX
 
 from ..gradient_op import check_gradient_op
 from ..handles import Handle
+from .adasum_optimizer import DistributedAdasumOptimizer
 from .bridge import check_tensor
 from .compression import Compression
 from .inplace import ViewCache, allreduce_in_place
@@ -225,13 +226,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     ``sparse_as_dense=True``, all-reduced densified and made sparse again before the
     update (so ``torch.optim.SparseAdam`` works). On a rank outside ``process_set``
     the optimizer steps on its local gradients, reducing nothing (as Horovod's).
+    ``op=Adasum`` (on more than one rank) steps each rank on its own gradients and combines the
+    steps' deltas with Adasum (``adasum_optimizer``), as Horovod's; its learning rate is not
+    scaled by the number of ranks.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, DistributedAdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    op = check_gradient_op(op, gradient_predivide_factor)
+    op = check_gradient_op(op, gradient_predivide_factor, adasum=True)
     _check_passes(backward_passes_per_step)
+    if op == Adasum and size() > 1:  # one rank: Horovod's plain optimizer, with op=Adasum (an identity)
+        return _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, process_set)
     base = type(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:
@@ -246,4 +252,27 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         raise TypeError(f"process_set must be an mtrain ProcessSet, got {type(process_set).__name__}")
     wrapped._mtrain_setup(named_parameters, compression, backward_passes_per_step, op,
                           gradient_predivide_factor, sparse_as_dense, process_set)
+    return wrapped
+
+
+_ADASUM_CLASSES: Dict[type, type] = {}
+
+
+def _adasum_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any, compression: type,
+                      backward_passes_per_step: int, process_set: ProcessSet) -> torch.optim.Optimizer:
+    """``optimizer`` combining its steps' deltas with Adasum (``adasum_optimizer``), as Horovod's
+    DistributedOptimizer does for op=Adasum on more than one rank."""
+    if process_set.process_set_id != 0:
+        raise NotImplementedError("Adasum does not support non-global process sets yet. Use op=Average on this "
+                                  "process set, or Adasum on the global one")
+    base = type(optimizer)
+    cls = _ADASUM_CLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (DistributedAdasumOptimizer, base), {"__module__": base.__module__})
+        _ADASUM_CLASSES[base] = cls
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped.__dict__.pop("step", None)  # as above: schedulers are built on the wrapped optimizer
+    params = [p for group in wrapped.param_groups for p in group["params"]]
+    wrapped.mtrain_adasum_setup(_parameter_names(named_parameters, params), compression, backward_passes_per_step)
     return wrapped

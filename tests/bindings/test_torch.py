@@ -203,8 +203,8 @@ def test_errors_name_the_problem():
                                  named_parameters=[p for p in params if p[0] != "0.bias"])
     with pytest.raises(ValueError, match="tuples"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.parameters())
-    with pytest.raises(ValueError, match="Adasum"):
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="op=Average or op=Sum"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Min)
     with pytest.raises(ValueError, match="op=Average"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Sum,
                                  gradient_predivide_factor=2.0)

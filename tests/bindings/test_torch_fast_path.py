@@ -109,8 +109,10 @@ def test_a_kept_view_follows_each_steps_op_and_factors():
         assert result is kept
         assert torch.allclose(result, expected, rtol=1e-12), f"step {step} {kwargs}: {result} != {expected}"
     # A bad op after a cached one is still refused, with the usual error.
-    with pytest.raises(ValueError, match="Adasum"):
-        hvd.allreduce_async_(kept, name="kept", op=hvd.Adasum)
+    with pytest.raises(TypeError, match="Adasum reduces float16, float32 or float64"):
+        hvd.allreduce_async_(kept.to(torch.int64), name="kept", op=hvd.Adasum)
+    with pytest.raises(ValueError, match="unsupported reduction op 42"):
+        hvd.allreduce_async_(kept, name="kept", op=42)
     with pytest.raises(ValueError, match="unsupported reduction op"):
         hvd.allreduce_async_(kept, name="kept", op="nonsense")
     assert torch.equal(hvd.allreduce_(kept.copy_(_values(me, (6,), 0)), name="kept", op=hvd.Sum), summed)

@@ -30,8 +30,9 @@ def test_op_values_match_horovod():
 def test_unsupported_op_and_dtype_are_named():
     with pytest.raises(ValueError, match="unsupported reduction op 'sum'"):
         ops.check_op("sum")
-    with pytest.raises(ValueError, match="Adasum is not supported"):
-        ops.check_op(ops.Adasum)
+    assert ops.check_op(ops.Adasum) is ops.Adasum and ops.check_op(2) is ops.Adasum
+    with pytest.raises(TypeError, match="Adasum reduces float16, float32 or float64 arrays, got int32"):
+        ops.check_reducible(np.dtype(np.int32), ops.Adasum)
     with pytest.raises(TypeError, match="unsupported dtype complex128"):
         ops.dtype_code(np.complex128)
     for dtype in ("float16", "float32", "float64", "int32", "int64", "uint8"):
@@ -84,15 +85,17 @@ def test_reducer_takes_each_array_modules_own_functions():
 
 
 def _horovod_scaled(x, factor: float):
-    """Horovod's ScaleBufferCPUImpl (horovod/common/ops/collective_operations.h), element by element
-    in Python floats (which are float64): integers, float32 and float64 are multiplied by the
-    float64 factor; float16 is widened to float32 and multiplied by the factor rounded to float32."""
+    """Horovod's ScaleBuffer (horovod/common/ops/collective_operations.cc and .h), element by
+    element with NumPy scalars: integers are multiplied by the float64 factor (Python floats) and
+    truncated; float32 by ``(float)factor`` in float32, float64 in float64; float16 is widened to
+    float32 and multiplied by the factor rounded to float32."""
     if x.dtype.kind in "iu":
         return [int(float(v) * factor) for v in x.tolist()]  # int(): truncation toward zero
     if x.dtype == np.float16:
         f32 = np.float32(factor)
         return [np.float16(np.float32(v) * f32) for v in x.tolist()]
-    return [x.dtype.type(float(v) * factor) for v in x.tolist()]
+    own = x.dtype.type(factor)
+    return [x.dtype.type(v) * own for v in x.tolist()]
 
 
 def test_backend_scale_is_horovods_rule_bit_for_bit():
@@ -109,6 +112,12 @@ def test_backend_scale_is_horovods_rule_bit_for_bit():
             assert got.dtype == dtype, (dtype, factor)
             assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), \
                 (dtype, factor, got[got != want][:4], want[got != want][:4])
+    # float32 is scaled in float32 by the factor rounded to float32 (0.11000001 for 1.1 * 0.1), not
+    # in float64 with the exact factor (0.11, one ulp away).
+    x = np.array([3.0, 7.0, 1.1], dtype=np.float32)
+    backend.scale(x, 0.1)
+    assert x.tolist() == (np.array([3.0, 7.0, 1.1], np.float32) * np.float32(0.1)).tolist()
+    assert x.tolist() != np.float32(np.array([3.0, 7.0, np.float32(1.1)]) * 0.1).tolist()
     # Integers truncate toward zero; float16 as Horovod, not in float16 (which gives 24.906).
     ints = np.array([7, -7, 9], dtype=np.int32)
     backend.scale(ints, 0.5)
