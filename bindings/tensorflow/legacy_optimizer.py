@@ -14,6 +14,7 @@ from mtrain.ringreduce import Adasum, Average, ProcessSet, global_process_set
 from ..gradient_op import check_gradient_op
 from .compression import Compression
 from .gradient_tape import divided, reduce_gradients, variable_key
+from .legacy_adasum import DistributedAdasumLegacyOptimizer
 from .legacy_aggregation import GraphGradientAggregation
 from .process_sets import check_process_set, set_size
 
@@ -124,11 +125,10 @@ def legacy_distributed_optimizer(optimizer: tf.compat.v1.train.Optimizer, name: 
                                  compression: type, sparse_as_dense: bool, backward_passes_per_step: int, op: Any,
                                  gradient_predivide_factor: float, average_aggregated_gradients: bool,
                                  num_groups: int, groups: Any, process_set: ProcessSet,
-                                 scale_local_gradients: bool) -> DistributedLegacyOptimizer:
+                                 scale_local_gradients: bool) -> tf.compat.v1.train.Optimizer:
     """``hvd.DistributedOptimizer`` for a TF1 optimizer, its arguments checked as Horovod checks them."""
-    if op == Adasum:  # Horovod's _DistributedAdasumOptimizer (a delta-based update) is not built here
-        raise NotImplementedError("op=Adasum with a TF1 optimizer is not implemented in mtrain: use op=Average, "
-                                  "or a Keras optimizer or DistributedGradientTape")
+    if op == Adasum and average_aggregated_gradients:
+        raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if num_groups != 0:
         warnings.warn("num_groups is deprecated: pass groups=", DeprecationWarning, stacklevel=3)
         groups = num_groups if groups is None else groups
@@ -137,6 +137,11 @@ def legacy_distributed_optimizer(optimizer: tf.compat.v1.train.Optimizer, name: 
     if groups is not None and not (isinstance(groups, list) or groups > 0):
         raise ValueError("groups must be a positive integer or a list of lists of tf.Variable, "
                          f"got {groups!r}")
+    if op == Adasum:  # Horovod's _DistributedAdasumOptimizer: the model deltas are combined, not the gradients
+        check_gradient_op(op, gradient_predivide_factor, adasum=True)  # a predivide factor needs op=Average
+        if process_set.process_set_id != 0:
+            raise NotImplementedError("Adasum does not support process sets yet")
+        return DistributedAdasumLegacyOptimizer(optimizer, name, use_locking, compression, backward_passes_per_step)
     return DistributedLegacyOptimizer(optimizer, name, use_locking, compression, sparse_as_dense, op,
                                       gradient_predivide_factor, process_set, scale_local_gradients,
                                       backward_passes_per_step, average_aggregated_gradients)
