@@ -56,6 +56,8 @@ import threading
 import time
 from typing import Any, Iterable, NamedTuple
 
+from .ops import Adasum
+
 # A rank other than 0 posts a batch this often at most, or when this many events wait.
 BATCH_SECONDS = 0.1
 BATCH_EVENTS = 2000
@@ -73,6 +75,7 @@ STEP = "STEP"
 _TENSOR = "_tensor"
 # Horovod's request and response types by our op kinds (message.cc); the object collectives are
 # Horovod's broadcast and allgather of a byte tensor (horovod/torch/functions.py).
+ADASUM = "ADASUM"  # an all-reduce with op=Adasum: a request type of its own in Horovod
 _TYPES = {"BROADCAST_OBJECT": "BROADCAST", "ALLGATHER_OBJECT": "ALLGATHER"}
 # Horovod's activity for each type's data movement on the CPU (common.h; mpi_operations.cc).
 ACTIVITIES = {"ALLREDUCE": "MPI_ALLREDUCE", "ALLGATHER": "MPI_ALLGATHER", "BROADCAST": "MPI_BCAST",
@@ -82,6 +85,21 @@ ACTIVITIES = {"ALLREDUCE": "MPI_ALLREDUCE", "ALLGATHER": "MPI_ALLGATHER", "BROAD
 def op_type(kind_name: str) -> str:
     """Horovod's name for an op kind (``Kind.name``): NEGOTIATE_<it> and the op's top-level span."""
     return _TYPES.get(kind_name, kind_name)
+
+
+def request_type(request: Any) -> str:
+    """Horovod's name for one request's type: an all-reduce with op=Adasum is its own, ADASUM
+    (horovod/common/message.cc), the others their kind's (``op_type``)."""
+    if request.op is Adasum:
+        return ADASUM
+    return op_type(request.kind.name)
+
+
+def _reduction_names(request: Any) -> "tuple[str, str]":
+    """An all-reduce's top-level span and its data-movement activity, as Horovod names them."""
+    if request.op is Adasum:
+        return ADASUM, "MPI_ADASUM_ALLREDUCE"
+    return "ALLREDUCE", "MPI_ALLREDUCE"
 
 
 def _output_args(array: Any) -> "dict[str, str]":
@@ -333,7 +351,7 @@ class Timeline:
             rank = self._rank
             for request in requests:
                 name, submitted = request.name, request.submitted
-                self._emit({"ph": "B", "name": "NEGOTIATE_" + op_type(request.kind.name), "ts": submitted,
+                self._emit({"ph": "B", "name": "NEGOTIATE_" + request_type(request), "ts": submitted,
                             "tid": rank, _TENSOR: name})
                 self._emit({"ph": "X", "name": label, "ts": submitted, "dur": 0, "tid": rank, _TENSOR: name})
                 self._emit({"ph": "E", "ts": max(start, submitted), "tid": rank, _TENSOR: name})
@@ -345,15 +363,17 @@ class Timeline:
         t0, t1, t2, t3 = times
         ring_ops = len(packed) + len(alone)
         for request in packed:
+            top, activity = _reduction_names(request)
             self._op_events(request.name, [
-                ("ALLREDUCE", t0, t3, _output_args(request.array)),
+                (top, t0, t3, _output_args(request.array)),
                 ("MEMCPY_IN_FUSION_BUFFER", t0, t1, {}),
-                ("MPI_ALLREDUCE", t1, t2, {"fused_bytes": packed_bytes, "ring_ops": ring_ops}),
+                (activity, t1, t2, {"fused_bytes": packed_bytes, "ring_ops": ring_ops}),
                 ("MEMCPY_OUT_FUSION_BUFFER", t2, t3, {})])
         for request in alone:
+            top, activity = _reduction_names(request)
             self._op_events(request.name, [
-                ("ALLREDUCE", t0, t3, _output_args(request.array)),
-                ("MPI_ALLREDUCE", t1, t2, {"bytes": request.nbytes, "ring_ops": ring_ops})])
+                (top, t0, t3, _output_args(request.array)),
+                (activity, t1, t2, {"bytes": request.nbytes, "ring_ops": ring_ops})])
 
     def mark(self, label: str) -> None:
         """Horovod's cycle marker (``mark_cycles``): an instant across the whole file, rank 0's cycles

@@ -147,3 +147,35 @@ def test_adasum_refusals():
     finally:
         rr.remove_process_set(pset)
     assert rr.allreduce(np.ones(3), op=rr.Adasum).tolist() == [1.0] * 3  # identical inputs: themselves
+
+
+@mpi_test(nps=(2,))
+def test_adasum_has_horovods_names_on_the_timeline():
+    """horovod/common/message.cc and common.h: an Adasum all-reduce is a request of type ADASUM
+    (NEGOTIATE_ADASUM, then ADASUM around MPI_ADASUM_ALLREDUCE); a Sum beside it stays ALLREDUCE."""
+    import json
+    import os
+    import shutil
+    import tempfile
+    folder = MPI.COMM_WORLD.bcast(tempfile.mkdtemp() if rr.rank() == 0 else None, root=0)
+    path = os.path.join(folder, "timeline.json")
+    rr.start_timeline(path)
+    handles = [rr.allreduce_async(np.arange(5.0) + rr.rank(), op=rr.Adasum, name="combined.a"),
+               rr.allreduce_async(np.arange(3.0) * (rr.rank() + 1), op=rr.Adasum, name="combined.b")]
+    [rr.synchronize(h) for h in handles]
+    rr.allreduce(np.ones(4), op=rr.Sum, name="summed")
+    rr.stop_timeline()
+    rr.barrier()
+    if rr.rank() == 0:
+        with open(path) as f:
+            events = json.load(f)
+        shutil.rmtree(folder)
+        pids = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name" and e["pid"]}
+        names = {}
+        for e in events:
+            if e.get("ph") == "B" and e.get("pid") in pids:
+                names.setdefault(pids[e["pid"]], set()).add(e["name"])
+        for tensor in ("combined.a", "combined.b"):
+            assert {"NEGOTIATE_ADASUM", "ADASUM", "MPI_ADASUM_ALLREDUCE"} <= names[tensor], names
+            assert not names[tensor] & {"ALLREDUCE", "MPI_ALLREDUCE"}, names
+        assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE"} <= names["summed"], names
