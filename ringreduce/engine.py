@@ -175,7 +175,7 @@ class Engine:
         if self._thread.is_alive():
             sys.stderr.write("mtrain: the engine did not stop within "
                              f"{timeout:g}s (another rank may be frozen); exiting without it\n")
-        # Rank 0 does not wait for the last events of ranks known to have left.
+        # Rank 0 waits only briefly for the last events of ranks known to have left.
         self.timelines.close(gone=getattr(self.queue.closed_error, "peers", None) or ())
         if not self._thread.is_alive():
             self._control.Free()

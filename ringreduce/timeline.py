@@ -66,6 +66,9 @@ BATCH_EVENTS = 2000
 DONE_WAIT_SECONDS = 10.0
 SEND_WAIT_SECONDS = 5.0
 HELLO_WAIT_SECONDS = 1.0
+# How long rank 0's close() still waits for ranks known to have left (a rank that called
+# shutdown() before the others: its last batch, with its last step, is sent as it leaves).
+GONE_WAIT_SECONDS = 2.0
 # How often rank 0's collector looks for batches (and flushes the file).
 COLLECT_SECONDS = 0.02
 PING_ROUNDS = 5
@@ -385,8 +388,8 @@ class Timeline:
 
     # -- ending (a user thread, or the engine's shutdown) ------------------------------
     def close(self, gone: "Iterable[int]" = ()) -> None:
-        """End the timeline. Rank 0: wait (bounded) for the other ranks' last events, except
-        from ``gone`` (ranks known to have left), then end the file. Others: send the rest."""
+        """End the timeline. Rank 0: wait (bounded) for the other ranks' last events, shorter for
+        ``gone`` (ranks known to have left), then end the file. Others: send the rest."""
         with self._lock:
             if self._closed:
                 return
@@ -478,14 +481,21 @@ class _Collector:
             self._changed.notify_all()
 
     def finish(self, gone: "set[int]", seconds: float) -> None:
-        """Wait until every other rank but ``gone`` has sent its last batch (``seconds`` at most:
-        a rank that stopped its timeline late or not at all loses its tail), then stop."""
-        expected = set(range(1, self._link.size)) - gone
+        """Wait until every other rank has sent its last batch (``seconds`` at most: a rank that
+        stopped its timeline late or not at all loses its tail; ``GONE_WAIT_SECONDS`` for a rank
+        in ``gone``, known to have left), then stop."""
+        expected = set(range(1, self._link.size))
         start = time.monotonic()
         deadline = start + seconds
         with self._changed:
             while not expected <= self.done:
                 now = time.monotonic()
+                if gone and now > start + GONE_WAIT_SECONDS:
+                    # A rank that left cleanly sent its last batch as it left: it is here by now,
+                    # or the rank died without one.
+                    expected -= gone
+                    if expected <= self.done:
+                        break
                 if now > start + HELLO_WAIT_SECONDS:
                     # A rank never heard from did not start this timeline (start_timeline on
                     # rank 0 alone): nothing to wait for. A rank that did has said so by now,
