@@ -25,10 +25,31 @@ from mtrain.ringreduce import Adasum
 from .compression import Compression
 from .mpi_ops import grouped_allreduce
 
-__all__ = ["DistributedAdasumLegacyOptimizer"]
+__all__ = ["DistributedAdasumLegacyOptimizer", "WrappingLegacyOptimizer"]
 
 
-class DistributedAdasumLegacyOptimizer(tf.compat.v1.train.Optimizer):
+class WrappingLegacyOptimizer(tf.compat.v1.train.Optimizer):
+    """A TF1 optimizer around ``wrapped``, whose slots and variables are the wrapped one's (both
+    of Horovod's TF1 wrappers pass these through)."""
+
+    def __init__(self, wrapped: tf.compat.v1.train.Optimizer, name: str, use_locking: bool) -> None:
+        super().__init__(name=name, use_locking=use_locking)
+        self._optimizer = wrapped
+
+    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped optimizer's slot."""
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args: Any, **kwargs: Any) -> List[str]:
+        """The wrapped optimizer's slot names."""
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args: Any, **kwargs: Any) -> List[Any]:
+        """The wrapped optimizer's variables."""
+        return self._optimizer.variables(*args, **kwargs)
+
+
+class DistributedAdasumLegacyOptimizer(WrappingLegacyOptimizer):
     """A TF1 optimizer whose ranks combine their model deltas with Adasum every
     ``backward_passes_per_step`` steps (see the module's drawing)."""
 
@@ -40,8 +61,7 @@ class DistributedAdasumLegacyOptimizer(tf.compat.v1.train.Optimizer):
                              "step in a tf.Graph, or use DistributedGradientTape(op=Adasum)")
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
-        super().__init__(name=name or f"DistributedDelta{type(optimizer).__name__}", use_locking=use_locking)
-        self._optimizer = optimizer
+        super().__init__(optimizer, name or f"DistributedDelta{type(optimizer).__name__}", use_locking)
         self._compression = compression
         self._passes = int(backward_passes_per_step)
         self._locking = use_locking
@@ -86,14 +106,3 @@ class DistributedAdasumLegacyOptimizer(tf.compat.v1.train.Optimizer):
         with tf.control_dependencies([synced]):
             return step.assign_add(1).op
 
-    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped optimizer's slot."""
-        return self._optimizer.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args: Any, **kwargs: Any) -> List[str]:
-        """The wrapped optimizer's slot names."""
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args: Any, **kwargs: Any) -> List[Any]:
-        """The wrapped optimizer's variables."""
-        return self._optimizer.variables(*args, **kwargs)

@@ -14,7 +14,7 @@ from mtrain.ringreduce import Adasum, Average, ProcessSet, global_process_set
 from ..gradient_op import check_gradient_op
 from .compression import Compression
 from .gradient_tape import divided, reduce_gradients, variable_key
-from .legacy_adasum import DistributedAdasumLegacyOptimizer
+from .legacy_adasum import DistributedAdasumLegacyOptimizer, WrappingLegacyOptimizer
 from .legacy_aggregation import GraphGradientAggregation
 from .process_sets import check_process_set, set_size
 
@@ -26,7 +26,7 @@ def is_legacy_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, tf.compat.v1.train.Optimizer)
 
 
-class DistributedLegacyOptimizer(tf.compat.v1.train.Optimizer):
+class DistributedLegacyOptimizer(WrappingLegacyOptimizer):
     """A TF1 optimizer whose gradients are reduced over the ranks of ``process_set`` before they
     are applied (Horovod's ``_DistributedOptimizer``).
 
@@ -43,8 +43,7 @@ class DistributedLegacyOptimizer(tf.compat.v1.train.Optimizer):
                  op: Any = Average, gradient_predivide_factor: float = 1.0,
                  process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False) -> None:
-        super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
-        self._optimizer = optimizer
+        super().__init__(optimizer, name or f"Distributed{type(optimizer).__name__}", use_locking)
         self._op = check_gradient_op(op, gradient_predivide_factor)
         self._predivide = gradient_predivide_factor
         self._compression = compression
@@ -108,17 +107,6 @@ class DistributedLegacyOptimizer(tf.compat.v1.train.Optimizer):
             return apply()
         return self._aggregation.apply_gradients(apply, grads_and_vars, global_step)
 
-    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped optimizer's slot."""
-        return self._optimizer.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args: Any, **kwargs: Any) -> List[str]:
-        """The wrapped optimizer's slot names."""
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args: Any, **kwargs: Any) -> List[Any]:
-        """The wrapped optimizer's variables."""
-        return self._optimizer.variables(*args, **kwargs)
 
 
 def legacy_distributed_optimizer(optimizer: tf.compat.v1.train.Optimizer, name: Optional[str], use_locking: bool,

@@ -23,6 +23,7 @@ from mtrain.ringreduce import Adasum
 
 from ..handles import Handle
 from .mpi_ops import allreduce_async_, synchronize
+from .pass_count import too_many_passes_check
 
 __all__ = ["DistributedAdasumOptimizer"]
 
@@ -50,13 +51,7 @@ class DistributedAdasumOptimizer:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
     def _make_check_hook(self, p: torch.Tensor) -> Any:
-        def check(grad: torch.Tensor) -> None:
-            if self._allreduce_delay[p] <= 0:
-                raise RuntimeError(
-                    f"gradient of {self._parameter_names[p]!r} computed more than backward_passes_per_step="
-                    f"{self.backward_passes_per_step} times before optimizer.step(); call step() after each "
-                    "group of backward passes, or raise backward_passes_per_step")
-        return check
+        return too_many_passes_check(self, self._allreduce_delay, self._parameter_names, p, "step()")
 
     def _make_hook(self, p: torch.Tensor) -> Any:
         def hook(_: torch.Tensor) -> None:

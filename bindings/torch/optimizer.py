@@ -18,6 +18,7 @@ from .bridge import check_tensor
 from .compression import Compression
 from .inplace import ViewCache, allreduce_in_place
 from .mpi_ops import sparse_allreduce_async
+from .pass_count import too_many_passes_check
 
 __all__ = ["DistributedOptimizer"]
 
@@ -58,13 +59,8 @@ class _DistributedOptimizer:
 
     def _make_check_hook(self, p: torch.Tensor) -> Any:
         # Runs before the gradient is accumulated: an all-reduce may be writing p.grad.
-        def check(grad: torch.Tensor) -> None:
-            if self._allreduce_delay[p] <= 0:
-                raise RuntimeError(
-                    f"gradient of {self._parameter_names[p]!r} computed more than backward_passes_per_step="
-                    f"{self.backward_passes_per_step} times before optimizer.step(); call step() (or "
-                    "synchronize()) after each group of backward passes, or raise backward_passes_per_step")
-        return check
+        return too_many_passes_check(self, self._allreduce_delay, self._parameter_names, p,
+                                     "step() (or synchronize())")
 
     def _make_hook(self, p: torch.Tensor) -> Any:
         def hook(_: torch.Tensor) -> None:
@@ -238,16 +234,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     _check_passes(backward_passes_per_step)
     if op == Adasum and size() > 1:  # one rank: Horovod's plain optimizer, with op=Adasum (an identity)
         return _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, process_set)
-    base = type(optimizer)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
-        _CLASSES[base] = cls
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    # An LR scheduler built on the original patches an instance-level ``step`` that would
-    # bypass the averaging; schedulers must be built on the wrapped optimizer (as with Horovod).
-    wrapped.__dict__.pop("step", None)
+    wrapped = _wrapped_copy(optimizer, _DistributedOptimizer, _CLASSES)
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be an mtrain ProcessSet, got {type(process_set).__name__}")
     wrapped._mtrain_setup(named_parameters, compression, backward_passes_per_step, op,
@@ -258,6 +245,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 _ADASUM_CLASSES: Dict[type, type] = {}
 
 
+def _wrapped_copy(optimizer: torch.optim.Optimizer, mixin: type, classes: Dict[type, type]) -> Any:
+    """``optimizer``'s state in an instance of its class with ``mixin`` in front (one such class
+    per optimizer class, kept in ``classes``), as Horovod's wrappers subclass the optimizer's."""
+    base = type(optimizer)
+    cls = classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
+        classes[base] = cls
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    # An LR scheduler built on the original patches an instance-level ``step`` that would
+    # bypass the averaging; schedulers must be built on the wrapped optimizer (as with Horovod).
+    wrapped.__dict__.pop("step", None)
+    return wrapped
+
+
 def _adasum_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any, compression: type,
                       backward_passes_per_step: int, process_set: ProcessSet) -> torch.optim.Optimizer:
     """``optimizer`` combining its steps' deltas with Adasum (``adasum_optimizer``), as Horovod's
@@ -265,14 +268,7 @@ def _adasum_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any, c
     if process_set.process_set_id != 0:
         raise NotImplementedError("Adasum does not support non-global process sets yet. Use op=Average on this "
                                   "process set, or Adasum on the global one")
-    base = type(optimizer)
-    cls = _ADASUM_CLASSES.get(base)
-    if cls is None:
-        cls = type(base.__name__, (DistributedAdasumOptimizer, base), {"__module__": base.__module__})
-        _ADASUM_CLASSES[base] = cls
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped.__dict__.pop("step", None)  # as above: schedulers are built on the wrapped optimizer
+    wrapped = _wrapped_copy(optimizer, DistributedAdasumOptimizer, _ADASUM_CLASSES)
     params = [p for group in wrapped.param_groups for p in group["params"]]
     wrapped.mtrain_adasum_setup(_parameter_names(named_parameters, params), compression, backward_passes_per_step)
     return wrapped

@@ -49,6 +49,19 @@ def _round_factor(j: int, average: bool) -> float:
     return total / K if average else total
 
 
+def _expected_after(idx: int, average: bool, local: bool, a, b, me: int, n: int):
+    """x and y after pass ``idx`` of the aggregation tests: their start (7s, 5s) until the first
+    round applies, then the rounds' gradients; y's rows 0 and 2 only, this rank's own when local."""
+    rounds = (idx + 1) // K
+    want_x, want_y = np.full(3, 7.0), np.full(4, 5.0)
+    if rounds:
+        factor = _round_factor(rounds - 1, average)
+        want_x = factor * np.mean(a, 0)
+        want_y = np.zeros(4)
+        want_y[[0, 2]] = factor * (b[me] / n if local else np.mean(b, 0))
+    return want_x, want_y
+
+
 @mpi_test(pool=KERAS2_POOL, env=KERAS2_ENV, nps=(2, 3), timeout=300)
 def test_keras2_compute_gradients_get_gradients_aggregate_gradients_and_variables():
     """horovod/_keras/__init__.py create_distributed_optimizer: ``_compute_gradients`` and
@@ -153,13 +166,7 @@ def test_keras2_gradient_aggregation_local_vars_sparse_and_inf():
         for idx in range(2 * K + 1):
             step()
             k.assign_add(1.0)
-            rounds = (idx + 1) // K
-            want_x, want_y = np.full(3, 7.0), np.full(4, 5.0)
-            if rounds:
-                factor = _round_factor(rounds - 1, average)
-                want_x = factor * np.mean(a, 0)
-                want_y = np.zeros(4)
-                want_y[[0, 2]] = factor * (b[me] / n if local else np.mean(b, 0))
+            want_x, want_y = _expected_after(idx, average, local, a, b, me, n)
             tag = (kind, f"average={average}", f"local={local}", f"pass {idx}")
             assert _close(x.numpy(), want_x) and _close(y.numpy(), want_y), (tag, x.numpy(), want_x, y.numpy(), want_y)
             assert int(opt.iterations.numpy()) == idx + 1 and int(opt._agg_helper.counter.numpy()) == (idx + 1) % K, \
@@ -374,13 +381,7 @@ def test_keras3_aggregation_local_vars_sparse_and_inf():
         for idx in range(2 * K + 1):
             sparse = tf.IndexedSlices(tf.constant((idx + 1) * b[me]), tf.constant([0, 2]), tf.constant([4]))
             opt.apply([tf.constant((idx + 1) * a[me]), sparse], [x, y])
-            rounds = (idx + 1) // K
-            want_x, want_y = np.full(3, 7.0), np.full(4, 5.0)
-            if rounds:
-                factor = _round_factor(rounds - 1, average)
-                want_x = factor * np.mean(a, 0)
-                want_y = np.zeros(4)
-                want_y[[0, 2]] = factor * (b[me] / n if local else np.mean(b, 0))
+            want_x, want_y = _expected_after(idx, average, local, a, b, me, n)
             tag = (f"average={average}", f"local={local}", f"pass {idx}")
             assert _close(x.numpy(), want_x) and _close(y.numpy(), want_y), (tag, x.numpy(), want_x, y.numpy(), want_y)
 

@@ -148,7 +148,7 @@ def test_tf1_optimizer_trains_as_one_process_on_the_ranks_data():
     grad = 2 * x_all.T @ (x_all @ w0 - y_all) / y_all.size  # the mean over every rank's rows
     assert np.allclose(w.numpy(), w0 - 0.2 * grad), "eager minimize"
 
-    # Arguments Horovod refuses, and what mtrain does not implement, with a clear error.
+    # Arguments Horovod refuses, with a clear error.
     v1 = tf.compat.v1.train.GradientDescentOptimizer(0.1)
     with pytest.raises(ValueError, match="groups"):
         hvd.DistributedOptimizer(v1, groups=-1)
@@ -156,8 +156,7 @@ def test_tf1_optimizer_trains_as_one_process_on_the_ranks_data():
         hvd.DistributedOptimizer(v1, op=hvd.Sum, gradient_predivide_factor=2.0)
     with pytest.raises(ValueError, match="op=Average or op=Sum"):
         hvd.DistributedOptimizer(v1, op=hvd.Max)
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.DistributedOptimizer(v1, op=hvd.Adasum)
+    # (op=Adasum with a TF1 optimizer: tests/bindings/test_tf_adasum.py.)
 
 
 def _check_backward_passes(tf, hvd, data) -> None:
