@@ -34,8 +34,14 @@ def expected(count, dtype, op, postscale):
         total = stack.max(axis=0)
     else:
         total = stack.prod(axis=0)
-    if op == rr.Average:  # Horovod's rule: the exact sum scaled once by postscale / size in float64
-        scaled = total.astype(np.float64) * (postscale / size)
+    if op == rr.Average:
+        # Horovod's CPU rule (collective_operations.cc, ScaleBuffer): the exact sum scaled once by
+        # postscale / size, float32 by that factor rounded to float32 and in float32, the others
+        # in float64 (integers then truncated).
+        factor = postscale / size
+        if np.dtype(dtype) == np.float32:
+            return total.astype(np.float32) * np.float32(factor)
+        scaled = total.astype(np.float64) * factor
         return (scaled if np.dtype(dtype).kind == "f" else np.trunc(scaled)).astype(dtype)
     return total.astype(dtype)
 
