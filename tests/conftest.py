@@ -4,6 +4,7 @@ their ranks yield the cores they share."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -20,6 +21,13 @@ os.environ.setdefault("OMPI_MCA_btl", "^ofi")
 # where one host has more ranks than cores, and a namespace host cannot see that its cores are
 # shared, so the tests say it for every job; a choice made before wins.
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+# A shell without job control starts a background command (`pytest ... &`, `nohup bash .ci/run &`)
+# with SIGINT ignored, and an ignored signal stays ignored in every child: mtrain run then rightly
+# ignores the Ctrl-C the tests send it (as a user's background job would), and the tests of what
+# Ctrl-C does wait for nothing. The tests' jobs start as from a terminal: with Python's own handler
+# here, their SIGINT is back at its default after exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _close_pools(file_only: bool = False) -> None:

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -210,7 +211,10 @@ def test_ctrl_c_during_a_reset_leaves_nothing(cluster, tmp_path, token):
         # longest part is removing the snapshots over SSH, which mtrain bounds at 10 s in all
         # (elastic.CLEANUP_TIMEOUT twice). The rest of the 30 s is for a CI machine that runs
         # several times slower than that (one such run failed at the 20 s this test had before).
-        job.proc.wait(timeout=30)
+        try:
+            job.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"mtrain had not ended 30 s after SIGINT; its stderr:\n{job.stop()}")
         print(f"mtrain ended {time.monotonic() - sent:.2f} s after SIGINT")
     finally:
         err = job.stop()

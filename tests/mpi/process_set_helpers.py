@@ -38,3 +38,8 @@ def same_everywhere(value, what: str) -> None:
 
 def engine_threads() -> int:
     return sum(1 for t in threading.enumerate() if t.name == "mtrain-engine" and t.is_alive())
+
+
+def threads_seen() -> str:
+    """This rank's live threads, for an engine count that differs from the expected one."""
+    return ", ".join(f"{t.name}#{t.ident}" for t in threading.enumerate() if t.is_alive())

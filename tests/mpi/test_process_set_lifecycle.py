@@ -11,7 +11,7 @@ import mtrain.ringreduce as rr
 from tests.mpi.data import values
 from tests.mpi.harness import launch, mpi_test
 from tests.mpi.expect import raises
-from tests.mpi.process_set_helpers import engine_threads, register_sets, set_lists, wait_op
+from tests.mpi.process_set_helpers import engine_threads, register_sets, threads_seen, set_lists, wait_op
 
 
 # -- init forms, shutdown and exit ---------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_private_sets_are_made_by_their_members_alone_and_kept_apart():
     if registered.included():
         assert rr.allreduce(np.ones(2), op=rr.Sum, process_set=registered).tolist() == [2, 2]
     MPI.COMM_WORLD.Barrier()  # every rank is done with its sets before any shuts down
-    assert engine_threads() == 1 + (high is not None) + 1 + registered.included()
+    assert engine_threads() == 1 + (high is not None) + 1 + registered.included(), threads_seen()
     rr.shutdown()  # stops the private sets' engines too
     assert engine_threads() == 0
     assert alone.process_set_id is None and (high is None or high.process_set_id is None)
