@@ -19,40 +19,17 @@ require("torch", "pip install '.[torch]'")
 
 import torch  # noqa: E402
 
+from tests.horovod_scaling import assert_same_bits, horovod_scaled, owned, reducescatter_rows  # noqa: E402
 from tests.mpi.harness import mpi_test  # noqa: E402
 
 
 def _owned(rank: int, n: int, shape, dtype: torch.dtype) -> torch.Tensor:
-    """Distinct per rank and per element, non-zero only where ``rank`` owns the element."""
-    count = int(np.prod(shape))
-    index = np.arange(count)
-    values = (index * 2.375 - 31.0 + 7.125 * rank) * np.where(index % 2, -1.0, 1.0)
-    values = np.where(index % n == rank, values, 0.0)
-    return torch.from_numpy(values.reshape(shape)).to(dtype)
-
-
-def _scaled(values: np.ndarray, factor: float) -> np.ndarray:
-    """Horovod's rule, element by element in Python floats (float64)."""
-    if values.dtype.kind in "iu":
-        return np.array([int(float(v) * factor) for v in values.ravel()], values.dtype).reshape(values.shape)
-    if values.dtype == np.float16:
-        f32 = np.float32(factor)
-        return np.array([np.float16(np.float32(v) * f32) for v in values.ravel()], np.float16).reshape(values.shape)
-    own = values.dtype.type(factor)  # (float)factor for float32: rounded before the product
-    return np.array([values.dtype.type(v) * own for v in values.ravel()], values.dtype).reshape(values.shape)
+    return torch.from_numpy(owned(rank, n, shape)).to(dtype)
 
 
 def _expected(n: int, shape, dtype: torch.dtype, average: bool, pre: float, post: float) -> np.ndarray:
-    total = sum(_scaled(_owned(r, n, shape, dtype).numpy(), pre) for r in range(n))  # exact: one non-zero
-    return _scaled(total, post / n if average else post)
-
-
-def _same_bits(got: torch.Tensor, want: np.ndarray, what: str) -> None:
-    have = got.numpy()
-    assert have.dtype == want.dtype and have.shape == want.shape, (what, have.dtype, have.shape, want.shape)
-    differ = have.view(np.uint8).reshape(-1, have.itemsize) != want.view(np.uint8).reshape(-1, want.itemsize)
-    bad = np.flatnonzero(differ.any(axis=1))
-    assert not bad.size, f"{what}: {bad.size} elements differ, e.g. {have.ravel()[bad[:3]]} != {want.ravel()[bad[:3]]}"
+    total = sum(horovod_scaled(_owned(r, n, shape, dtype).numpy(), pre) for r in range(n))  # exact: one non-zero
+    return horovod_scaled(total, post / n if average else post)
 
 
 @mpi_test(nps=(2, 3))
@@ -61,8 +38,7 @@ def test_scaling_and_average_are_horovods_rule_bit_for_bit():
     hvd.init()
     n, me = hvd.size(), hvd.rank()
     shape = (7, 5)
-    lo = 7 // n * me + min(me, 7 % n)
-    rows = slice(lo, lo + 7 // n + (1 if me < 7 % n else 0))
+    rows = reducescatter_rows(7, n, me)
     dtypes = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
     # Factors float32 cannot hold (0.37, 0.1, 1/3, 2.9): a product taken in float64 lands one ulp
     # away on some elements. Average at np 3 makes postscale / 3 inexact as well.
@@ -74,9 +50,9 @@ def test_scaling_and_average_are_horovods_rule_bit_for_bit():
             want = _expected(n, shape, dtype, average, pre, post)
             what = f"{dtype} op={op} pre={pre} post={post}"
             mine = _owned(me, n, shape, dtype)
-            _same_bits(hvd.allreduce(mine, op=op, prescale_factor=pre, postscale_factor=post), want,
+            assert_same_bits(hvd.allreduce(mine, op=op, prescale_factor=pre, postscale_factor=post), want,
                        f"allreduce {what}")
-            _same_bits(hvd.reducescatter(mine, op=op, prescale_factor=pre, postscale_factor=post), want[rows],
+            assert_same_bits(hvd.reducescatter(mine, op=op, prescale_factor=pre, postscale_factor=post), want[rows],
                        f"reducescatter {what}")
         # Grouped forms: every dtype in one group, and an in-place all-reduce.
         mine = [_owned(me, n, shape, dtype) for dtype in dtypes]
@@ -85,6 +61,6 @@ def test_scaling_and_average_are_horovods_rule_bit_for_bit():
         scattered = hvd.grouped_reducescatter(mine, op=op, prescale_factor=pre, postscale_factor=post)
         hvd.allreduce_(mine[0], op=op, prescale_factor=pre, postscale_factor=post)
         for dtype, g, s, w in zip(dtypes, got, scattered, wants):
-            _same_bits(g, w, f"grouped_allreduce {dtype} op={op} pre={pre} post={post}")
-            _same_bits(s, w[rows], f"grouped_reducescatter {dtype} op={op} pre={pre} post={post}")
-        _same_bits(mine[0], wants[0], f"allreduce_ float16 op={op} pre={pre} post={post}")
+            assert_same_bits(g, w, f"grouped_allreduce {dtype} op={op} pre={pre} post={post}")
+            assert_same_bits(s, w[rows], f"grouped_reducescatter {dtype} op={op} pre={pre} post={post}")
+        assert_same_bits(mine[0], wants[0], f"allreduce_ float16 op={op} pre={pre} post={post}")

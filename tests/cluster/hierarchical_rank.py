@@ -35,14 +35,14 @@ def expected(count, dtype, op, postscale):
     else:
         total = stack.prod(axis=0)
     if op == rr.Average:
-        # Horovod's CPU rule (collective_operations.cc, ScaleBuffer): the exact sum scaled once by
-        # postscale / size, float32 by that factor rounded to float32 and in float32, the others
-        # in float64 (integers then truncated).
+        # Horovod's CPU rule (collective_operations.cc, ScaleBuffer; tests/horovod_scaling.py, which
+        # this script, run from its own folder on the hosts, cannot import): the exact sum scaled
+        # once by postscale / size, a float in its own dtype by the factor rounded to that dtype,
+        # an integer in float64 and truncated.
         factor = postscale / size
-        if np.dtype(dtype) == np.float32:
-            return total.astype(np.float32) * np.float32(factor)
-        scaled = total.astype(np.float64) * factor
-        return (scaled if np.dtype(dtype).kind == "f" else np.trunc(scaled)).astype(dtype)
+        if np.dtype(dtype).kind == "f":
+            return total.astype(dtype) * np.dtype(dtype).type(factor)
+        return np.trunc(total * factor).astype(dtype)
     return total.astype(dtype)
 
 

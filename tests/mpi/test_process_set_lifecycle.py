@@ -11,7 +11,7 @@ import mtrain.ringreduce as rr
 from tests.mpi.data import values
 from tests.mpi.harness import launch, mpi_test
 from tests.mpi.expect import raises
-from tests.mpi.process_set_helpers import engine_threads, register_sets, threads_seen, set_lists, wait_op
+from tests.mpi.process_set_helpers import engine_threads, register_sets, set_lists, threads_seen, wait_op
 
 
 # -- init forms, shutdown and exit ---------------------------------------------------------------
@@ -185,9 +185,9 @@ def test_private_sets_are_made_by_their_members_alone_and_kept_apart():
         assert rr.allreduce(np.ones(2), op=rr.Sum, process_set=high).tolist() == [2, 2]
     if registered.included():
         assert rr.allreduce(np.ones(2), op=rr.Sum, process_set=registered).tolist() == [2, 2]
-    MPI.COMM_WORLD.Barrier()  # every rank is done with its sets before any shuts down
+    MPI.COMM_WORLD.Barrier()  # every rank is done with its sets before any counts
     counted, seen = engine_threads(), threads_seen()
-    # Every rank counts before any shuts down: a peer's shutdown() stops the engines of the sets
+    # ... and has counted before any shuts down: a peer's shutdown() stops the engines of the sets
     # this rank shares with it (rank 2's stopped rank 0's engine of [0, 2] before rank 0, slow out
     # of the first barrier on a busy machine, had counted it).
     MPI.COMM_WORLD.Barrier()

@@ -8,6 +8,7 @@ import pytest
 from mtrain.ringreduce import ops
 from mtrain.ringreduce.backend import NumpyBackend
 from mtrain.ringreduce.ring import even_bounds, segment_bounds
+from tests.horovod_scaling import horovod_scaled
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 5, 7, 64, 101, 4099])
@@ -84,20 +85,6 @@ def test_reducer_takes_each_array_modules_own_functions():
     assert dst.tolist() == [True, False, False]
 
 
-def _horovod_scaled(x, factor: float):
-    """Horovod's ScaleBuffer (horovod/common/ops/collective_operations.cc and .h), element by
-    element with NumPy scalars: integers are multiplied by the float64 factor (Python floats) and
-    truncated; float32 by ``(float)factor`` in float32, float64 in float64; float16 is widened to
-    float32 and multiplied by the factor rounded to float32."""
-    if x.dtype.kind in "iu":
-        return [int(float(v) * factor) for v in x.tolist()]  # int(): truncation toward zero
-    if x.dtype == np.float16:
-        f32 = np.float32(factor)
-        return [np.float16(np.float32(v) * f32) for v in x.tolist()]
-    own = x.dtype.type(factor)
-    return [x.dtype.type(v) * own for v in x.tolist()]
-
-
 def test_backend_scale_is_horovods_rule_bit_for_bit():
     backend = NumpyBackend()
     rng = np.random.default_rng(7)
@@ -108,7 +95,7 @@ def test_backend_scale_is_horovods_rule_bit_for_bit():
                 continue
             got = x.copy()
             backend.scale(got, factor)
-            want = np.array(_horovod_scaled(x, factor), dtype=dtype)
+            want = horovod_scaled(x, factor)
             assert got.dtype == dtype, (dtype, factor)
             assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), \
                 (dtype, factor, got[got != want][:4], want[got != want][:4])
