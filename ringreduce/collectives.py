@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import ring, settings, shm
+from . import library, ring, settings, shm, size_table
 from .adasum import AdasumRunner
 from .backend import NumpyBackend, backend_for, finishing_factor
 from .ops import ReduceOp
@@ -41,10 +41,11 @@ class Algorithm(settings.TextChoice):
     runs (``Executor.allreduce_path``: RING, SHM or HIERARCHICAL, never AUTO). Its text is
     the setting's (``settings.TextChoice``)."""
 
-    AUTO = "auto"                  # shared memory where it can run and pays, else the ring
+    AUTO = "auto"                  # per size, the path measured fastest here (size_table.py)
     RING = "ring"                  # ring.allreduce over the whole communicator
     SHM = "shm"                    # shared memory on each host (hierarchical on several)
     HIERARCHICAL = "hierarchical"  # the same path as SHM, under Horovod's name
+    MPI = "mpi"                    # the MPI library's own MPI_Allreduce (library.py)
 
     @classmethod
     def noun(cls) -> str:
@@ -84,11 +85,16 @@ def _stripe_from_environment() -> "int | None":
     return settings.SHM_STRIPE_BYTES.read()
 
 
+_HOST = NumpyBackend()
+
+
 class Executor:
     """Runs collectives on a communicator. One instance per initialised runtime.
 
-    Host-buffer all-reduces take one of two paths, chosen once here:
+    Host-buffer all-reduces take one of three paths:
 
+    * ``mpi``: the library's own ``MPI_Allreduce`` (``library.py``), for the dtypes and ops
+      it reduces as we do;
     * ``ring``: ``ring.allreduce`` over ``comm`` (point-to-point messages);
     * shared memory (``shm.py``): the ranks of a host reduce their chunks straight
       from each other's buffers (cross-memory attach), or through one shared segment
@@ -97,10 +103,12 @@ class Executor:
       one rank and the same number of ranks on every host (``cross`` lines up equal
       chunks).
 
-    MTRAIN_ALLREDUCE_ALGORITHM: ``ring`` forces the ring; ``shm`` and ``hierarchical``
-    ask for the shared-memory path (which is hierarchical as soon as there are
-    several hosts); ``auto`` (default) takes shared memory where it can. Where it
-    cannot (one rank per host, uneven hosts), and for device buffers, the ring runs.
+    MTRAIN_ALLREDUCE_ALGORITHM: ``ring`` forces the ring, ``mpi`` the library's;
+    ``shm`` and ``hierarchical`` ask for the shared-memory path (which is hierarchical
+    as soon as there are several hosts); ``auto`` (default) takes, for each size, the
+    path measured fastest there (``choose_paths``: ``size_table.py``); until measured,
+    shared memory where it can. Where it cannot (one rank per host, uneven hosts), the
+    ring runs; device buffers always take the ring.
     MTRAIN_SHM_TRANSPORT (``shm_transport``): ``auto`` (default) goes through the shared
     segment, and reads the peers' buffers (cma) only where the segment cannot be mapped;
     ``cma`` reads them (fastest on huge pages; says so on stderr and takes the segment
@@ -130,9 +138,14 @@ class Executor:
         self.shm_min_bytes = self._shm_min_bytes(self.algorithm)
         self.shared: "shm.SharedMemoryAllreduce | None" = None
         self.adasum = AdasumRunner(comm, local, cross)
-        if self.algorithm is not Algorithm.RING and local is not None and self.size > 1:
+        # Which path each size takes under auto, once measured (``choose_paths``); the table
+        # counts while ``use`` has not picked another algorithm.
+        self.by_size: "size_table.SizeTable | None" = None
+        self._chosen = self.algorithm
+        self._local_sizes: "list[int] | None" = None
+        if self.algorithm not in (Algorithm.RING, Algorithm.MPI) and local is not None and self.size > 1:
             # Collective over ``comm``: fine here, the engine thread has not started yet.
-            local_sizes = comm.allgather(local.Get_size())
+            local_sizes = self._local_sizes = comm.allgather(local.Get_size())
             one_host = local.Get_size() == self.size
             homogeneous = len(set(local_sizes)) == 1 and (one_host or cross is not None)
             if homogeneous and local.Get_size() > 1:
@@ -152,7 +165,7 @@ class Executor:
         """Host buffers of at least this many bytes take the shared-memory path (if there is one)."""
         if algorithm is Algorithm.AUTO:
             return self.small_bytes // self.size + 1
-        return math.inf if algorithm is Algorithm.RING else 0
+        return math.inf if algorithm in (Algorithm.RING, Algorithm.MPI) else 0
 
     def algorithms(self) -> "tuple[Algorithm, ...]":
         """The choices ``use`` takes here: AUTO, RING and SHM where there is a shared-memory
@@ -166,6 +179,7 @@ class Executor:
         if algorithm not in self.algorithms():
             raise ValueError(f"all-reduce algorithm {algorithm} is not available here")
         self.shm_min_bytes = self._shm_min_bytes(algorithm)
+        self._chosen = algorithm
         self.segment_bytes = segment_bytes
         if self.shared is not None:
             self.shared.segment_bytes = segment_bytes
@@ -174,8 +188,47 @@ class Executor:
     def allreduce_path(self) -> Algorithm:
         """What host-buffer all-reduces run: RING, SHM (one host) or HIERARCHICAL."""
         if self.shared is None:
-            return Algorithm.RING
+            return Algorithm.MPI if self.algorithm is Algorithm.MPI else Algorithm.RING
         return Algorithm.HIERARCHICAL if self.shared.cross is not None else Algorithm.SHM
+
+    def runners(self) -> "dict[str, size_table.Runner]":
+        """Each host path this executor has, as one in-place float32 Sum (what ``size_table``
+        probes): the library's MPI_Allreduce, the ring, and shared memory where there is some."""
+        backend = _HOST
+        runners: "dict[str, size_table.Runner]" = {
+            Algorithm.MPI.value: lambda buf: library.allreduce(self.comm, [buf], ReduceOp.Sum, backend, 1.0),
+            Algorithm.RING.value: lambda buf: ring.allreduce(self.comm, buf, ReduceOp.Sum, backend,
+                                                             self.segment_bytes, self.small_bytes),
+        }
+        if self.shared is not None:
+            shared = self.shared
+            runners[self.allreduce_path.value] = lambda buf: shared.allreduce(buf, ReduceOp.Sum, backend, 1.0)
+        return runners
+
+    def choose_paths(self) -> None:
+        """Under auto, with two ranks or more: which path each size of host buffer takes, from the
+        table kept for this topology or measured now (``size_table.choose``; collective over
+        ``comm``, before the engine thread starts)."""
+        if self.algorithm is not Algorithm.AUTO or self.size < 2:
+            return
+        local_sizes = self._local_sizes or self.comm.allgather(self.local.Get_size() if self.local else 1)
+        self.by_size = size_table.choose(self.comm, local_sizes, self.runners())
+
+    def path_for(self, nbytes: int, dtype: np.dtype, op: ReduceOp) -> Algorithm:
+        """The path a host all-reduce of ``nbytes`` of ``dtype`` under ``op`` takes (every rank
+        decides alike: the buffers were negotiated, the table and settings are the same)."""
+        chosen = self._chosen
+        if chosen is Algorithm.AUTO and self.by_size is not None:
+            path = Algorithm(self.by_size.path_for(nbytes))
+            if path is not Algorithm.MPI:
+                return path
+            if library.supports(dtype, op):
+                return path
+        elif chosen is Algorithm.MPI and library.supports(dtype, op):
+            return Algorithm.MPI
+        if self.shared is not None and nbytes >= self.shm_min_bytes:
+            return self.allreduce_path
+        return Algorithm.RING
 
     # -- all-reduce ---------------------------------------------------------
     def allreduce_flat(self, flats: "list[np.ndarray]", op: ReduceOp, backend: NumpyBackend,
@@ -185,9 +238,15 @@ class Executor:
             backend.scale(flat, prescale_factor)
         buf = flats[0] if len(flats) == 1 else ring.Layout(flats)
         # Every rank decides alike: same buffers (negotiated), same backend kind, same settings.
-        if self.shared is not None and isinstance(backend, NumpyBackend):
+        if isinstance(backend, NumpyBackend):
             nbytes = sum(flat.nbytes for flat in flats)
-            if nbytes >= self.shm_min_bytes:
+            path = self.path_for(nbytes, flats[0].dtype, op)
+            if path is Algorithm.MPI:
+                scratch = None if len(flats) == 1 else backend.scratch("mpi", nbytes // flats[0].itemsize,
+                                                                       flats[0].dtype)
+                library.allreduce(self.comm, flats, op, backend, postscale_factor, scratch)
+                return
+            if path is not Algorithm.RING:
                 self.shared.allreduce(buf, op, backend, postscale_factor)
                 return
         ring.allreduce(self.comm, buf, op, backend, self.segment_bytes, self.small_bytes, postscale_factor)

@@ -107,6 +107,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
                 set_comms.world.Get_group(), list(range(set_comms.world.Get_size())), comms.world.Get_group())]
         executor = Executor(set_comms.world, segment, small, set_comms.local, set_comms.cross,
                             tunable=set_config.autotune.enabled)
+        executor.choose_paths()  # which path each size takes: kept for this topology, or measured now
         # The straggler report measures the job's steps, which the job's engine runs.
         steps = job_meter() if set_comms is comms else None
         return Engine(executor, set_comms.world.Dup(), set_config, members, steps,

@@ -223,7 +223,7 @@ AUTOTUNE_GAUSSIAN_PROCESS_NOISE = Setting("MTRAIN_AUTOTUNE_GAUSSIAN_PROCESS_NOIS
 
 # The collectives' own (mtrain's alone). The choices are collectives.Algorithm's and
 # shm.Transport's texts (collectives.py checks that they agree); None defaults: the path's own.
-ALLREDUCE_ALGORITHMS = ("auto", "ring", "shm", "hierarchical")
+ALLREDUCE_ALGORITHMS = ("auto", "ring", "shm", "hierarchical", "mpi")
 SHM_TRANSPORTS = ("auto", "cma", "segment")
 DEFAULT_SHM_STRIPE_BYTES = 2 << 20  # shm.DEFAULT_STRIPE_BYTES (collectives.py checks that they agree)
 RING_SEGMENT_BYTES = Setting("MTRAIN_RING_SEGMENT_BYTES", None, _number, "a number >= 0", None)

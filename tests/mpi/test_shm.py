@@ -170,7 +170,7 @@ def test_algorithm_from_environment():
         algorithm_from_environment({"MTRAIN_ALLREDUCE_ALGORITHM": "nccl"})
     message = str(raised.value)
     assert "MTRAIN_ALLREDUCE_ALGORITHM" in message and "'nccl'" in message
-    assert "auto, ring, shm, hierarchical" in message
+    assert "auto, ring, shm, hierarchical, mpi" in message
 
 
 def test_transport_from_environment():
@@ -193,7 +193,7 @@ def test_choices_are_still_their_text():
     assert Transport.of("segment") is Transport.SEGMENT and Transport.of(Transport.CMA) is Transport.CMA
     assert Algorithm.SHM == "shm" and Transport.CMA != "segment"
     assert f"rr-{Algorithm.HIERARCHICAL}-{Transport.CMA}" == "rr-hierarchical-cma"
-    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'nccl'; use one of auto, ring, shm, hierarchical"):
+    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'nccl'; use one of auto, ring, shm, hierarchical, mpi"):
         Algorithm.of("nccl")
     with pytest.raises(ValueError, match="unknown shared-memory transport 'xpmem'; use one of auto, cma, segment"):
         Transport.of("xpmem")

@@ -8,7 +8,7 @@ from mtrain.launcher import tuning
 
 REFUSED = {
     "MTRAIN_ALLREDUCE_ALGORITHM": (" NCCL", "MTRAIN_ALLREDUCE_ALGORITHM=' NCCL' is not an all-reduce algorithm; set it "
-                                            "to one of auto, ring, shm, hierarchical (or unset it for auto)"),
+                                            "to one of auto, ring, shm, hierarchical, mpi (or unset it for auto)"),
     "MTRAIN_SHM_TRANSPORT": ("xpmem", "MTRAIN_SHM_TRANSPORT='xpmem' is not a shared-memory transport; set it to one "
                                       "of auto, cma, segment (or unset it for auto)"),
     "MTRAIN_SHM_STRIPE_BYTES": (" 0 ", "MTRAIN_SHM_STRIPE_BYTES='0' is not a positive number of bytes; set it to one "
