@@ -27,7 +27,7 @@ from .steps import StepMeter
 from .submit_queue import SubmitQueue
 from .timeline import TimelineSwitch
 
-# The most op names one learned step may hold (``SubmitQueue.take``'s expectation).
+# The most op names one learned step may hold (``SubmitQueue.wait_for_cycle``'s expectation).
 STEP_NAMES_MAX = 1 << 16
 
 _NAME = operator.attrgetter("name")
@@ -52,10 +52,11 @@ class Dispatcher:
         self._finished_any = False
         self._step_names: "list[str]" = []  # run since the engine was last idle
         self._step_waited = False  # whether a thread waited on any of them
+        self.assisted = False  # a thread that waits runs this cycle (Engine.assist): it waited too
 
     # -- steps -----------------------------------------------------------------------------------
     def step_ended(self) -> "frozenset[str] | None":
-        """The engine is idle (``SubmitQueue.take``, under its lock). After a thread waited for
+        """The engine is idle after a cycle (``SubmitQueue.idle_check``, under its lock). After a thread waited for
         results, what ran since the last such moment was one step: the names of its ops (if more
         than one), and the step meter and timeline record it. Idle without a wait may be a pause
         inside a step: None."""
@@ -114,7 +115,7 @@ class Dispatcher:
         tuner = self.tuner
         if tuner is not None:
             tuner.note(names, sum(request.nbytes for request in ready) if nbytes is None else nbytes)
-        if self.queue.waiters:
+        if self.queue.waiters or self.assisted:
             self._step_waited = True
         flight = self.flight
         if flight is not None:

@@ -1,4 +1,4 @@
-"""The background engine: one thread owns every MPI call of the runtime.
+"""The background engine: one cycle at a time owns every MPI call of the runtime.
 
 User threads submit named ops and get a Handle back at once. Each cycle the
 engine thread
@@ -19,6 +19,12 @@ same (nothing more, nothing missing, no news) it runs the batch as it is, with
 no per-op work before the rings. Otherwise the ops become pending ops like any
 other and the cycle goes on from the vectors it already has, so either path
 gives every rank the same decisions.
+
+A cycle runs under the engine's cycle lock, in the engine thread or, when a thread is about
+to block on a handle while the engine thread is between cycles and the work is small, in
+that thread (``Engine.assist``): a lone op then costs no switch to the engine thread and
+back. Submitting does not wake the engine thread; it finds new ops at its next tick (one
+cycle time, as Horovod's background loop), or at once when a thread waits.
 
 Errors are delivered to the handles of every rank (``synchronize`` raises
 them; the classes live in ``errors.py``): mismatched submissions, stalls past
@@ -52,6 +58,13 @@ from .submit_queue import SubmitQueue
 from .timeline import TimelineSwitch, TraceLink
 
 
+# A thread that waits on a handle runs the cycle itself (Engine.assist) for at most this many
+# cycles, and only while the work is at most this many ops of at most this many bytes in all.
+ASSIST_CYCLES = 2
+ASSIST_MAX_OPS = 16
+ASSIST_MAX_BYTES = 1 << 20
+
+
 class EngineStats(NamedTuple):
     """What an engine did so far: plans made and reused, and steady-batch cycles."""
 
@@ -59,6 +72,7 @@ class EngineStats(NamedTuple):
     plans_reused: int      # batches that ran by a kept plan
     steady_cycles: int     # cycles that ran a steady batch as learned, with no per-op work
     steady_fallbacks: int  # cycles that sent a steady batch, but another rank differed
+    assisted_cycles: int = 0  # cycles a thread that waited on a handle ran itself (Engine.assist)
 
 
 class Engine:
@@ -103,6 +117,14 @@ class Engine:
             self._dispatch.tuner = autotune.start_tuner(executor, config, self._rank)
         # The number of cycles so far: each is one exchange, so it counts alike on every rank.
         self._cycles = 0
+        # Held by whoever runs a cycle: the engine thread, or a thread that waits on a handle
+        # (``assist``). Everything the cycle touches (the cache, the negotiator, the dispatcher,
+        # the queue's ``pending``) is that holder's alone. Never taken under the queue's lock.
+        self._cycle_lock = threading.Lock()
+        self._stopped = False  # set under the cycle lock: no cycle runs any more
+        self._assisted_cycles = 0
+        if self._gpu is None:  # (a waiting thread may run on another device than the one bound)
+            self.done_cv.assist = self.assist
         self._thread = threading.Thread(target=self._run, name="mtrain-engine", daemon=True)
         self._thread.start()
 
@@ -144,7 +166,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         plans = self._dispatch.plans
-        return EngineStats(plans.built, plans.reused, self._steady_cycles, self._steady_fallbacks)
+        return EngineStats(plans.built, plans.reused, self._steady_cycles, self._steady_fallbacks,
+                           self._assisted_cycles)
 
     def submit(self, requests: "list[Request]") -> None:
         """Queue requests (all parts of one handle) for the engine thread: all or none."""
@@ -238,37 +261,95 @@ class Engine:
                 request.state = RequestState.UNREPORTED
         self._steady.clear()
 
-    # -- engine thread: the cycle ----------------------------------------------
+    # -- the cycle: in the engine thread, or in a thread that waits (assist) -------------
     def _run(self) -> None:
-        dispatch = self._dispatch
+        dispatch, queue, lock = self._dispatch, self.queue, self._cycle_lock
         try:
             if self._gpu is not None:
                 cuda.use_device(self._gpu)
-            while self._cycle():
-                tuner = dispatch.tuner
-                if tuner is not None and tuner.due:
-                    self._retune(tuner)
-            dispatch.fail_all(self._shutdown_error)
-        except BaseException as exc:  # a bug or an MPI failure: fail loudly, never hang the user
-            traceback.print_exc()
-            dispatch.fail_all(EngineError(f"mtrain's background engine failed: {exc!r}"))
+            while True:
+                work = queue.wait_for_cycle(self.config.cycle_time_s)
+                with lock:
+                    if self._stopped:
+                        break
+                    try:
+                        steps = dispatch.steps
+                        if steps is not None and steps.due():
+                            steps.send()  # outside the queue's lock: submitters never wait for this write
+                        # What woke this thread may have been run meanwhile by a thread that waited;
+                        # a tick runs whatever it finds (the other ranks' cycles need this one's).
+                        if work and not queue.has_work():
+                            continue
+                        if not self._turn():
+                            break
+                    except BaseException as exc:  # a bug or an MPI failure: fail loudly, never hang the user
+                        self._fail(exc)  # (under the lock: no waiting thread runs a cycle of a failed engine)
+                        break
+        except BaseException as exc:  # before the first cycle (binding the GPU)
+            self._fail(exc)
         finally:
             if dispatch.steps is not None:
-                dispatch.end_step()  # the last step, which no idle moment followed
-                dispatch.steps.send()
+                with lock:
+                    dispatch.end_step()  # the last step, which no idle moment followed
+                    dispatch.steps.send()
 
-    def _take_incoming(self) -> "tuple[bool, list[Request]]":
-        """The ops submitted since the last cycle (once the queue says the cycle should start),
-        and whether we are closing."""
-        taken = self.queue.take(self.config.cycle_time_s, self._dispatch.step_ended)
-        steps = self._dispatch.steps
-        if steps is not None and steps.due():
-            steps.send()  # outside the lock: submitters never wait for this write
-        return taken
+    def assist(self, handle: Handle) -> None:
+        """A thread is about to block on ``handle`` (``Handle.wait``): if the engine thread is
+        between cycles and the work at hand is small, run up to ASSIST_CYCLES cycles here
+        instead, until the handle is done. A lone op then costs no thread switch to the engine
+        and none back (two wake-ups of the other thread, ~10 us each on the test VM). The cycle
+        is the same code, under the same lock, so every guarantee holds; what the thread cannot
+        finish here (the other ranks have not submitted yet, more work came) it waits for as
+        before. Large work is left to the engine thread: a Ctrl-C that lands in the middle of
+        a cycle run here stops this rank's engine (its ops fail; the KeyboardInterrupt goes on),
+        and small work keeps that window to microseconds."""
+        lock = self._cycle_lock
+        if not lock.acquire(False):
+            return  # the engine thread (or another waiting thread) is in a cycle: wait for it
+        dispatch = self._dispatch
+        try:
+            if self._stopped:
+                return
+            dispatch.assisted = True
+            for _ in range(ASSIST_CYCLES):
+                if handle.done() or not self.queue.small_work(ASSIST_MAX_OPS, ASSIST_MAX_BYTES):
+                    return
+                self._assisted_cycles += 1
+                if not self._turn():
+                    return
+        except BaseException as exc:
+            self._fail(exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the program's own, after the engine stopped
+        finally:
+            dispatch.assisted = False
+            lock.release()
 
-    def _cycle(self) -> bool:
+    def _fail(self, exc: BaseException) -> None:
+        """A cycle raised (a bug, an MPI failure, or an interrupt in a waiting thread's cycle):
+        this rank's engine stops, and every op not ended fails, naming why."""
+        if not isinstance(exc, KeyboardInterrupt):
+            traceback.print_exc()
+        self._stopped = True
+        self._dispatch.fail_all(EngineError(f"mtrain's background engine failed: {exc!r}"))
+
+    def _turn(self) -> bool:
+        """One cycle and what follows it (under the cycle lock): an autotune decision that is
+        due, and, if the engine is idle now, the end of a step. False: the engine stopped."""
+        dispatch = self._dispatch
+        closing, incoming = self.queue.take()
+        if not self._cycle(closing, incoming):
+            self._stopped = True
+            dispatch.fail_all(self._shutdown_error)
+            return False
+        tuner = dispatch.tuner
+        if tuner is not None and tuner.due:
+            self._retune(tuner)
+        self.queue.idle_check(dispatch.step_ended)
+        return True
+
+    def _cycle(self, closing: bool, incoming: "list[Request]") -> bool:
         """One negotiation round and what it makes ready. False: the job is shutting down."""
-        closing, incoming = self._take_incoming()
         self._cycles += 1
         queue = self.queue
         if queue.join_handle is not None and not self._join.active:

@@ -85,11 +85,13 @@ class Completion(threading.Condition):
 
     ``waiting(+1)`` before a thread blocks on a handle and ``waiting(-1)`` after tell
     the engine that someone waits: it then starts its next cycle at once instead of
-    holding on to let more submissions join the batch (``SubmitQueue.take``)."""
+    holding on to let more submissions join the batch (``SubmitQueue.wait_for_cycle``)."""
 
     def __init__(self, waiting: "Callable[[int], None] | None" = None) -> None:
         super().__init__()
         self.waiting = waiting
+        # Set by an engine that lets a thread about to block run its cycle (``Engine.assist``).
+        self.assist: "Callable[[Handle], None] | None" = None
 
 
 class Handle:
@@ -136,6 +138,11 @@ class Handle:
 
     def _block(self) -> None:
         cv = self._done_cv
+        assist = getattr(cv, "assist", None)  # None: a plain Condition, or no engine help
+        if assist is not None:
+            assist(self)
+            if self.done():
+                return
         waiting = getattr(cv, "waiting", None)  # None: a plain Condition (no engine to hurry)
         if waiting is not None:
             waiting(1)

@@ -1,9 +1,10 @@
 """Per-step timings of one rank, for ``mtrain run``'s straggler report and ``straggler_stats()``.
 
-The engine of the job's process set calls ``StepMeter`` from its own thread only: ``batch``
-when it runs a batch of ops, ``done`` when the batch has completed, and ``step_end`` when it
-learns that a step is over (it is idle again after a thread waited on a handle:
-``SubmitQueue.take``). A step's
+The engine of the job's process set calls ``StepMeter`` from its cycles only (its thread's, or
+a waiting thread's: ``Engine.assist``; one at a time, under the cycle lock): ``batch`` when it
+runs a batch of ops, ``done`` when the batch has completed, and ``step_end`` when it learns
+that a step is over (it is idle again after a thread waited on a handle:
+``SubmitQueue.idle_check``). A step's
 
 * compute is the time from the previous step's last completion to this step's first submit
   (what the rank did between two steps: the forward and backward pass, data loading);

@@ -1,11 +1,12 @@
 """The submit queue: everything of an engine that the user's threads touch.
 
-User threads submit named ops here and wait on their handles; the engine thread takes what was
-submitted once a burst of submissions is over (``SubmitQueue.take``), keeps the ops it has not
-run yet (``pending``), and says which have ended (``done``, ``end``, ``close``). Every change
-happens under the queue's one lock, so ``snapshot`` (the flight recorder's view of the ops not
-run yet, and of who waits) is consistent without retries. The engine thread reads ``pending``
-without the lock: it is the only thread that changes it.
+User threads submit named ops here and wait on their handles; the engine thread waits until a
+burst of submissions is over (``SubmitQueue.wait_for_cycle``), then the cycle takes what was
+submitted (``take``), keeps the ops it has not run yet (``pending``), and says which have ended
+(``done``, ``end``, ``close``). Every change happens under the queue's one lock, so ``snapshot``
+(the flight recorder's view of the ops not run yet, and of who waits) is consistent without
+retries. Whoever runs a cycle (the engine thread, or a waiting thread: ``Engine.assist``) holds
+the engine's cycle lock, and reads ``pending`` without the queue's: only a cycle changes it.
 
 Names are in flight from submit until their op ended on this rank. A name in flight as a
 refusal (``errors.Refusal``: this rank refused the op's arguments, and the name goes through
@@ -25,7 +26,7 @@ from .negotiation import UNNAMED_PREFIX
 from .requests import Handle, Request
 
 # A burst of submissions is over (the engine starts its cycle) once none came for this
-# long, or after HOLD_CYCLES cycle times in all (SubmitQueue.take). A burst that repeats the
+# long, or after HOLD_CYCLES cycle times in all (SubmitQueue.wait_for_cycle). A burst that repeats the
 # last batch but lacks part of it: once none came for a cycle time, or after
 # EXPECT_HOLD_CYCLES cycle times in all.
 QUIET_SECONDS = 200e-6
@@ -129,11 +130,12 @@ class SubmitQueue:
         if not self._incoming:
             self._first_submit = now
             # A burst that begins with an op of the last batch is probably that batch
-            # again: the engine holds on until all of it is here (``take``).
+            # again: the engine holds on until all of it is here (``wait_for_cycle``).
             self._expect_left = len(self._last_batch) if name in self._last_batch else 0
-            # Wake the engine only for the first op of a burst: a notify per op
-            # would hand the GIL back and forth on every submit.
-            self._wake.notify()
+            # No wake-up here: the engine thread finds the burst at its next tick (as Horovod's
+            # background loop does, once per cycle time), or at once when a thread waits on a
+            # handle and cannot run the cycle itself (``note_waiter``; ``Engine.assist``). A
+            # wake per burst cost a lone op two switches of the GIL to a thread with nothing to do.
         request.submitted = now
         in_flight.add(name)
         if self._expect_left > 0 and name in self._last_batch:
@@ -190,13 +192,47 @@ class SubmitQueue:
             return QueueSnapshot(list(self.pending.values()) + self._incoming, self.waiters,
                                  max(self._last_submit, self._waited_at))
 
-    # -- the engine thread ------------------------------------------------------------------
-    def take(self, cycle_s: float, idle: "Callable[[], frozenset[str] | None]") -> Taken:
-        """Wait until the next cycle should start; then take the ops submitted since the last.
+    # -- whoever runs the engine's cycle (its thread, or a thread that waits: Engine.assist) --
+    def take(self) -> Taken:
+        """The ops submitted since the last cycle, now, and whether we are closing."""
+        with self.lock:
+            incoming, self._incoming = self._incoming, []
+            self._expect_left = 0
+            return Taken(self.closing, incoming)
 
-        ``idle`` is called (under the lock) when nothing is pending or submitted: it returns the
-        names of the step that has just ended, if one did (a burst that begins with one of them
-        is held until all are here), else None.
+    def idle_check(self, idle: "Callable[[], frozenset[str] | None]") -> None:
+        """After a cycle: if nothing is pending or submitted, call ``idle`` (under the lock); it
+        returns the names of the step that has just ended, if one did (a burst that begins
+        with one of them is held until all are here), else None."""
+        with self.lock:
+            if not self.pending and not self._incoming:
+                batch = idle()
+                if batch is not None:
+                    self._last_batch = batch
+
+    def has_work(self) -> bool:
+        """Whether a cycle has anything to do beyond a tick: ops submitted or pending, a join, closing."""
+        with self.lock:
+            return bool(self._incoming or self.pending or self.join_handle is not None or self.closing)
+
+    def small_work(self, max_ops: int, max_bytes: int) -> bool:
+        """Whether what a cycle would take now is submitted ops, pending or not, at most
+        ``max_ops`` of them holding at most ``max_bytes``, and no join or closing (``Engine.assist``)."""
+        with self.lock:
+            ops = len(self._incoming) + len(self.pending)
+            if not ops or ops > max_ops or self.join_handle is not None or self.closing:
+                return False
+            total = 0
+            for request in self._incoming:
+                total += request.nbytes
+            for request in self.pending.values():
+                total += request.nbytes
+            return total <= max_bytes
+
+    # -- the engine thread ------------------------------------------------------------------
+    def wait_for_cycle(self, cycle_s: float) -> bool:
+        """Wait until the next cycle should start (the engine thread). True: for a reason that
+        was work (ops, a join, closing); False: for the tick alone.
 
         At once when closing, or when a thread blocks on a handle while there is work:
         then nothing is gained by waiting, and a small step never waits for a tick. While ops are
@@ -211,16 +247,11 @@ class SubmitQueue:
         step that pauses briefly (a GC pass, a busy machine) is not split into
         batches whose plans were never cached.
         With nothing submitted, tick every cycle time (pending ops wait for peers,
-        and the other ranks' cycles need this one's)."""
+        and the other ranks' cycles need this one's); a submit does not wake this wait,
+        so a burst is found at the next tick, unless a thread waits on a handle first."""
         with self.lock:
-            if not self.pending and not self._incoming:
-                batch = idle()
-                if batch is not None:
-                    self._last_batch = batch
             self._hold(cycle_s)
-            incoming, self._incoming = self._incoming, []
-            self._expect_left = 0
-            return Taken(self.closing, incoming)
+            return bool(self._incoming or self.pending or self.join_handle is not None or self.closing)
 
     def _hold(self, cycle: float) -> None:
         quiet = min(cycle, QUIET_SECONDS)
@@ -297,6 +328,7 @@ class SubmitQueue:
             else:
                 self.closed_error = None
             self.closing = True
+            self._wake.notify()  # an engine thread waiting for its next cycle stops now
             leftovers = list(self.pending.values()) + self._incoming
             leftovers += [request for held in self._refusals.values() for request in held]
             self._refusals.clear()

@@ -16,7 +16,7 @@ def _shapes(n: int):
     return [(0,), (1,), (max(n - 1, 1),), (7,), (13,), (101,), (4099,), (3, 5, 7), (2, 0, 3)]
 
 
-def _check_identical_everywhere(result: np.ndarray, what: str) -> None:
+def check_identical_everywhere(result: np.ndarray, what: str) -> None:
     blobs = MPI.COMM_WORLD.allgather(result.tobytes())
     for r, blob in enumerate(blobs):
         assert blob == blobs[0], f"{what}: rank {r}'s result differs from rank 0's bit for bit"
@@ -35,7 +35,7 @@ def test_allreduce_every_dtype_op_and_shape():
                 assert np.array_equal(mine, inputs[me]), f"{what}: input was modified"
                 assert result.dtype == np.dtype(dtype), f"{what}: dtype became {result.dtype}"
                 assert_matches(result, reference(inputs, op), what)
-                _check_identical_everywhere(result, what)
+                check_identical_everywhere(result, what)
 
 
 # The same body on the ring (on one host auto would take shared memory) with the latency
@@ -88,7 +88,7 @@ def test_allreduce_past_segments_and_stripes():
             result = rr.allreduce(mine, op=op)
             assert np.array_equal(mine, inputs[me]), f"{what}: input was modified"
             assert_matches(result, reference(inputs, op), what)
-            _check_identical_everywhere(result, what)
+            check_identical_everywhere(result, what)
 
 
 test_allreduce_past_segments_on_the_ring = mpi_test(
@@ -105,13 +105,13 @@ def test_allreduce_large_buffers():
             inputs = [values(r, (count,), dtype, op) for r in range(n)]
             result = rr.allreduce(inputs[me].copy(), op=op)
             assert_matches(result, reference(inputs, op), what)
-            _check_identical_everywhere(result, what)
+            check_identical_everywhere(result, what)
     # Scaling on the ring path (Average's division and the postscale are applied to each
     # rank's own chunk, segment by segment, before the all-gather).
     inputs = [values(r, (655_357,), np.float64) for r in range(n)]
     got = rr.allreduce(inputs[me], op=rr.Average, prescale_factor=0.25, postscale_factor=3.0)
     assert_matches(got, reference(inputs, rr.Average) * 0.75, f"scaled Average np={n}")
-    _check_identical_everywhere(got, "scaled Average")
+    check_identical_everywhere(got, "scaled Average")
 
 
 @mpi_test(nps=(1, 2, 3))

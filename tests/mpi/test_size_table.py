@@ -22,7 +22,7 @@ from mtrain.ringreduce.collectives import Algorithm, Executor
 from mtrain.ringreduce.ops import Average, Max, Min, Product, Sum
 from tests.mpi.harness import mpi_test
 from tests.mpi import test_allreduce as allreduce_tests
-from tests.mpi.test_allreduce import _check_identical_everywhere
+from tests.mpi.test_allreduce import check_identical_everywhere
 
 LIBRARY = {"MTRAIN_ALLREDUCE_ALGORITHM": "mpi"}
 
@@ -53,7 +53,7 @@ def test_the_library_path_wraps_integers_and_scales_floats_as_ours():
         want = sum(a.astype(np.float64) * 0.5 for a in inputs) / n * 3.0
         assert got.dtype == dtype
         np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-12)
-        _check_identical_everywhere(got, f"Average {np.dtype(dtype).name} np={n}")
+        check_identical_everywhere(got, f"Average {np.dtype(dtype).name} np={n}")
 
 
 def _auto_executor() -> Executor:
