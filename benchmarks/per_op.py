@@ -6,8 +6,8 @@ One interleaved run (every variant once per round, so a drifting VM favours none
 * per op, 4 KiB to 1 MiB of float32 Sum, one tensor at a time:
   ``rr.allreduce_`` (synchronous, named: the steady state of a training step's op),
   ``rr.allreduce_async_`` then ``rr.synchronize``, one mpi4py ``Allreduce(sendbuf, recvbuf)``,
-  and torch.distributed gloo ``all_reduce`` on the same bytes; the ratio columns are each
-  against MPI;
+  and torch.distributed gloo ``all_reduce`` on the same bytes (in a pass of its own, right
+  after: see ``with_gloo``); the ratio columns are each against MPI;
 * bandwidth, 1 MiB to 256 MiB: the same sync op, MPI and gloo, as time, algbw and
   busbw = algbw * 2(n-1)/n.
 
@@ -62,23 +62,31 @@ def main() -> None:
             other = np.zeros(count, np.float32)
             fns["async+sync"] = lambda: rr.synchronize(rr.allreduce_async_(other, op=rr.Sum, name=name + ".a"))
         fns["MPI"] = lambda: comm.Allreduce(send, recv, op=MPI.SUM)
-        if torch is not None:
-            tensor = torch.zeros(count, dtype=torch.float32)
-            fns["gloo"] = lambda: dist.all_reduce(tensor)
         return fns
+
+    def with_gloo(nbytes: int, seconds: "dict[str, float]", min_iters: int) -> "dict[str, float]":
+        """gloo timed in a pass of its own: its threads keep a core busy for a while after each
+        call, which slowed whichever variant came next in a shared round (2-4x at 4 KiB)."""
+        if torch is None:
+            return seconds
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
+        alone = timed_side_by_side(comm, {"gloo": lambda: dist.all_reduce(tensor)}, nbytes, args.budget / 2,
+                                   min_iters)
+        return {**seconds, **alone}
 
     low, high = (parse_size(s) for s in args.small.split(":"))
     small_rows = []
     for nbytes in sizes_between(low, high, 4):
         seconds = timed_side_by_side(comm, variants(nbytes, True), nbytes, args.budget, args.min_iters)
-        small_rows.append((nbytes, seconds))
+        small_rows.append((nbytes, with_gloo(nbytes, seconds, args.min_iters)))
     low, high = (parse_size(s) for s in args.large.split(":"))
     large_rows = []
     for nbytes in sizes_between(low, high, 4):
         seconds = timed_side_by_side(comm, variants(nbytes, False), nbytes, args.budget, min(args.min_iters, 10))
-        large_rows.append((nbytes, seconds))
+        large_rows.append((nbytes, with_gloo(nbytes, seconds, min(args.min_iters, 10))))
     if me == 0:
-        print(f"# per op, float32 Sum, {n} ranks, {mpi_library()} via mpi4py; median of the slowest rank")
+        print(f"# per op, float32 Sum, {n} ranks, {mpi_library().split(',')[0]} via mpi4py; median of the "
+              "slowest rank; gloo in a pass of its own")
         labels = list(small_rows[0][1])
         print("| size | " + " | ".join(f"{label} (us)" for label in labels) + " | "
               + " | ".join(f"{label}/MPI" for label in labels if label != "MPI") + " |")

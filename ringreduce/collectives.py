@@ -220,9 +220,10 @@ class Executor:
         chosen = self._chosen
         if chosen is Algorithm.AUTO and self.by_size is not None:
             path = Algorithm(self.by_size.path_for(nbytes))
-            if path is not Algorithm.MPI:
-                return path
-            if library.supports(dtype, op):
+            if path is Algorithm.MPI:
+                if library.supports(dtype, op):
+                    return path
+            elif path is Algorithm.RING or self.shared is not None:
                 return path
         elif chosen is Algorithm.MPI and library.supports(dtype, op):
             return Algorithm.MPI

@@ -53,6 +53,9 @@ class Dispatcher:
         self._step_names: "list[str]" = []  # run since the engine was last idle
         self._step_waited = False  # whether a thread waited on any of them
         self.assisted = False  # a thread that waits runs this cycle (Engine.assist): it waited too
+        # The batch ``execute`` runs now: out of the queue's pending ops already, so an engine that
+        # fails in the middle of it fails these too (``fail_all``) instead of leaving them waiting.
+        self._running: "list[Request]" = []
 
     # -- steps -----------------------------------------------------------------------------------
     def step_ended(self) -> "frozenset[str] | None":
@@ -120,6 +123,7 @@ class Dispatcher:
         flight = self.flight
         if flight is not None:
             flight.start(ready, names, kept, started)
+        self._running = ready
         for index in plan.one_by_one:
             self._run_one(ready[index])
         take = ready.__getitem__
@@ -127,6 +131,7 @@ class Dispatcher:
             # The common batch is one ring that packs every op: no list to build.
             batch = ready if ring.packs_all else list(map(take, ring.packed))
             self._run_ring(ring, batch, list(map(take, ring.alone)))
+        self._running = []
         if steps is not None or flight is not None:
             now = time.monotonic()
             if steps is not None:
@@ -233,6 +238,8 @@ class Dispatcher:
     def fail_all(self, error: BaseException) -> None:
         """The engine stops: every op not ended fails with ``error``, and so does a join."""
         leftovers, join_handle = self.queue.close(error)
+        leftovers += [request for request in self._running if request is not None and not request.handle.done()]
+        self._running = []
         if self.flight is not None:
             self.flight.failed(leftovers, time.monotonic())
         for request in leftovers:

@@ -6,6 +6,8 @@ the middle of such a cycle stops this rank's engine (its ops fail naming why) an
 to the program; the next init() starts afresh. Work too big for a waiting thread is left to
 the engine thread. Data differ per rank and per element.
 """
+import time
+
 import numpy as np
 import pytest
 
@@ -74,3 +76,22 @@ def test_an_interrupt_inside_a_waiting_threads_cycle_stops_the_engine_and_goes_o
     rr.init()
     got = rr.allreduce(np.arange(5, dtype=np.float32), op=rr.Sum, name="afresh")
     assert np.array_equal(got, np.arange(5, dtype=np.float32))
+
+
+@mpi_test(nps=(1,), fresh=True)
+def test_an_engine_that_fails_in_the_middle_of_an_op_fails_that_op_too():
+    """The op being run when the engine fails is out of the pending ops already: it fails with
+    the engine's error, in a waiting thread's cycle and in the engine thread's, and never hangs."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("the all-reduce path broke")
+    runtime.current().engine.executor.allreduce_flat = broken
+    with pytest.raises(rr.EngineError, match="the all-reduce path broke"):
+        rr.allreduce(np.arange(5, dtype=np.float32), op=rr.Sum, name="in.a.waiting.thread")
+    rr.shutdown()
+    rr.init()
+    runtime.current().engine.executor.allreduce_flat = broken
+    handle = rr.allreduce_async(np.arange(5, dtype=np.float32), op=rr.Sum, name="in.the.engine.thread")
+    time.sleep(0.5)  # nobody waits: the engine thread's tick runs it
+    with pytest.raises(rr.EngineError, match="the all-reduce path broke"):
+        rr.synchronize(handle)
+    rr.shutdown()

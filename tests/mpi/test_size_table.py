@@ -81,6 +81,10 @@ def test_the_executor_follows_the_table_for_what_the_library_takes():
     # What the library does not take falls back to auto's own rule (tiny buffers: the ring).
     for dtype in (np.float16, np.uint8, np.int16, np.bool_):
         assert executor.path_for(16, np.dtype(dtype), Sum) is Algorithm.RING, dtype
+    # Without its shared memory (a benchmark swaps it out), the table's shm falls back to the ring.
+    segment, executor.shared = executor.shared, None
+    assert executor.path_for(1000, f32, Sum) is Algorithm.RING
+    executor.shared = segment
     executor.use(Algorithm.RING, executor.segment_bytes)
     assert executor.path_for(999, f32, Sum) is Algorithm.RING
     executor.use(Algorithm.AUTO, executor.segment_bytes)
