@@ -54,7 +54,7 @@ from .ops import ReduceOp
 from .requests import AllreduceOp, Completion, Handle, Request, Signature
 from .settings import DEFAULT_CACHE_CAPACITY, EngineConfig
 from .steps import StepMeter
-from .submit_queue import SubmitQueue
+from .submit_queue import SubmitQueue, Taken
 from .timeline import TimelineSwitch, TraceLink
 
 
@@ -312,10 +312,13 @@ class Engine:
                 return
             dispatch.assisted = True
             for _ in range(ASSIST_CYCLES):
-                if handle.done() or not self.queue.small_work(ASSIST_MAX_OPS, ASSIST_MAX_BYTES):
+                if handle.done():
+                    return
+                taken = self.queue.take_small(ASSIST_MAX_OPS, ASSIST_MAX_BYTES)
+                if taken is None:
                     return
                 self._assisted_cycles += 1
-                if not self._turn():
+                if not self._turn(taken):
                     return
         except BaseException as exc:
             self._fail(exc)
@@ -333,11 +336,12 @@ class Engine:
         self._stopped = True
         self._dispatch.fail_all(EngineError(f"mtrain's background engine failed: {exc!r}"))
 
-    def _turn(self) -> bool:
-        """One cycle and what follows it (under the cycle lock): an autotune decision that is
-        due, and, if the engine is idle now, the end of a step. False: the engine stopped."""
+    def _turn(self, taken: "Taken | None" = None) -> bool:
+        """One cycle (of ``taken``, else of what the queue has now) and what follows it (under the
+        cycle lock): an autotune decision that is due, and, if the engine is idle now, the end of
+        a step. False: the engine stopped."""
         dispatch = self._dispatch
-        closing, incoming = self.queue.take()
+        closing, incoming = taken if taken is not None else self.queue.take()
         if not self._cycle(closing, incoming):
             self._stopped = True
             dispatch.fail_all(self._shutdown_error)
@@ -395,7 +399,7 @@ class Engine:
         """A cycle whose ops are exactly the steady batch's, submitted in the same order: its
         vector, order and plan are known, so nothing is done per op before the rings. The
         vector is the one ``_cycle`` would build (every rank may take either way)."""
-        everywhere, anywhere = self._negotiator.exchange(steady.vector, steady.vector)
+        everywhere, anywhere = self._negotiator.exchange_packed(steady.send)
         if not steady.agreed(everywhere, anywhere):
             # Another rank lacks some of them, or has more, or news (a shutdown, a join, a new
             # name): these ops are cached pending ops like any other, and the cycle goes on.

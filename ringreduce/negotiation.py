@@ -387,6 +387,10 @@ class Negotiator:
         self._band: Any = None  # MPI.BAND, looked up at the first exchange (building and decoding need no MPI)
         self.rank, self.size = rank, size
         self._layouts: "dict[int, VectorLayout]" = {}
+        # Reused by every exchange, by length: the buffer sent (``exchange`` packs into it) and
+        # the one received (what it returns views of).
+        self._send: "dict[int, np.ndarray]" = {}
+        self._recv: "dict[int, np.ndarray]" = {}
 
     def layout(self, words: int) -> VectorLayout:
         layout = self._layouts.get(words)
@@ -415,12 +419,28 @@ class Negotiator:
 
     def exchange(self, mine_and: np.ndarray, mine_or: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
         """Bitwise AND of every rank's ``mine_and`` and OR of every rank's ``mine_or``, from one
-        BAND all-reduce of (x, ~y): (everywhere, anywhere)."""
+        BAND all-reduce of (x, ~y): (everywhere, anywhere), views valid until the next exchange."""
+        half = mine_and.size
+        send = self._send.get(half)
+        if send is None:
+            send = self._send[half] = np.empty(2 * half, dtype=np.uint64)
+        send[:half] = mine_and
+        np.invert(mine_or, out=send[half:])
+        return self.exchange_packed(send)
+
+    @staticmethod
+    def packed(vector: np.ndarray) -> np.ndarray:
+        """What ``exchange(vector, vector)`` sends, made once (a steady batch sends it every step)."""
+        return np.concatenate([vector, ~vector])
+
+    def exchange_packed(self, send: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+        """``exchange`` of an AND half and an inverted OR half already side by side in ``send``."""
         if self._band is None:
             from mpi4py import MPI
             self._band = MPI.BAND
-        send = np.concatenate([mine_and, ~mine_or])
-        recv = np.empty_like(send)
+        recv = self._recv.get(send.size)
+        if recv is None:
+            recv = self._recv[send.size] = np.empty_like(send)
         request = self._comm.Iallreduce(send, recv, op=self._band)
         # Spin briefly (peers usually arrive within microseconds, and a sleep here
         # lasts 60 us or more), then poll with a growing sleep rather than blocking:
@@ -432,8 +452,8 @@ class Negotiator:
             if time.perf_counter() > spin_until:
                 naps += 1
                 time.sleep(min(1e-3, 2e-5 * naps))
-        half = mine_and.size
-        return recv[:half], ~recv[half:]
+        half = send.size // 2
+        return recv[:half], np.invert(recv[half:], out=recv[half:])
 
     @staticmethod
     def decode(layout: VectorLayout, everywhere: np.ndarray, anywhere: np.ndarray) -> Agreement:
@@ -462,7 +482,7 @@ class SteadyBatch:
     Valid only while the response cache stays as it was (``ResponseCache.version``): the
     bits, and so the vector and the order, come from it."""
 
-    __slots__ = ("names", "signatures", "bits", "order", "ready_names", "vector", "layout", "version",
+    __slots__ = ("names", "signatures", "bits", "order", "ready_names", "vector", "send", "layout", "version",
                  "expected", "head", "plan", "nbytes")
 
     def __init__(self, requests: "list[Any]", version: int, negotiator: Negotiator, layout: VectorLayout) -> None:
@@ -474,6 +494,7 @@ class SteadyBatch:
         self.ready_names = [self.names[i] for i in self.order]
         # What this rank sends: these bits, no news, this rank busy.
         self.vector = negotiator.vector(layout, self.bits, Control.NONE, leaving=False, busy=True, joined=False)[1]
+        self.send = negotiator.packed(self.vector)  # what the exchange sends (Negotiator.exchange_packed)
         self.layout, self.version = layout, version
         # Every rank must have sent exactly these cache bits, no control word and no "leaving"
         # bit, and nobody may have joined, for the batch to run as it is.

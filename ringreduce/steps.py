@@ -29,6 +29,7 @@ import time
 from collections import deque
 from typing import Any, NamedTuple, Sequence
 
+from mtrain.launcher.records.errors import supervised
 from mtrain.launcher.records.steps import (ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, ENV_STRAGGLER_OFF,
                                            StepReport, StepSample)
 from mtrain.launcher.straggler_rows import StragglerRow, straggler_table
@@ -73,6 +74,7 @@ class StepMeter:
         self._every = int(every) if every.isdigit() and int(every) > 0 else DEFAULT_REPORT_STEPS
         self._seconds = _positive(ENV_STEP_REPORT_SECONDS, DEFAULT_REPORT_SECONDS)
         self._unsent: "list[StepTimes]" = []
+        self._supervised = supervised()  # whether an ``mtrain run`` reads the reports
         self._sent_at = time.monotonic()
         self._steps = 0
         self._previous_done: "float | None" = None  # the last step's last completion
@@ -112,7 +114,8 @@ class StepMeter:
             sample = StepTimes(self._steps, self._cycle, self._done, max(self._first_submit - previous, 0.0),
                                self._wait, self._nbytes)
             self.kept.append(sample)
-            self._unsent.append(sample)
+            if self._supervised:  # (straggler_stats() reads ``kept``; only mtrain run reads the rest)
+                self._unsent.append(sample)
         self._reset()
         return sample
 

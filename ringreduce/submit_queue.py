@@ -215,19 +215,25 @@ class SubmitQueue:
         with self.lock:
             return bool(self._incoming or self.pending or self.join_handle is not None or self.closing)
 
-    def small_work(self, max_ops: int, max_bytes: int) -> bool:
-        """Whether what a cycle would take now is submitted ops, pending or not, at most
-        ``max_ops`` of them holding at most ``max_bytes``, and no join or closing (``Engine.assist``)."""
+    def take_small(self, max_ops: int, max_bytes: int) -> "Taken | None":
+        """``take``, if the work a cycle would have now is small: ops submitted or pending, at most
+        ``max_ops`` of them holding at most ``max_bytes``, and no join or closing; else None
+        (``Engine.assist``)."""
         with self.lock:
-            ops = len(self._incoming) + len(self.pending)
+            incoming, pending = self._incoming, self.pending
+            ops = len(incoming) + len(pending)
             if not ops or ops > max_ops or self.join_handle is not None or self.closing:
-                return False
+                return None
             total = 0
-            for request in self._incoming:
+            for request in incoming:
                 total += request.nbytes
-            for request in self.pending.values():
+            for request in pending.values():
                 total += request.nbytes
-            return total <= max_bytes
+            if total > max_bytes:
+                return None
+            self._incoming = []
+            self._expect_left = 0
+            return Taken(False, incoming)
 
     # -- the engine thread ------------------------------------------------------------------
     def wait_for_cycle(self, cycle_s: float) -> bool:
