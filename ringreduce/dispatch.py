@@ -59,10 +59,10 @@ class Dispatcher:
 
     # -- steps -----------------------------------------------------------------------------------
     def step_ended(self) -> "frozenset[str] | None":
-        """The engine is idle after a cycle (``SubmitQueue.idle_check``, under its lock). After a thread waited for
-        results, what ran since the last such moment was one step: the names of its ops (if more
-        than one), and the step meter and timeline record it. Idle without a wait may be a pause
-        inside a step: None."""
+        """The engine is idle after a cycle (``SubmitQueue.idle_check``, under its lock). After a
+        thread waited for results, what ran since the last such moment was one step: the names of
+        its ops (if more than one), and the step meter and timeline record it. Idle without a
+        wait may be a pause inside a step: None."""
         if not self._step_waited:
             return None
         names = self._step_names

@@ -7,10 +7,10 @@ the 2-core test VM at 2 ranks, 4 KiB takes ~4 us through ``MPI_Allreduce`` and ~
 the shared segment; from a few hundred KiB up ours win. ``size_table.py`` measures where.
 
 What the library can reduce as we do: host buffers of 32- and 64-bit floats and integers
-under Sum, Min, Max and Product (Average is Sum, then the same finishing
-scale as every path: ``backend.finishing_factor``). 16-bit floats, booleans and the narrow
-integers (below) are not among them, and device buffers go through our staging (``backend.py``): ``supports`` says no, and
-they take our paths whatever the table says.
+under Sum, Min, Max and Product (Average is Sum, then the same finishing scale as every
+path: ``backend.finishing_factor``); ``supports`` says which. 16-bit floats, booleans and the
+narrow integers (below) are not among them, and device buffers never come here (they go
+through our staging, ``backend.py``, whatever the table says: ``Executor.allreduce_flat``).
 
 Every rank of ``comm`` gets the same bits: Open MPI's all-reduce algorithms (recursive
 doubling, ring, Rabenseifner) combine the same partial results on every rank, in an order
