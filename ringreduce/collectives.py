@@ -85,9 +85,6 @@ def _stripe_from_environment() -> "int | None":
     return settings.SHM_STRIPE_BYTES.read()
 
 
-_HOST = NumpyBackend()
-
-
 class Executor:
     """Runs collectives on a communicator. One instance per initialised runtime.
 
@@ -194,7 +191,7 @@ class Executor:
     def runners(self) -> "dict[str, size_table.Runner]":
         """Each host path this executor has, as one in-place float32 Sum (what ``size_table``
         probes): the library's MPI_Allreduce, the ring, and shared memory where there is some."""
-        backend = _HOST
+        backend = backend_for(np.empty(0, np.float32))
         runners: "dict[str, size_table.Runner]" = {
             Algorithm.MPI.value: lambda buf: library.allreduce(self.comm, [buf], ReduceOp.Sum, backend, 1.0),
             Algorithm.RING.value: lambda buf: ring.allreduce(self.comm, buf, ReduceOp.Sum, backend,
@@ -211,15 +208,16 @@ class Executor:
         ``comm``, before the engine thread starts)."""
         if self.algorithm is not Algorithm.AUTO or self.size < 2:
             return
-        local_sizes = self._local_sizes or self.comm.allgather(self.local.Get_size() if self.local else 1)
-        self.by_size = size_table.choose(self.comm, local_sizes, self.runners())
+        # Without a split by host (``local`` None) every rank counts as a host of its own.
+        table = size_table.choose(self.comm, self._local_sizes or [1] * self.size, self.runners())
+        self.by_size = table._replace(paths=tuple(map(Algorithm, table.paths)))  # looked up per op
 
     def path_for(self, nbytes: int, dtype: np.dtype, op: ReduceOp) -> Algorithm:
         """The path a host all-reduce of ``nbytes`` of ``dtype`` under ``op`` takes (every rank
         decides alike: the buffers were negotiated, the table and settings are the same)."""
         chosen = self._chosen
         if chosen is Algorithm.AUTO and self.by_size is not None:
-            path = Algorithm(self.by_size.path_for(nbytes))
+            path = self.by_size.path_for(nbytes)
             if path is Algorithm.MPI:
                 if library.supports(dtype, op):
                     return path
@@ -243,9 +241,7 @@ class Executor:
             nbytes = sum(flat.nbytes for flat in flats)
             path = self.path_for(nbytes, flats[0].dtype, op)
             if path is Algorithm.MPI:
-                scratch = None if len(flats) == 1 else backend.scratch("mpi", nbytes // flats[0].itemsize,
-                                                                       flats[0].dtype)
-                library.allreduce(self.comm, flats, op, backend, postscale_factor, scratch)
+                library.allreduce(self.comm, flats, op, backend, postscale_factor)
                 return
             if path is not Algorithm.RING:
                 self.shared.allreduce(buf, op, backend, postscale_factor)

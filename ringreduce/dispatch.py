@@ -238,7 +238,7 @@ class Dispatcher:
     def fail_all(self, error: BaseException) -> None:
         """The engine stops: every op not ended fails with ``error``, and so does a join."""
         leftovers, join_handle = self.queue.close(error)
-        leftovers += [request for request in self._running if request is not None and not request.handle.done()]
+        leftovers += [request for request in self._running if not request.handle.done()]
         self._running = []
         if self.flight is not None:
             self.flight.failed(leftovers, time.monotonic())

@@ -39,11 +39,10 @@ def supports(dtype: np.dtype, op: ReduceOp) -> bool:
     return dtype in _DTYPES and op in _OPS
 
 
-def allreduce(comm: MPI.Comm, flats: "list[np.ndarray]", op: ReduceOp, backend: Any, postscale: float,
-              scratch: "np.ndarray | None" = None) -> None:
+def allreduce(comm: MPI.Comm, flats: "list[np.ndarray]", op: ReduceOp, backend: Any, postscale: float) -> None:
     """Reduce ``flats`` (1-D, contiguous, host, one dtype ``supports`` takes) in place across
     ``comm`` as one logical buffer, then scale by ``finishing_factor``. Several buffers are packed
-    into ``scratch`` (their total size) for one call, and unpacked after."""
+    into one of ``backend``'s scratch buffers for one call, and unpacked after."""
     mpi_op = _OPS[op]
     factor = finishing_factor(op, postscale, comm.Get_size())
     if len(flats) == 1:
@@ -52,7 +51,7 @@ def allreduce(comm: MPI.Comm, flats: "list[np.ndarray]", op: ReduceOp, backend: 
             comm.Allreduce(MPI.IN_PLACE, whole, op=mpi_op)
             backend.scale(whole, factor)
         return
-    assert scratch is not None
+    scratch = backend.scratch("mpi", sum(flat.size for flat in flats), flats[0].dtype)
     start = 0
     for flat in flats:
         scratch[start:start + flat.size] = flat

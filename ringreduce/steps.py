@@ -40,22 +40,6 @@ DEFAULT_REPORT_STEPS = 1000
 SAMPLES_PER_LINE = 50     # keeps one marker line under a pipe's atomic write size (4 KiB)
 
 
-class StepTimes(NamedTuple):
-    """One step as the meter keeps it: ``StepSample``'s fields, in its order. A record is built
-    only when samples leave (``send``); a step of one small op costs ~2 us less this way."""
-
-    step: int
-    cycle: int
-    end: float
-    compute: float
-    wait: float
-    nbytes: int
-
-
-if StepTimes._fields != StepSample._fields:  # pragma: no cover - the two are kept alike
-    raise ImportError("steps.StepTimes' fields differ from records.steps.StepSample's")
-
-
 def _positive(name: str, default: float) -> float:
     try:
         value = float(os.environ.get(name, default))
@@ -69,11 +53,11 @@ class StepMeter:
 
     def __init__(self) -> None:
         self.host = socket.gethostname()
-        self.kept: "deque[StepTimes]" = deque(maxlen=KEPT)
+        self.kept: "deque[StepSample]" = deque(maxlen=KEPT)
         every = os.environ.get(ENV_STRAGGLER_EVERY, "")
         self._every = int(every) if every.isdigit() and int(every) > 0 else DEFAULT_REPORT_STEPS
         self._seconds = _positive(ENV_STEP_REPORT_SECONDS, DEFAULT_REPORT_SECONDS)
-        self._unsent: "list[StepTimes]" = []
+        self._unsent: "list[StepSample]" = []
         self._supervised = supervised()  # whether an ``mtrain run`` reads the reports
         self._sent_at = time.monotonic()
         self._steps = 0
@@ -101,7 +85,7 @@ class StepMeter:
     def done(self, now: float) -> None:
         self._done = now
 
-    def step_end(self) -> "StepTimes | None":
+    def step_end(self) -> "StepSample | None":
         """The ops run since the last step_end were one step: record it (None: nothing ran)."""
         if self._cycle < 0:
             return None
@@ -111,8 +95,8 @@ class StepMeter:
         # The first step has no previous one to measure its compute from (it holds the start-up).
         if previous is not None:
             self.compute_start = previous
-            sample = StepTimes(self._steps, self._cycle, self._done, max(self._first_submit - previous, 0.0),
-                               self._wait, self._nbytes)
+            sample = StepSample(self._steps, self._cycle, self._done, max(self._first_submit - previous, 0.0),
+                                self._wait, self._nbytes)
             self.kept.append(sample)
             if self._supervised:  # (straggler_stats() reads ``kept``; only mtrain run reads the rest)
                 self._unsent.append(sample)
@@ -129,9 +113,9 @@ class StepMeter:
         unsent, self._unsent = self._unsent, []
         self._sent_at = time.monotonic()
         for start in range(0, len(unsent), SAMPLES_PER_LINE):
-            StepReport(self.host, tuple(StepSample(*times) for times in unsent[start:start + SAMPLES_PER_LINE])).emit()
+            StepReport(self.host, tuple(unsent[start:start + SAMPLES_PER_LINE])).emit()
 
-    def recent(self) -> "list[StepTimes]":
+    def recent(self) -> "list[StepSample]":
         """The kept samples (any thread: a C-level copy under the GIL)."""
         return list(self.kept)
 

@@ -196,9 +196,15 @@ class SubmitQueue:
     def take(self) -> Taken:
         """The ops submitted since the last cycle, now, and whether we are closing."""
         with self.lock:
-            incoming, self._incoming = self._incoming, []
-            self._expect_left = 0
-            return Taken(self.closing, incoming)
+            return self._take()
+
+    def _take(self) -> Taken:
+        incoming, self._incoming = self._incoming, []
+        self._expect_left = 0
+        return Taken(self.closing, incoming)
+
+    def _has_work(self) -> bool:
+        return bool(self._incoming or self.pending or self.join_handle is not None or self.closing)
 
     def idle_check(self, idle: "Callable[[], frozenset[str] | None]") -> None:
         """After a cycle: if nothing is pending or submitted, call ``idle`` (under the lock); it
@@ -213,7 +219,7 @@ class SubmitQueue:
     def has_work(self) -> bool:
         """Whether a cycle has anything to do beyond a tick: ops submitted or pending, a join, closing."""
         with self.lock:
-            return bool(self._incoming or self.pending or self.join_handle is not None or self.closing)
+            return self._has_work()
 
     def take_small(self, max_ops: int, max_bytes: int) -> "Taken | None":
         """``take``, if the work a cycle would have now is small: ops submitted or pending, at most
@@ -229,11 +235,7 @@ class SubmitQueue:
                 total += request.nbytes
             for request in pending.values():
                 total += request.nbytes
-            if total > max_bytes:
-                return None
-            self._incoming = []
-            self._expect_left = 0
-            return Taken(False, incoming)
+            return None if total > max_bytes else self._take()
 
     # -- the engine thread ------------------------------------------------------------------
     def wait_for_cycle(self, cycle_s: float) -> bool:
@@ -257,7 +259,7 @@ class SubmitQueue:
         so a burst is found at the next tick, unless a thread waits on a handle first."""
         with self.lock:
             self._hold(cycle_s)
-            return bool(self._incoming or self.pending or self.join_handle is not None or self.closing)
+            return self._has_work()
 
     def _hold(self, cycle: float) -> None:
         quiet = min(cycle, QUIET_SECONDS)

@@ -68,6 +68,11 @@ class Record:
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         cls, names = type(self), self._fields
+        # Every field by position (how a step's sample is made, once per step): nothing to check.
+        # The fields are written once, here; ``__setattr__`` refuses any later write.
+        if not kwargs and len(args) == len(names):
+            self.__dict__.update(zip(names, args))
+            return
         if len(args) > len(names):
             raise TypeError(f"{cls.__name__}() takes {len(names)} fields, {len(args)} given")
         values = dict(zip(names, args))
@@ -80,7 +85,7 @@ class Record:
                 if name not in self._defaults:
                     raise TypeError(f"{cls.__name__}() is missing field {name!r}")
                 values[name] = self._defaults[name]
-            object.__setattr__(self, name, values[name])
+        self.__dict__.update((name, values[name]) for name in names)
 
     def _values(self) -> tuple:
         return tuple(getattr(self, name) for name in self._fields)

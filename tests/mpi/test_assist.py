@@ -91,7 +91,10 @@ def test_an_engine_that_fails_in_the_middle_of_an_op_fails_that_op_too():
     rr.init()
     runtime.current().engine.executor.allreduce_flat = broken
     handle = rr.allreduce_async(np.arange(5, dtype=np.float32), op=rr.Sum, name="in.the.engine.thread")
-    time.sleep(0.5)  # nobody waits: the engine thread's tick runs it
+    deadline = time.monotonic() + 30
+    while not handle.done():  # nobody waits on it (polling runs no cycle): the engine thread's tick runs it
+        assert time.monotonic() < deadline, "the engine thread never ran the op"
+        time.sleep(0.001)
     with pytest.raises(rr.EngineError, match="the all-reduce path broke"):
         rr.synchronize(handle)
     rr.shutdown()

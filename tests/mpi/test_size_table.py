@@ -73,7 +73,7 @@ def test_the_executor_follows_the_table_for_what_the_library_takes():
     executor = _auto_executor()
     shared = executor.allreduce_path
     assert shared == "shm"  # one host, several ranks
-    executor.by_size = size_table.SizeTable((1000,), ("mpi", "shm"))
+    executor.by_size = size_table.SizeTable((1000,), (Algorithm.MPI, Algorithm.SHM))  # as choose_paths keeps it
     f32 = np.dtype(np.float32)
     assert executor.path_for(999, f32, Sum) is Algorithm.MPI
     assert executor.path_for(999, np.dtype(np.int64), Max) is Algorithm.MPI
@@ -122,6 +122,11 @@ def test_the_probe_gives_every_rank_one_table_of_the_fastest_paths():
     table, measured = size_table.probe(comm, runners, budget_s=0.0)
     assert len(measured) == 1 and table.bounds == () and len(table.paths) == 1
     executor.close()
+    # The job's own engine chose at init: its table holds the paths as the executor routes by them.
+    job = runtime.current().engine.executor
+    assert job.by_size is not None and all(type(path) is Algorithm for path in job.by_size.paths), job.by_size
+    assert comm.allgather(job.by_size) == [job.by_size] * comm.Get_size()
+    assert job.path_for(4096, np.dtype(np.float32), Sum) in set(job.by_size.paths) | {Algorithm.RING}
 
 
 def test_winners_become_bounds_halfway_between_sizes():
@@ -179,7 +184,10 @@ def test_the_table_is_kept_in_a_private_folder_and_read_back_only_from_there():
                 json.dump(record, handle)
             os.chmod(path, 0o600)
 
-        kept = json.load(open(path)) if me == 0 else None
+        kept = None
+        if me == 0:
+            with open(path) as handle:
+                kept = json.load(handle)
         probes_again(lambda: os.chmod(path, 0o666), "others may write")
         probes_again(lambda: rewrite({**kept, "paths": ["nccl"] * len(kept["paths"])}), "naming a path not on offer")
         probes_again(lambda: rewrite({**kept, "format": 0}), "of another format")
