@@ -40,13 +40,15 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from mtrain.launcher import frames
+from mtrain.launcher.frames import ProtocolError, send_frame, write_all
+
 HEARTBEAT_SECONDS = 1.0
 MAX_FRAME = 1 << 20            # a request is a few KiB; anything bigger is garbage
 REQUEST_TIMEOUT = 10.0         # an agent that connects says what it wants within this
 DRAIN_SECONDS = 2.0            # what a session still says after its agent went, before it is closed
 # (the guard's news of its daemon's death, on a loaded host: 0.5 s was too short on 2 busy cores)
 SOCKET_NAME = "ssh-master.sock"
-_HEADER = struct.Struct("!cI")  # kind (one byte), payload length
 _AF_UNIX_PATH_MAX = 107
 
 
@@ -63,47 +65,9 @@ class FrameKind(enum.Enum):
     UNKNOWN = b"U"   # master → agent: no shared connection to that host: connect yourself; last
 
 
-class ProtocolError(Exception):
-    """The other side sent something that is not a frame."""
-
-
-def send_frame(sock: socket.socket, kind: FrameKind, payload: bytes = b"",
-               lock: threading.Lock | None = None) -> None:
-    data = _HEADER.pack(kind.value, len(payload)) + payload
-    if lock is None:
-        sock.sendall(data)
-    else:
-        with lock:
-            sock.sendall(data)
-
-
-def _receive_exactly(sock: socket.socket, count: int) -> bytes | None:
-    chunks, wanted = [], count
-    while wanted:
-        chunk = sock.recv(min(wanted, 1 << 16))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        wanted -= len(chunk)
-    return b"".join(chunks)
-
-
 def receive_frame(sock: socket.socket) -> tuple[FrameKind, bytes] | None:
     """The next frame; None at a clean end of the stream; ProtocolError for garbage."""
-    header = _receive_exactly(sock, _HEADER.size)
-    if header is None:
-        return None
-    raw_kind, length = _HEADER.unpack(header)
-    try:
-        kind = FrameKind(raw_kind)
-    except ValueError:
-        raise ProtocolError(f"unknown frame kind {raw_kind!r}") from None
-    if length > MAX_FRAME:
-        raise ProtocolError(f"frame of {length} bytes is too large")
-    payload = _receive_exactly(sock, length) if length else b""
-    if payload is None:
-        raise ProtocolError("stream ended inside a frame")
-    return kind, payload
+    return frames.receive_frame(sock, FrameKind, MAX_FRAME)
 
 
 def encode_request(host: str, words: list[str]) -> bytes:
@@ -293,15 +257,7 @@ class ConnectionMaster:
     # ---- serving agents ----------------------------------------------------------------------
 
     def _accept(self) -> None:
-        while True:
-            listener = self._listener
-            if listener is None:
-                return
-            try:
-                agent, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(agent,), name="mtrain-ssh-relay", daemon=True).start()
+        frames.accept_connections(lambda: self._listener, self._serve, "mtrain-ssh-relay")
 
     def _serve(self, agent: socket.socket) -> None:
         with self.lock:
@@ -544,9 +500,9 @@ class MasterSession:
                     return Result(Outcome.STOPPED if self.stopped else Outcome.GONE)
                 kind, payload = frame
                 if kind is FrameKind.STDOUT:
-                    _write_all(1, payload)
+                    write_all(1, payload)
                 elif kind is FrameKind.STDERR:
-                    _write_all(2, payload)
+                    write_all(2, payload)
                 elif kind is FrameKind.EXIT:
                     return Result(Outcome.EXITED, int(payload))
                 elif kind is FrameKind.LOST:
@@ -566,13 +522,3 @@ class MasterSession:
         finally:
             with contextlib.suppress(OSError):
                 sock.close()
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            written = os.write(fd, view)
-        except OSError:
-            return  # our reader is gone; keep draining the session
-        view = view[written:]

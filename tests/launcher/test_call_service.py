@@ -1,0 +1,190 @@
+"""The driver's CallServer against real ranks: `mpirun -np N python -m mtrain.launcher.call_worker`.
+
+What mtrain.spark.run and mtrain.ray build on: every rank's result comes back in rank order,
+a raising function is reported naming its rank (and the ranks keep serving), stop ends
+every rank with nothing left, and a process without the job's key is never served.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import pytest
+
+from mtrain.launcher.call_service import (CallServer, CallServerError, RankFailed, RanksMissing, client_handshake,
+                                          new_key)
+from tests.jobs import kill_session, session_members
+from tests.mpi.mpirun import job_environment, mpirun_command
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Ranks:
+    """`size` call workers under a real mpirun, in a session of their own."""
+
+    def __init__(self, size: int, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(mpirun_command(size) + [sys.executable, "-m", "mtrain.launcher.call_worker"],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+
+    def finish(self, timeout: float) -> tuple[int, str, str]:
+        """mpirun's status and output once it ended (failing the test if it does not, in `timeout` s)."""
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(self.proc.pid)
+            out, err = self.proc.communicate()
+            pytest.fail(f"the ranks did not end within {timeout} s\n{out[-2000:]}\n{err[-2000:]}")
+        return self.proc.returncode, out, err
+
+
+@pytest.fixture
+def started() -> Iterator:
+    """start(size, rank_size=..., rank_key=...): a started CallServer and its ranks; all ended afterwards."""
+    made: list[tuple[CallServer, Ranks]] = []
+    with contextlib.ExitStack() as folders:  # the jobs' folders outlive their mpiruns
+
+        def start(size: int, rank_size: int | None = None,
+                  rank_key: bytes | None = None) -> tuple[CallServer, Ranks]:
+            server = CallServer(new_key(), size, bind="127.0.0.1")
+            server.start()
+            env = dict(server.env())
+            if rank_key is not None:
+                env["MTRAIN_CALL_KEY"] = rank_key.hex()
+            ranks = Ranks(rank_size or size, folders.enter_context(job_environment(env)))
+            made.append((server, ranks))
+            return server, ranks
+
+        yield start
+        for server, ranks in made:
+            server.stop()
+            if ranks.proc.poll() is None:
+                kill_session(ranks.proc.pid)
+                ranks.proc.communicate()
+
+
+def whoami(offset: int) -> tuple[int, str, int]:
+    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    return rank * 10 + offset, socket.gethostname(), os.getpid()
+
+
+def fail_on(bad_rank: int) -> int:
+    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    if rank == bad_rank:
+        raise ValueError(f"no good in rank {rank}")
+    return rank
+
+
+def stuck_or_fail(bad_rank: int) -> int:
+    """`bad_rank` raises; the others wait as ranks do in a collective whose peer has gone."""
+    if int(os.environ["OMPI_COMM_WORLD_RANK"]) == bad_rank:
+        raise RuntimeError("rank gave up")
+    time.sleep(600)
+    return 0
+
+
+def test_results_in_rank_order_and_errors_name_the_rank(started) -> None:
+    server, ranks = started(3)
+    server.wait_for_ranks(60)
+    assert server.connected() == [0, 1, 2]
+    results = server.call_all(whoami, args=(7,))
+    assert [value for value, _, _ in results] == [7, 17, 27]
+    assert len({pid for _, _, pid in results}) == 3  # three processes, not one answering thrice
+    assert server.call_one(2, whoami, kwargs={"offset": 1})[0] == 21
+    with pytest.raises(RankFailed) as failed:
+        server.call_all(fail_on, args=(1,))
+    assert failed.value.rank == 1 and failed.value.remote_type == "ValueError"
+    assert "rank 1 failed: ValueError: no good in rank 1" in str(failed.value)
+    assert "fail_on" in failed.value.remote_traceback
+    # The ranks keep serving after a failed call.
+    assert server.call_all(fail_on, args=(5,)) == [0, 1, 2]
+    server.stop()
+    status, _, err = ranks.finish(30)
+    assert status == 0, err
+    assert session_members(ranks.proc.pid) == []
+
+
+def test_a_stuck_rank_does_not_hide_the_failure_and_stop_ends_it(started) -> None:
+    server, ranks = started(2)
+    server.wait_for_ranks(60)
+    began = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        server.call_all(stuck_or_fail, args=(1,))
+    assert failed.value.rank == 1 and "rank gave up" in str(failed.value)
+    assert time.monotonic() - began < 30  # reported without waiting for rank 0
+    server.stop()
+    status, _, err = ranks.finish(30)
+    assert status != 0
+    # The failed rank is ended first, saying why; its traceback is in the job's output.
+    assert "rank 1: ending with status 1: this rank's call failed" in err, err
+    assert "rank 1: the call raised:" in err and "RuntimeError: rank gave up" in err, err
+    assert session_members(ranks.proc.pid) == []
+
+
+def test_missing_ranks_are_named(started) -> None:
+    server, ranks = started(3, rank_size=2)
+    with pytest.raises(RanksMissing, match=r"rank 2 of 3 did not connect to the driver within 3 s"):
+        server.wait_for_ranks(3)
+    with pytest.raises(CallServerError, match="rank 2 not connected"):
+        server.call_all(whoami, args=(0,))
+    server.stop()
+    status, _, err = ranks.finish(30)
+    assert status == 0, err
+
+
+def test_a_wrong_key_is_refused(started) -> None:
+    server, ranks = started(1, rank_key=new_key())
+    status, _, err = ranks.finish(60)
+    assert status != 0
+    assert "refused this rank's key" in err
+    assert server.connected() == []
+    # The same by hand: the handshake fails and nothing is registered.
+    host, port = server.env()["MTRAIN_CALL_ADDRESS"].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        with pytest.raises(ConnectionError):
+            client_handshake(sock, b"not the key")
+    assert server.connected() == []
+
+
+DRIVER = """
+import sys, time
+from mtrain.launcher.call_service import CallServer, new_key
+server = CallServer(new_key(), 2, bind="127.0.0.1")
+server.start()
+print(" ".join(f"{name}={value}" for name, value in server.env().items()), flush=True)
+server.wait_for_ranks(60)
+print("connected", flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_end_when_the_driver_dies() -> None:
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        env = dict(item.split("=", 1) for item in driver.stdout.readline().split())
+        with job_environment(env) as full:
+            ranks = Ranks(2, full)
+            assert driver.stdout.readline() == "connected\n"
+            kill_session(driver.pid)  # the driver dies: no stop, its connections just drop
+            status, _, err = ranks.finish(30)
+    finally:
+        kill_session(driver.pid)
+        driver.wait()
+    assert status != 0
+    assert "rank 0: lost the connection to the driver" in err and "rank 1: lost the connection" in err, err
+    assert session_members(ranks.proc.pid) == []
+
+
+def test_fail_wakes_a_waiter() -> None:
+    server = CallServer(new_key(), 2, bind="127.0.0.1")
+    server.start()
+    server.fail("mtrain: the job ended with status 1 before its ranks connected")
+    with pytest.raises(CallServerError, match="the job ended with status 1"):
+        server.wait_for_ranks(60)
+    server.stop()
