@@ -53,6 +53,26 @@ def slurm(cluster):
             _SLURM_DAEMONS.difference_update(pids)
 
 
+@pytest.fixture(scope="session")
+def spark_cluster(cluster):
+    """A real Spark standalone cluster on the hosts (tests/cluster/sparkcluster.py): a master and a
+    worker per host; started once, it lives for the rest of the session.  Its daemons (in
+    _SLURM_DAEMONS, the set of the session's service daemons) are not a job's leftovers."""
+    from tests.cluster import sparkcluster
+    missing = sparkcluster.prerequisites_missing()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"Spark cluster tests must run in CI but cannot: {missing}")
+        pytest.skip(f"Spark test cluster unavailable: {missing}")
+    with sparkcluster.running_spark(cluster) as running:
+        pids = running.daemon_pids()
+        _SLURM_DAEMONS.update(pids)
+        try:
+            yield running
+        finally:
+            _SLURM_DAEMONS.difference_update(pids)
+
+
 @pytest.fixture
 def token() -> str:
     """A unique word to put on rank command lines, to find leftover processes."""
