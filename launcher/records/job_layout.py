@@ -52,10 +52,18 @@ class JobLayout(Record):
                "GROUP_RANK": str(host), "GROUP_WORLD_SIZE": str(len(self.slots)),
                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
+               # torchrun's run id: torch.distributed.is_torchelastic_launched() reads it, and so Lightning
+               # picks its TorchElasticEnvironment, which takes ranks and MASTER_ADDR from the variables above.
+               "TORCHELASTIC_RUN_ID": f"mtrain-{self.master_addr}-{self.master_port}",
                "TF_CONFIG": json.dumps({"cluster": {"worker": list(self.workers)},
                                         "task": {"type": "worker", "index": rank}})}
         if self.interfaces and self.interfaces[host]:
             env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = self.interfaces[host]
         if self.gpu_per_rank and self.gpu_per_rank[host] > 0:
             env["CUDA_VISIBLE_DEVICES"] = str(local_rank % self.gpu_per_rank[host])
+        if len(set(self.slots)) == 1 and not any(self.gpu_per_rank):
+            # Lightning's Trainer reads its defaults from PL_TRAINER_*: its devices="auto" counts one CPU
+            # and num_nodes defaults to 1, where the job has slots-per-host ranks on each host. Lightning's
+            # DDP needs the same number of ranks on every host (docs/trainers.md).
+            env["PL_TRAINER_DEVICES"], env["PL_TRAINER_NUM_NODES"] = str(self.slots[0]), str(len(self.slots))
         return env
