@@ -124,7 +124,8 @@ def test_every_docs_page_is_in_the_index():
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
     "pip install -e '.[torch,examples]' && mtrain run -np 2 python examples/train_torch.py",
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
-    "pip install -e '.[dev,torch,tensorflow,examples]' && python -m pytest -q tests",
+    "pip install -e '.[dev,torch,tensorflow,examples,lightning,accelerate,transformers,ray,spark]' "
+    "&& python -m pytest -q tests",
 ])
 def test_quick_start_commands_are_unchanged(command):
     assert f"\n{command}\n" in (REPO / "README.md").read_text(encoding="utf-8")
