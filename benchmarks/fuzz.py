@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from types import ModuleType
 from typing import Any

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
-from mtrain.launcher.records.flight_recorder import OpRecord, OpState, RecorderDump, SetRecord
+from mtrain.launcher.records.flight_recorder import OpRecord, OpState, RecorderDump
 
 COLLECT_SECONDS = 3.0       # how long a collection waits for the ranks' dumps
 FAILURE_QUIET_SECONDS = 10.0  # a failure right after a collection asks for no new one

@@ -11,7 +11,6 @@ import stat
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 

@@ -34,8 +34,6 @@ import statistics
 import time
 from typing import Any, NamedTuple, Sequence
 
-import numpy as np
-
 from . import log
 from .collectives import Algorithm, Executor
 from .optim import BayesianOptimizer

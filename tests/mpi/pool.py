@@ -25,7 +25,6 @@ import atexit
 import contextlib
 import itertools
 import json
-import os
 import selectors
 import shutil
 import socket

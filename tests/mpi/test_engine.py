@@ -5,7 +5,6 @@ import random
 import re
 import sys
 import tempfile
-import time
 
 import numpy as np
 import pytest

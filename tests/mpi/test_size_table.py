@@ -12,7 +12,6 @@ import stat
 import tempfile
 
 import numpy as np
-import pytest
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr

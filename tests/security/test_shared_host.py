@@ -14,7 +14,6 @@ import pwd
 import shutil
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path

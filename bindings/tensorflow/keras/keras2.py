@@ -13,7 +13,6 @@ This module never imports tf_keras: a tf_keras optimizer means the user has impo
 """
 from __future__ import annotations
 
-import sys
 from types import ModuleType
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
