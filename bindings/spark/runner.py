@@ -30,7 +30,7 @@ import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from mtrain.launcher.call_service import CallServer, RanksMissing, new_key
-from mtrain.spark.task import ServiceFacts, hold_slot, service_facts
+from mtrain.spark.task import ServiceFacts, service_facts
 
 DEFAULT_START_TIMEOUT = 600
 ENV_START_TIMEOUT = "HOROVOD_SPARK_START_TIMEOUT"
@@ -40,6 +40,15 @@ _job_numbers = itertools.count(1)
 
 class SparkRunError(RuntimeError):
     """mtrain.spark.run could not run the job: one line saying what to do."""
+
+
+def python_error_line(error: BaseException) -> str:
+    """The line that says what went wrong in a Spark job's error: the Python worker's exception (the
+    last "Name: message" line of the traceback Spark wraps), else the error's first line. For the
+    one-line report only; nothing is decided by it."""
+    lines = [line.strip() for line in str(error).strip().splitlines()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b: ", line)]
+    return raised[-1] if raised else (lines[0] if lines else type(error).__name__)
 
 
 def require_pyspark() -> Any:
@@ -124,15 +133,23 @@ class _SparkJob(threading.Thread):
         address, port, key_hex = self.address[0], self.address[1], self.key_hex
 
         def task(index: int, _rows: Any) -> Any:
-            return hold_slot(index, address, port, key_hex)
+            # Imported here, not by reference from this module, so that an executor whose Python has
+            # no mtrain says so in one line rather than failing to unpickle the task.
+            try:
+                from mtrain.spark.task import hold_slot as body
+            except ImportError as error:
+                import sys as executor_sys
+                raise RuntimeError(
+                    f"mtrain.spark: the Spark executors' Python ({executor_sys.executable}) cannot import mtrain "
+                    f"({error}): install mtrain there, or set PYSPARK_PYTHON to a Python that has it") from None
+            return body(index, address, port, key_hex)
 
         try:
             self.context.setJobGroup(self.group, "mtrain.spark.run", interruptOnCancel=True)
             self.context.range(0, self.num_proc, numSlices=self.num_proc).mapPartitionsWithIndex(task).collect()
         except BaseException as error:  # (py4j's errors included)
             self.error = error
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            self.on_failure(f"mtrain.spark.run: the Spark job of the tasks failed: {first}")
+            self.on_failure(f"mtrain.spark.run: the Spark job of the tasks failed: {python_error_line(error)}")
 
 
 class _Text(io.TextIOBase):
