@@ -170,7 +170,8 @@ class RunningJob:
                 line = None
             if line is None:
                 raise AssertionError(f"saw {len(found)} of {count} lines with {fragment!r}: {found}; "
-                                     f"stderr: {''.join(self.stderr_parts)[-2000:]}")
+                                     f"stdout: {''.join(self.stdout_parts)[-2000:]!r}; "
+                                     f"stderr: {''.join(self.stderr_parts)[-4000:]}")
             if fragment in line:
                 found.append(line)
         return found
