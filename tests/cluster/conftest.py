@@ -18,10 +18,11 @@ import pytest
 
 from tests.cluster import slurmcluster
 from tests.cluster.netcluster import Cluster, prerequisites_missing, running_cluster
+from tests.cluster.processes import cmdline, comm
 
 PYTHON = sys.executable
 # Process ids of the session's Slurm daemons (slurmd in the hosts): not a job's leftovers.
-_SLURM_DAEMONS: set[int] = set()
+_SERVICE_DAEMONS: set[int] = set()
 
 
 @pytest.fixture(scope="session")
@@ -35,42 +36,36 @@ def cluster():
         yield built
 
 
+def _service_cluster(name: str, module, start):
+    """A session's service cluster (Slurm, Spark) from `module` on the hosts: skipped where it cannot
+    start (failed in CI); its daemons are not a job's leftovers while it runs."""
+    missing = module.prerequisites_missing()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} cluster tests must run in CI but cannot: {missing}")
+        pytest.skip(f"{name} test cluster unavailable: {missing}")
+    with start() as running:
+        pids = running.daemon_pids()
+        _SERVICE_DAEMONS.update(pids)
+        try:
+            yield running
+        finally:
+            _SERVICE_DAEMONS.difference_update(pids)
+
+
 @pytest.fixture(scope="session")
 def slurm(cluster):
     """A real Slurm on the cluster's hosts (slurmctld on the bridge, a slurmd per host); its
     `env()` points Slurm's clients at it.  Once started it lives for the rest of the session."""
-    missing = slurmcluster.prerequisites_missing()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"Slurm cluster tests must run in CI but cannot: {missing}")
-        pytest.skip(f"Slurm test cluster unavailable: {missing}")
-    with slurmcluster.running_slurm(cluster) as running:
-        pids = running.daemon_pids()
-        _SLURM_DAEMONS.update(pids)
-        try:
-            yield running
-        finally:
-            _SLURM_DAEMONS.difference_update(pids)
+    yield from _service_cluster("Slurm", slurmcluster, lambda: slurmcluster.running_slurm(cluster))
 
 
 @pytest.fixture(scope="session")
 def spark_cluster(cluster):
     """A real Spark standalone cluster on the hosts (tests/cluster/sparkcluster.py): a master and a
-    worker per host; started once, it lives for the rest of the session.  Its daemons (in
-    _SLURM_DAEMONS, the set of the session's service daemons) are not a job's leftovers."""
+    worker per host; started once, it lives for the rest of the session."""
     from tests.cluster import sparkcluster
-    missing = sparkcluster.prerequisites_missing()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"Spark cluster tests must run in CI but cannot: {missing}")
-        pytest.skip(f"Spark test cluster unavailable: {missing}")
-    with sparkcluster.running_spark(cluster) as running:
-        pids = running.daemon_pids()
-        _SLURM_DAEMONS.update(pids)
-        try:
-            yield running
-        finally:
-            _SLURM_DAEMONS.difference_update(pids)
+    yield from _service_cluster("Spark", sparkcluster, lambda: sparkcluster.running_spark(cluster))
 
 
 @pytest.fixture
@@ -204,22 +199,6 @@ def start_mtrain(cluster: Cluster, *args: str, cwd: Path | None = None) -> Runni
     return RunningJob(proc)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""
-
-
 def leftovers(cluster: Cluster, token: str) -> list[str]:
     """Processes of a job still alive: anything with the token, anything but sshd on the hosts.
 
@@ -229,14 +208,14 @@ def leftovers(cluster: Cluster, token: str) -> list[str]:
     srun and wait out KillWait.  Check for leftovers once the Slurm job is over."""
     found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid() and token in _cmdline(int(entry)):
-            found.append(f"{entry}: {_cmdline(int(entry))[:120]}")
+        if entry.isdigit() and int(entry) != os.getpid() and token in cmdline(int(entry)):
+            found.append(f"{entry}: {cmdline(int(entry))[:120]}")
     for host in cluster.hosts:
         for pid in cluster.namespace_pids(host.name):
-            if pid in _SLURM_DAEMONS:
+            if pid in _SERVICE_DAEMONS:
                 continue
-            if _comm(pid) not in ("sshd", "sshd-session") and _cmdline(pid):
-                found.append(f"{host.name} {pid}: {_cmdline(pid)[:120]}")
+            if comm(pid) not in ("sshd", "sshd-session") and cmdline(pid):
+                found.append(f"{host.name} {pid}: {cmdline(pid)[:120]}")
     return found
 
 

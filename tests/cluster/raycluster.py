@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tests.cluster.netcluster import Cluster
+from tests.cluster.processes import cmdline, comm
 
 RAY_PORT = 6380
 START_SECONDS = 180.0
@@ -82,27 +83,11 @@ class RayCluster:
             for pid in self.cluster.namespace_pids(host.name):
                 if pid == driver or pid in self.ray_pids.get(host.name, set()):
                     continue
-                line = _cmdline(pid)
-                if not line or _comm(pid) in ("sshd", "sshd-session") or line.startswith("ray::IDLE"):
+                line = cmdline(pid)
+                if not line or comm(pid) in ("sshd", "sshd-session") or line.startswith("ray::IDLE"):
                     continue
                 found.append(f"{host.name} {pid}: {line[:160]}")
         return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""
 
 
 def _run(argv: list[str], env: dict[str, str], what: str) -> None:
@@ -155,7 +140,7 @@ def running_ray(cluster: Cluster) -> Iterator[RayCluster]:
                                    "--temp-dir", str(temp_dirs[worker.name]), *common]), env, "ray start --address")
         _wait_for_nodes(ray_cluster, 2)
         # Ray's daemons; not its idle workers, one of which may become an actor of the job.
-        ray_cluster.ray_pids = {host: {pid for pid in pids if not _cmdline(pid).startswith("ray::IDLE")}
+        ray_cluster.ray_pids = {host: {pid for pid in pids if not cmdline(pid).startswith("ray::IDLE")}
                                 for host, pids in _ray_processes(cluster, before).items()}
         yield ray_cluster
     finally:

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from tests.cluster.conftest import leftovers
+from tests.cluster.processes import cmdline, comm
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -51,25 +52,9 @@ def job_processes(cluster) -> list[str]:
     found = [line for line in leftovers(cluster, f"mtrtok{uuid.uuid4().hex}")
              if "prted" in line or "mtrain.launcher." in line]
     for pid in descendants(os.getpid()):  # mpirun and the task agents ran here
-        if _comm(pid) in ("prted", "mpirun", "prterun") or "mtrain.launcher." in _cmdline(pid):
-            found.append(f"{pid}: {_cmdline(pid)[:120]}")
+        if comm(pid) in ("prted", "mpirun", "prterun") or "mtrain.launcher." in cmdline(pid):
+            found.append(f"{pid}: {cmdline(pid)[:120]}")
     return found
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def assert_nothing_left(cluster, within: float = 20) -> None:
@@ -82,7 +67,7 @@ def assert_nothing_left(cluster, within: float = 20) -> None:
 
 def test_the_cluster_is_one_master_and_a_worker_per_host_and_no_leftover(spark_cluster, cluster) -> None:
     # (First in this file: before the module's Spark session starts executors on the hosts.)
-    commands = {pid: _cmdline(pid) for host in cluster.hosts for pid in cluster.namespace_pids(host.name)}
+    commands = {pid: cmdline(pid) for host in cluster.hosts for pid in cluster.namespace_pids(host.name)}
     daemons = {pid: line for pid, line in commands.items() if "org.apache.spark.deploy." in line}
     assert sorted(line.split("org.apache.spark.deploy.")[1].split()[0] for line in daemons.values()) == [
         "master.Master", "worker.Worker", "worker.Worker"]
