@@ -21,7 +21,7 @@ from tests.cluster.netcluster import Cluster, prerequisites_missing, running_clu
 from tests.cluster.processes import cmdline, comm
 
 PYTHON = sys.executable
-# Process ids of the session's Slurm daemons (slurmd in the hosts): not a job's leftovers.
+# Process ids of the session's service daemons (Slurm's slurmd, Spark's master and workers): not a job's leftovers.
 _SERVICE_DAEMONS: set[int] = set()
 
 
