@@ -233,12 +233,14 @@ class Executor:
     def allreduce_flat(self, flats: "list[np.ndarray]", op: ReduceOp, backend: NumpyBackend,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> None:
         """One all-reduce over already-agreed contiguous buffers (as one logical buffer), with scaling."""
-        for flat in flats:
-            backend.scale(flat, prescale_factor)
-        buf = flats[0] if len(flats) == 1 else ring.Layout(flats)
+        if prescale_factor != 1.0:
+            for flat in flats:
+                backend.scale(flat, prescale_factor)
+        lone = len(flats) == 1
+        buf = flats[0] if lone else ring.Layout(flats)
         # Every rank decides alike: same buffers (negotiated), same backend kind, same settings.
         if isinstance(backend, NumpyBackend):
-            nbytes = sum(flat.nbytes for flat in flats)
+            nbytes = buf.nbytes if lone else sum(flat.nbytes for flat in flats)
             path = self.path_for(nbytes, flats[0].dtype, op)
             if path is Algorithm.MPI:
                 library.allreduce(self.comm, flats, op, backend, postscale_factor)

@@ -16,12 +16,14 @@ import operator
 import time
 from typing import Any
 
+import numpy as np
+
 from .backend import NumpyBackend
 from .collectives import Executor, Kind
 from .fusion import FusionBuffers, Plan, PlanCache, Ring
 from .ops import Adasum
 from .recorder import FlightRecorder
-from .requests import Completion, Request
+from .requests import HOST, Completion, Request
 from .settings import EngineConfig
 from .steps import StepMeter
 from .submit_queue import SubmitQueue
@@ -56,6 +58,7 @@ class Dispatcher:
         # The batch ``execute`` runs now: out of the queue's pending ops already, so an engine that
         # fails in the middle of it fails these too (``fail_all``) instead of leaving them waiting.
         self._running: "list[Request]" = []
+        self.lone_runs = 0  # batches ``execute_lone`` ran
 
     # -- steps -----------------------------------------------------------------------------------
     def step_ended(self) -> "frozenset[str] | None":
@@ -75,10 +78,10 @@ class Dispatcher:
         """The ops since the last step's end were one step: the meter records it, and so does the
         timeline, if one runs."""
         steps = self.steps
-        sample = steps.step_end()
-        if sample is not None:
+        row = steps.step_end()  # (step, cycle, end, compute, wait, nbytes)
+        if row is not None and self.timelines.current is not None:
             start = steps.compute_start
-            self.timelines.step(sample.step, start, start + sample.compute, sample.end, sample.wait)
+            self.timelines.step(row[0], start, start + row[3], row[2], row[4])
 
     # -- running -----------------------------------------------------------------------------------
     def plan(self, ready: "list[Request]") -> Plan:
@@ -138,6 +141,48 @@ class Dispatcher:
                 steps.done(now)
             if flight is not None:
                 flight.finish(now)
+
+    def execute_lone(self, request: Request, cycle: int, names: "list[str]") -> bool:
+        """``execute`` of a batch of one host all-reduce (a steady batch's ``names``, that op's
+        name): the same bookkeeping, with the op reduced in its own memory (or its fresh copy),
+        with no plan, no fusion buffer and no copies in and out of one. False, having done
+        nothing: not for this path (a timeline or the autotuner runs, device memory, Adasum, an
+        empty array), and ``execute`` runs it."""
+        array = request.array
+        if (request.backend is not HOST or request.op is Adasum or not array.size or self.tuner is not None
+                or self.timelines.current is not None):
+            return False
+        started = time.monotonic()
+        steps, flight = self.steps, self.flight
+        if steps is not None:
+            steps.batch(request.submitted, started, array.nbytes, cycle)
+        if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
+            self._step_names = []
+        self._step_names += names
+        if self.assisted or self.queue.waiters:
+            self._step_waited = True
+        running = self._running = [request]
+        if flight is not None:
+            flight.start(running, names, True, started)
+        out = array if request.in_place else array.copy()
+        if out.flags.c_contiguous:
+            self.executor.allreduce_flat([out.reshape(-1)], request.op, HOST, request.prescale, request.postscale)
+        else:  # a strided in-place array: reduced in a contiguous copy, then copied back
+            flat = np.ascontiguousarray(out).reshape(-1)  # (reshape alone may give a strided view)
+            self.executor.allreduce_flat([flat], request.op, HOST, request.prescale, request.postscale)
+            out[...] = flat.reshape(out.shape)
+        self._running = []
+        if steps is not None or flight is not None:
+            now = time.monotonic()
+            if steps is not None:
+                steps.done(now)
+            if flight is not None:
+                flight.finish(now)
+        self.queue.done(names)
+        request.handle.complete(0, out)
+        self._finished_any = True
+        self.lone_runs += 1
+        return True
 
     def _run_one(self, request: Request) -> None:
         # No argument checks and no error catching here: arguments were checked at submit and

@@ -73,6 +73,7 @@ class EngineStats(NamedTuple):
     steady_cycles: int     # cycles that ran a steady batch as learned, with no per-op work
     steady_fallbacks: int  # cycles that sent a steady batch, but another rank differed
     assisted_cycles: int = 0  # cycles a thread that waited on a handle ran itself (Engine.assist)
+    lone_runs: int = 0        # steady batches of one host all-reduce run in its own memory (execute_lone)
 
 
 class Engine:
@@ -167,7 +168,7 @@ class Engine:
     def stats(self) -> EngineStats:
         plans = self._dispatch.plans
         return EngineStats(plans.built, plans.reused, self._steady_cycles, self._steady_fallbacks,
-                           self._assisted_cycles)
+                           self._assisted_cycles, self._dispatch.lone_runs)
 
     def submit(self, requests: "list[Request]") -> None:
         """Queue requests (all parts of one handle) for the engine thread: all or none."""
@@ -201,6 +202,7 @@ class Engine:
         # Rank 0 waits only briefly for the last events of ranks known to have left.
         self.timelines.close(gone=getattr(self.queue.closed_error, "peers", None) or ())
         if not self._thread.is_alive():
+            self._negotiator.close()
             self._control.Free()
             self.timelines.free_link()
 
@@ -399,13 +401,14 @@ class Engine:
         """A cycle whose ops are exactly the steady batch's, submitted in the same order: its
         vector, order and plan are known, so nothing is done per op before the rings. The
         vector is the one ``_cycle`` would build (every rank may take either way)."""
-        everywhere, anywhere = self._negotiator.exchange_packed(steady.send)
-        if not steady.agreed(everywhere, anywhere):
+        everywhere, not_anywhere = self._negotiator.exchange_packed(steady.send)
+        if not steady.agreed(everywhere, not_anywhere):
             # Another rank lacks some of them, or has more, or news (a shutdown, a join, a new
             # name): these ops are cached pending ops like any other, and the cycle goes on.
             self._steady_fallbacks += 1
             steady.place(incoming)
             self.queue.admit(incoming)
+            anywhere = self._negotiator.anywhere(not_anywhere)
             return self._decide(self._negotiator.decode(steady.layout, everywhere, anywhere))
         coordinator = self._coordinator
         if coordinator is not None:
@@ -415,9 +418,11 @@ class Engine:
             self._stall_check_next = coordinator.stall_check_due(time.monotonic())
         ready = list(map(incoming.__getitem__, steady.order))
         dispatch = self._dispatch
-        steady.plan = dispatch.keep_plan(steady.plan, ready)
         self._steady_cycles += 1
-        dispatch.execute(ready, self._cycles, steady.plan, steady.ready_names, incoming[0].submitted, steady.nbytes)
+        if len(ready) > 1 or not dispatch.execute_lone(ready[0], self._cycles, steady.ready_names):
+            steady.plan = dispatch.keep_plan(steady.plan, ready)
+            dispatch.execute(ready, self._cycles, steady.plan, steady.ready_names, incoming[0].submitted,
+                             steady.nbytes)
         dispatch.wake_waiters()
         return True
 

@@ -53,11 +53,11 @@ class StepMeter:
 
     def __init__(self) -> None:
         self.host = socket.gethostname()
-        self.kept: "deque[StepSample]" = deque(maxlen=KEPT)
+        self.kept: "deque[tuple]" = deque(maxlen=KEPT)  # StepSample rows (``step_end``)
         every = os.environ.get(ENV_STRAGGLER_EVERY, "")
         self._every = int(every) if every.isdigit() and int(every) > 0 else DEFAULT_REPORT_STEPS
         self._seconds = _positive(ENV_STEP_REPORT_SECONDS, DEFAULT_REPORT_SECONDS)
-        self._unsent: "list[StepSample]" = []
+        self._unsent: "list[tuple]" = []
         self._supervised = supervised()  # whether an ``mtrain run`` reads the reports
         self._sent_at = time.monotonic()
         self._steps = 0
@@ -85,23 +85,31 @@ class StepMeter:
     def done(self, now: float) -> None:
         self._done = now
 
-    def step_end(self) -> "StepSample | None":
-        """The ops run since the last step_end were one step: record it (None: nothing ran)."""
+    def step_end(self) -> "tuple | None":
+        """The ops run since the last step_end were one step: record it, and return its row (a
+        ``StepSample``'s fields in order: step, cycle, end, compute, wait, nbytes); None: nothing
+        ran, or it was the first step (which has no previous one to measure its compute from: it
+        holds the start-up). Rows are kept as plain tuples, made into ``StepSample`` records only
+        when read (``recent``, ``send``): a lone op may be a whole step, and a record costs ~1 us."""
         if self._cycle < 0:
             return None
         self._steps += 1
         previous, self._previous_done = self._previous_done, self._done
-        sample = None
-        # The first step has no previous one to measure its compute from (it holds the start-up).
+        row = None
         if previous is not None:
             self.compute_start = previous
-            sample = StepSample(self._steps, self._cycle, self._done, max(self._first_submit - previous, 0.0),
-                                self._wait, self._nbytes)
-            self.kept.append(sample)
+            first = self._first_submit
+            row = (self._steps, self._cycle, self._done, first - previous if first > previous else 0.0, self._wait,
+                   self._nbytes)
+            self.kept.append(row)
             if self._supervised:  # (straggler_stats() reads ``kept``; only mtrain run reads the rest)
-                self._unsent.append(sample)
-        self._reset()
-        return sample
+                self._unsent.append(row)
+        self._first_submit = math.inf  # (``_reset``, inline: once per step)
+        self._wait = 0.0
+        self._nbytes = 0
+        self._cycle = -1
+        self._done = 0.0
+        return row
 
     def due(self) -> bool:
         """Whether what was measured should go to the launcher now."""
@@ -113,11 +121,11 @@ class StepMeter:
         unsent, self._unsent = self._unsent, []
         self._sent_at = time.monotonic()
         for start in range(0, len(unsent), SAMPLES_PER_LINE):
-            StepReport(self.host, tuple(unsent[start:start + SAMPLES_PER_LINE])).emit()
+            StepReport(self.host, tuple(StepSample(*row) for row in unsent[start:start + SAMPLES_PER_LINE])).emit()
 
     def recent(self) -> "list[StepSample]":
-        """The kept samples (any thread: a C-level copy under the GIL)."""
-        return list(self.kept)
+        """The kept samples (any thread: the rows are copied at C level under the GIL first)."""
+        return [StepSample(*row) for row in list(self.kept)]
 
 
 def job_meter() -> "StepMeter | None":

@@ -196,6 +196,12 @@ def _exchange(*vectors):
     return everywhere, anywhere
 
 
+def _exchange_packed(*vectors):
+    """What ``Negotiator.exchange_packed`` returns: the AND, and the OR's complement as exchanged."""
+    everywhere, anywhere = _exchange(*vectors)
+    return everywhere, ~anywhere
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 65])
 def test_vectors_decode_to_the_same_agreement_for_every_rank(size):
     ranks = [negotiation.Negotiator(None, r, size) for r in range(size)]
@@ -237,7 +243,7 @@ def test_a_steady_batch_runs_only_when_every_rank_sent_exactly_it():
     # The kept vector is the one an ordinary cycle builds for the same ops.
     assert np.array_equal(steady.vector, ranks[0].vector(layout, [2, 0], 0, leaving=False, busy=True,
                                                          joined=False)[1])
-    assert steady.agreed(*_exchange((steady.vector, steady.vector), (batches[1].vector, batches[1].vector)))
+    assert steady.agreed(*_exchange_packed((steady.vector, steady.vector), (batches[1].vector, batches[1].vector)))
     assert steady.matches([_Op("c", "C"), _Op("a", "A")], cache.version)
     assert not steady.matches([_Op("a", "A"), _Op("c", "C")], cache.version), "another order"
     assert not steady.matches([_Op("c", "C"), _Op("a", "A")], cache.version + 1), "the cache moved"
@@ -247,5 +253,81 @@ def test_a_steady_batch_runs_only_when_every_rank_sent_exactly_it():
     leaving = ranks[1].vector(layout, [2, 0], negotiation.Control.SHUTDOWN, leaving=True, busy=True, joined=False)
     joined = ranks[1].vector(layout, [], 0, leaving=False, busy=False, joined=True)
     for other in (fewer, news, leaving, joined):
-        assert not steady.agreed(*_exchange((steady.vector, steady.vector), other))
+        assert not steady.agreed(*_exchange_packed((steady.vector, steady.vector), other))
     assert negotiation.SteadyBatch.learn([_Op("noname.3", "N")], cache.version, ranks[0], layout) is None
+
+
+def test_a_steady_batch_of_one_op_matches_by_name_and_signature():
+    meta = ("B", 4)
+    cache = _cached([("a", ("A", 1)), ("b", meta)])
+    negotiator = negotiation.Negotiator(None, 0, 2)
+    layout = negotiator.layout(cache.words)
+    ops = [_Op("b", meta)]
+    cache.mark(ops)
+    steady = negotiation.SteadyBatch.learn(ops, cache.version, negotiator, layout)
+    assert steady.matches([_Op("b", meta)], cache.version)
+    equal = tuple(["B", 4])
+    assert equal is not meta and steady.matches([_Op("b", equal)], cache.version), "equal, not the same object"
+    assert not steady.matches([_Op("a", ("A", 1))], cache.version), "another name"
+    assert not steady.matches([_Op("b", ("B", 5))], cache.version), "other arguments"
+    assert not steady.matches([_Op("b", meta)], cache.version + 1), "the cache moved"
+    assert not steady.matches([_Op("b", meta), _Op("a", ("A", 1))], cache.version), "more ops"
+    alone = steady.vector
+    assert steady.agreed(*_exchange_packed((alone, alone), (alone, alone)))
+    other = negotiator.vector(layout, [0, 1], 0, leaving=False, busy=True, joined=False)
+    assert not steady.agreed(*_exchange_packed((alone, alone), other)), "another rank holds one op more"
+
+
+class _Started:
+    """A request that completes when tested: what a peerless all-reduce does."""
+
+    def __init__(self, comm, send, recv):
+        self.comm, self.send, self.recv, self.freed = comm, send, recv, False
+
+    def Start(self):
+        self.comm.started += 1
+
+    def Test(self):
+        self.recv[...] = self.send  # one rank: the reduction of one vector is that vector
+        return True
+
+    def Free(self):
+        self.freed = True
+
+
+class _Comm:
+    def __init__(self, persistent):
+        self.started = self.posted = 0
+        self.persistent = [] if persistent else None
+
+    def __getattr__(self, name):
+        if name == "Allreduce_init" and self.persistent is not None:
+            def make(send, recv, op):
+                self.persistent.append(_Started(self, send, recv))
+                return self.persistent[-1]
+            return make
+        raise AttributeError(name)  # an MPI before 4.0: no persistent collectives
+
+    def Iallreduce(self, send, recv, op):
+        self.posted += 1
+        return _Started(self, send, recv)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_the_exchange_reuses_one_persistent_request_per_length(persistent):
+    comm = _Comm(persistent)
+    negotiator = negotiation.Negotiator(comm, 0, 1)
+    layout = negotiator.layout(1)
+    for bits in ([3], [3, 5], [7]):
+        mine = negotiator.vector(layout, bits, 0, leaving=False, busy=True, joined=False)
+        everywhere, anywhere = negotiator.exchange(*mine)
+        assert negotiation.Negotiator.decode(layout, everywhere, anywhere).ready == bits
+        everywhere, not_anywhere = negotiator.exchange_packed(negotiator.packed(mine[1]))
+        assert negotiation.Negotiator.decode(layout, everywhere, negotiator.anywhere(not_anywhere)).ready == bits
+    if persistent:
+        assert len(comm.persistent) == 1 and comm.started == 6 and comm.posted == 0
+        negotiator.close()
+        assert comm.persistent[0].freed
+    else:
+        assert comm.posted == 6
+        negotiator.close()  # nothing to free
