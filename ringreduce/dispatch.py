@@ -274,11 +274,15 @@ class Dispatcher:
         self._finished_any = True
 
     def wake_waiters(self) -> None:
-        """Once per batch: wake the threads waiting on handles, if any op ended."""
+        """Once per batch: wake the threads waiting on handles, if any op ended and any thread
+        waits. A thread counts itself (``SubmitQueue.waiters``) before it looks at its handle under
+        the condition's lock, and the handles were completed before this reads the count: a
+        thread that is not counted yet will find its handle done without waiting."""
         if self._finished_any:
             self._finished_any = False
-            with self.done_cv:
-                self.done_cv.notify_all()
+            if self.queue.waiters:
+                with self.done_cv:
+                    self.done_cv.notify_all()
 
     def fail_all(self, error: BaseException) -> None:
         """The engine stops: every op not ended fails with ``error``, and so does a join."""
