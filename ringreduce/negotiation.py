@@ -443,7 +443,10 @@ class Negotiator:
         return self._run(send, recv, request)
 
     def _round(self, length: int) -> "tuple[np.ndarray, np.ndarray, Any]":
-        """The buffers and the persistent request of an exchange of ``length`` words."""
+        """The buffers and the persistent request of an exchange of ``length`` words.
+        ``MPI_Allreduce_init`` is collective: every rank makes the request of a new length in
+        the same cycle, as every rank exchanges vectors of the same length in each cycle (the
+        length follows the response cache, which is the same everywhere)."""
         found = self._rounds.get(length)
         if found is None:
             from mpi4py import MPI
@@ -482,10 +485,17 @@ class Negotiator:
         return np.invert(inverted, out=inverted)
 
     def close(self) -> None:
-        """Free the persistent requests (before the communicator; none may be active)."""
+        """Free the persistent requests, before the communicator. One still active (an exchange
+        that a failure or an interrupt left unfinished: freeing it would be erroneous) is left."""
+        from mpi4py import MPI
         for _, _, request in self._rounds.values():
-            if request is not None:
-                request.Free()
+            if request is None:
+                continue
+            try:
+                if request.Test():  # an inactive request tests complete at once
+                    request.Free()
+            except MPI.Exception:  # the communicator failed with a peer: nothing to free safely
+                pass
         self._rounds.clear()
 
     @staticmethod
