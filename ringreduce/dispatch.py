@@ -146,11 +146,11 @@ class Dispatcher:
         """``execute`` of a batch of one host all-reduce (a steady batch's ``names``, that op's
         name): the same bookkeeping, with the op reduced in its own memory (or its fresh copy),
         with no plan, no fusion buffer and no copies in and out of one. False, having done
-        nothing: not for this path (a timeline or the autotuner runs, device memory, Adasum, an
-        empty array), and ``execute`` runs it."""
+        nothing: not for this path (another kind of op, device memory, Adasum, an empty array,
+        or a timeline or the autotuner runs), and ``execute`` runs it."""
         array = request.array
-        if (request.backend is not HOST or request.op is Adasum or not array.size or self.tuner is not None
-                or self.timelines.current is not None):
+        if (request.kind is not Kind.ALLREDUCE or request.backend is not HOST or request.op is Adasum
+                or not array.size or self.tuner is not None or self.timelines.current is not None):
             return False
         started = time.monotonic()
         steps, flight = self.steps, self.flight

@@ -72,6 +72,27 @@ def test_scaling_and_strided_views_on_the_lone_path():
     assert _lone_runs() - before >= 3 * (STEPS - 2) // 2
 
 
+@mpi_test(nps=(2, 3))
+def test_a_lone_steady_op_of_another_kind_runs_its_own_collective():
+    """Only all-reduces run alone: a steady batch of one broadcast, all-gather or reduce-scatter
+    runs that collective (run as an all-reduce, it would meet the other ranks' call, or fail)."""
+    n, me = rr.size(), rr.rank()
+    before = _lone_runs()
+    rows = 2 * n + 1  # rows that do not split evenly: the first ``rows % n`` ranks get one more
+    base, extra = divmod(rows, n)
+    start, share = me * base + min(me, extra), base + (1 if me < extra else 0)
+    for step in range(STEPS):
+        mine = [values(r, (5, 3), np.float32) + step for r in range(n)]
+        got = rr.broadcast(mine[me], root_rank=n - 1, name="lone.broadcast")
+        assert np.array_equal(got, mine[n - 1]), step
+        got = rr.allgather(mine[me], name="lone.allgather")
+        assert np.array_equal(got, np.concatenate(mine)), step
+        tall = [values(r, (rows, 3), np.float64) + step for r in range(n)]
+        got = rr.reducescatter(tall[me], op=rr.Sum, name="lone.reducescatter")
+        assert_matches(got, reference(tall, rr.Sum)[start:start + share], f"reduce-scatter, step {step}")
+    assert _lone_runs() == before, "an op of another kind was run as a lone all-reduce"
+
+
 @mpi_test(nps=(2,))
 def test_an_op_that_differs_on_one_rank_leaves_the_lone_path_and_still_agrees():
     """After the batch is steady, one rank submits another name first: the steady cycle falls back
