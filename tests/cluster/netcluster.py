@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -74,8 +75,25 @@ class Cluster:
         _run(["ip", "link", "set", host.veth_root, "down"])
 
     def restore_link(self, name: str) -> None:
+        """Plug the cable of host `name` back in, and wait until it and every other host reach
+        each other. While it was out, their tries to reach each other left neighbour entries
+        FAILED or INCOMPLETE, and a connection made right after fails at once ("no route to
+        host") until the kernel probes again: the next test's Open MPI links between the hosts
+        did, and its ranks died in MPI_Init. The entries are flushed, and each pair is tried."""
         host = next(h for h in self.hosts if h.name == name)
         _run(["ip", "link", "set", host.veth_root, "up"])
+        for each in self.hosts:
+            _run(["ip", "-n", each.netns, "neigh", "flush", "all"], check=False)
+        _run(["ip", "neigh", "flush", "dev", BRIDGE], check=False)
+        deadline = time.monotonic() + 20
+        for other in self.hosts:
+            if other is host:
+                continue
+            for source, target in ((other, host), (host, other)):
+                while not _reaches(source.netns, target.address):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{source.name} cannot reach {target.name} after its link came back")
+                    time.sleep(0.1)
 
     def namespace_pids(self, name: str) -> list[int]:
         """Processes living in host `name`'s network namespace."""
@@ -103,6 +121,12 @@ def prerequisites_missing() -> str | None:
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=check)
+
+
+def _reaches(netns: str, address: str) -> bool:
+    """Whether a TCP connection from namespace `netns` to `address`'s sshd succeeds."""
+    probe = f"import socket; socket.create_connection(({address!r}, 22), timeout=1).close()"
+    return _run(["ip", "netns", "exec", netns, sys.executable, "-c", probe], check=False).returncode == 0
 
 
 def cleanup_leftovers() -> None:
