@@ -95,13 +95,13 @@ def test_a_lone_steady_op_of_another_kind_runs_its_own_collective():
 
 @mpi_test(nps=(2,))
 def test_an_op_that_differs_on_one_rank_leaves_the_lone_path_and_still_agrees():
-    """After the batch is steady, one rank submits another name first: the steady cycle falls back
-    (the other rank's vector differs), and both ops still complete with the right values."""
+    """After the lone op is steady, the ranks submit it and another op in opposite orders: the
+    batches differ between ranks (a steady cycle on one rank meets another vector), both ops
+    still complete with the right values, and the lone path resumes after."""
     n, me = rr.size(), rr.rank()
     x = [values(r, (9,), np.float32) for r in range(n)]
     for _ in range(STEPS):
         assert_matches(rr.allreduce(x[me], op=rr.Sum, name="lone.a"), reference(x, rr.Sum), "warm-up")
-    fallbacks = rr.engine_stats().steady_fallbacks
     order = ["lone.a", "lone.b"] if me == 0 else ["lone.b", "lone.a"]
     handles = [rr.allreduce_async(x[me] * (2 if name == "lone.b" else 1), op=rr.Sum, name=name) for name in order]
     results = dict(zip(order, map(rr.synchronize, handles)))
@@ -110,8 +110,7 @@ def test_an_op_that_differs_on_one_rank_leaves_the_lone_path_and_still_agrees():
     before = rr.engine_stats()
     for _ in range(STEPS):  # and lone again
         assert_matches(rr.allreduce(x[me], op=rr.Sum, name="lone.a"), reference(x, rr.Sum), "after")
-    after = rr.engine_stats()
-    assert after.lone_runs > before.lone_runs and after.steady_fallbacks >= fallbacks
+    assert rr.engine_stats().lone_runs > before.lone_runs
 
 
 @mpi_test(nps=(1,), fresh=True)
