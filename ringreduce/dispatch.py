@@ -134,13 +134,7 @@ class Dispatcher:
             # The common batch is one ring that packs every op: no list to build.
             batch = ready if ring.packs_all else list(map(take, ring.packed))
             self._run_ring(ring, batch, list(map(take, ring.alone)))
-        self._running = []
-        if steps is not None or flight is not None:
-            now = time.monotonic()
-            if steps is not None:
-                steps.done(now)
-            if flight is not None:
-                flight.finish(now)
+        self._ran(steps, flight)
 
     def execute_lone(self, request: Request, cycle: int, names: "list[str]") -> bool:
         """``execute`` of a batch of one host all-reduce (a steady batch's ``names``, that op's
@@ -171,6 +165,16 @@ class Dispatcher:
             flat = np.ascontiguousarray(out).reshape(-1)  # (reshape alone may give a strided view)
             self.executor.allreduce_flat([flat], request.op, HOST, request.prescale, request.postscale)
             out[...] = flat.reshape(out.shape)
+        self._ran(steps, flight)
+        self.queue.done(names)
+        request.handle.complete(0, out)
+        self._finished_any = True
+        self.lone_runs += 1
+        return True
+
+    def _ran(self, steps: "StepMeter | None", flight: "FlightRecorder | None") -> None:
+        """The batch ``execute`` or ``execute_lone`` ran has ended: it is no longer running, and
+        the step meter and the flight recorder it started with note when."""
         self._running = []
         if steps is not None or flight is not None:
             now = time.monotonic()
@@ -178,11 +182,6 @@ class Dispatcher:
                 steps.done(now)
             if flight is not None:
                 flight.finish(now)
-        self.queue.done(names)
-        request.handle.complete(0, out)
-        self._finished_any = True
-        self.lone_runs += 1
-        return True
 
     def _run_one(self, request: Request) -> None:
         # No argument checks and no error catching here: arguments were checked at submit and
