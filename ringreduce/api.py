@@ -66,7 +66,8 @@ def stop_timeline() -> None:
 
 def engine_stats(process_set: ProcessSet = global_process_set) -> EngineStats:
     """What this rank's engine for ``process_set`` did so far: batches planned afresh and by a
-    kept plan, and cycles that ran a steady batch with no per-op work (or fell back)."""
+    kept plan, cycles that ran a steady batch with no per-op work (or fell back), cycles a waiting
+    thread ran itself, and lone all-reduces run in their own memory (``EngineStats``)."""
     return current().member(process_set).engine.stats()
 
 

@@ -233,9 +233,8 @@ class Executor:
     def allreduce_flat(self, flats: "list[np.ndarray]", op: ReduceOp, backend: NumpyBackend,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> None:
         """One all-reduce over already-agreed contiguous buffers (as one logical buffer), with scaling."""
-        if prescale_factor != 1.0:
-            for flat in flats:
-                backend.scale(flat, prescale_factor)
+        for flat in flats:
+            backend.scale(flat, prescale_factor)
         lone = len(flats) == 1
         buf = flats[0] if lone else ring.Layout(flats)
         # Every rank decides alike: same buffers (negotiated), same backend kind, same settings.

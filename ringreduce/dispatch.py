@@ -112,21 +112,14 @@ class Dispatcher:
             steps.batch(first_submit, started, nbytes, cycle)
         if plan is None:
             plan = self.plan(ready)
-        if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
-            self._step_names = []
         kept = names is not None  # a steady batch's own list, the same every step
         if names is None:
             names = list(map(_NAME, ready))
-        self._step_names.extend(names)
         tuner = self.tuner
         if tuner is not None:
             tuner.note(names, sum(request.nbytes for request in ready) if nbytes is None else nbytes)
-        if self.queue.waiters or self.assisted:
-            self._step_waited = True
         flight = self.flight
-        if flight is not None:
-            flight.start(ready, names, kept, started)
-        self._running = ready
+        self._start(ready, names, kept, started, flight)
         for index in plan.one_by_one:
             self._run_one(ready[index])
         take = ready.__getitem__
@@ -150,14 +143,7 @@ class Dispatcher:
         steps, flight = self.steps, self.flight
         if steps is not None:
             steps.batch(request.submitted, started, array.nbytes, cycle)
-        if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
-            self._step_names = []
-        self._step_names += names
-        if self.assisted or self.queue.waiters:
-            self._step_waited = True
-        running = self._running = [request]
-        if flight is not None:
-            flight.start(running, names, True, started)
+        self._start([request], names, True, started, flight)
         out = array if request.in_place else array.copy()
         if out.flags.c_contiguous:
             self.executor.allreduce_flat([out.reshape(-1)], request.op, HOST, request.prescale, request.postscale)
@@ -171,6 +157,21 @@ class Dispatcher:
         self._finished_any = True
         self.lone_runs += 1
         return True
+
+    def _start(self, ready: "list[Request]", names: "list[str]", kept: bool, started: float,
+               flight: "FlightRecorder | None") -> None:
+        """The batch ``execute`` or ``execute_lone`` runs starts: it is running (``fail_all`` fails
+        it if the engine breaks now), its names join the step's, a thread waited for it if one waits
+        now or runs this cycle, and the flight recorder shows it (``kept``: ``names`` is a steady
+        batch's own list)."""
+        if len(self._step_names) > STEP_NAMES_MAX:  # nobody ever waits (only polls): no steps to learn
+            self._step_names = []
+        self._step_names.extend(names)
+        if self.queue.waiters or self.assisted:
+            self._step_waited = True
+        self._running = ready
+        if flight is not None:
+            flight.start(ready, names, kept, started)
 
     def _ran(self, steps: "StepMeter | None", flight: "FlightRecorder | None") -> None:
         """The batch ``execute`` or ``execute_lone`` ran has ended: it is no longer running, and

@@ -44,14 +44,13 @@ def allreduce(comm: MPI.Comm, flats: "list[np.ndarray]", op: ReduceOp, backend: 
     ``comm`` as one logical buffer, then scale by ``finishing_factor``. Several buffers are packed
     into one of ``backend``'s scratch buffers for one call, and unpacked after."""
     mpi_op = _OPS[op]
-    if len(flats) == 1:  # the common case, kept short: one call, and a scaling only when there is one
+    factor = finishing_factor(op, postscale, comm.Get_size())
+    if len(flats) == 1:
         whole = flats[0]
         if whole.size:
             comm.Allreduce(MPI.IN_PLACE, whole, op=mpi_op)
-            if op is ReduceOp.Average or postscale != 1.0:
-                backend.scale(whole, finishing_factor(op, postscale, comm.Get_size()))
+            backend.scale(whole, factor)
         return
-    factor = finishing_factor(op, postscale, comm.Get_size())
     scratch = backend.scratch("mpi", sum(flat.size for flat in flats), flats[0].dtype)
     start = 0
     for flat in flats:

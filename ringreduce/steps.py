@@ -104,11 +104,7 @@ class StepMeter:
             self.kept.append(row)
             if self._supervised:  # (straggler_stats() reads ``kept``; only mtrain run reads the rest)
                 self._unsent.append(row)
-        self._first_submit = math.inf  # (``_reset``, inline: once per step)
-        self._wait = 0.0
-        self._nbytes = 0
-        self._cycle = -1
-        self._done = 0.0
+        self._reset()
         return row
 
     def due(self) -> bool:
