@@ -39,9 +39,9 @@ import numpy as np
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import ring
-from mtrain.ringreduce.backend import NumpyBackend
-from mtrain.ringreduce.collectives import Executor
+from mtrain.ringreduce.transport import ring
+from mtrain.ringreduce.transport.backend import NumpyBackend
+from mtrain.ringreduce.transport.executor import Executor
 from repo_helpers import ROOT, netcluster
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -311,7 +311,7 @@ def run_on_cluster(spec: str, argv: "list[str]", script: str = __file__) -> int:
         spec_hosts = ",".join(f"{h.name}:{ranks}" for h in cluster.hosts)
         # All "hosts" share this machine's cores: ranks must yield while they wait (busy-polling
         # ranks on an oversubscribed machine starve the ones doing the work).
-        cmd = [sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", str(host_count * ranks), "-H", spec_hosts,
+        cmd = [sys.executable, "-m", "mtrain.launcher.cli.main", "run", "-np", str(host_count * ranks), "-H", spec_hosts,
                "--network-interface", SUBNET, "-x", "OMPI_MCA_mpi_yield_when_idle=1",
                sys.executable, os.path.abspath(script), *passed]
         return subprocess.run(cmd, env=env, cwd=ROOT).returncode
@@ -321,12 +321,12 @@ def main_cupy(args: argparse.Namespace) -> None:
     """The same table for CuPy buffers: ringreduce on the device vs a device-to-device copy."""
     import cupy
 
-    from mtrain.ringreduce import cuda
+    from mtrain.ringreduce.transport import cuda
     rr.init()  # binds this rank to its GPU
     comm = MPI.COMM_WORLD
     n, me = comm.Get_size(), comm.Get_rank()
     bus_factor = 2 * (n - 1) / n if n > 1 else 1.0
-    stream = cupy.cuda.Stream.null  # the stream the runtime queues its device work on (mtrain.ringreduce.cuda)
+    stream = cupy.cuda.Stream.null  # the stream the runtime queues its device work on (mtrain.ringreduce.transport.cuda)
     mode = "cuda-aware" if cuda.cuda_aware() else "staged"
     rows = []
     size = parse_size(args.min_bytes)

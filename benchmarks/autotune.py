@@ -98,7 +98,7 @@ def job(workload: str, args: argparse.Namespace, bad: bool) -> dict:
     if bad:
         env["MTRAIN_FUSION_THRESHOLD_BYTES"] = "1024"
     warm, per, most = args.schedule
-    command = [sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", str(args.np), "--autotune",
+    command = [sys.executable, "-m", "mtrain.launcher.cli.main", "run", "-np", str(args.np), "--autotune",
                "--autotune-warmup-samples", str(warm), "--autotune-steps-per-sample", str(per),
                "--autotune-bayes-opt-max-samples", str(most),
                sys.executable, os.path.abspath(__file__), "--worker", workload, "--budget", str(args.budget)]

@@ -38,7 +38,7 @@ def run_once(cluster, scenario: str) -> float:
         size = ["-np", "4", "--min-np", "2"] if scenario == "lost" else ["-np", "2", "--max-np", "4"]
         env = cluster.env()
         env["PATH"] = os.path.dirname(PYTHON) + os.pathsep + env.get("PATH", "")
-        proc = subprocess.Popen([PYTHON, "-m", "mtrain.launcher.cli", "run", *size, "--host-discovery-script",
+        proc = subprocess.Popen([PYTHON, "-m", "mtrain.launcher.cli.main", "run", *size, "--host-discovery-script",
                                  str(script), PYTHON, str(ROOT / "tests/cluster/elastic_train.py"), "2", "12", "0.2"],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=scratch)
         victims, acted = [], False

@@ -262,7 +262,7 @@ def start_job(soak: Soak, args: argparse.Namespace) -> subprocess.Popen:
     script.chmod(0o755)
     env = soak.cluster.env()
     env["PATH"] = os.path.dirname(PYTHON) + os.pathsep + env.get("PATH", "")
-    argv = [PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", str(2 * SLOTS), "--min-np", str(SLOTS),
+    argv = [PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", str(2 * SLOTS), "--min-np", str(SLOTS),
             "--max-np", str(2 * SLOTS), "--host-discovery-script", str(script),
             "--blacklist-cooldown-range", str(args.cooldown[0]), str(args.cooldown[1]),
             "--elastic-timeout", "120", *(["--verbose"] if args.mtrain_verbose else []), PYTHON, str(TRAIN), str(args.steps), str(args.commit_every),

@@ -33,7 +33,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import runtime, shm
+from mtrain.ringreduce import runtime
+from mtrain.ringreduce.transport import shm
 from allreduce import gloo_group, timed_side_by_side  # a sibling benchmark (repo_helpers.py says why so)
 
 MiB = 1 << 20

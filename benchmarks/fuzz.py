@@ -29,7 +29,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from mtrain.launcher.module_files import load_module_file
+from mtrain.launcher.cli.module_files import load_module_file
 from repo_helpers import ROOT  # a sibling (repo_helpers.py says why so)
 
 STALL_VARIABLE = "MTRAIN_STALL_SHUTDOWN_SECONDS"

@@ -49,7 +49,7 @@ for mod in ("numpy", "cupy", "torch", "mpi4py", "pytest"):
         except Exception as exc:
             version = f"import failed: {exc!r}"
     print(f"{mod:8} {version}")
-from mtrain.ringreduce import cuda
+from mtrain.ringreduce.transport import cuda
 print("GPUs visible to CuPy:", cuda.gpu_count(), " CUDA_VISIBLE_DEVICES =", os.environ.get("CUDA_VISIBLE_DEVICES"))
 if cuda.gpu_count():
     import cupy
@@ -61,7 +61,7 @@ print("MPI:", MPI.Get_library_version().splitlines()[0])
 print("MPIX_Query_cuda_support():", cuda.query_cuda_support())
 EOF
 
-GPUS=$("$PY" -c "from mtrain.ringreduce import cuda; print(cuda.gpu_count())" 2>/dev/null || echo 0)
+GPUS=$("$PY" -c "from mtrain.ringreduce.transport import cuda; print(cuda.gpu_count())" 2>/dev/null || echo 0)
 if [ "$GPUS" = 0 ]; then
     echo; echo "no GPU visible to CuPy: only the staging tests on host stand-ins run"
     step "staging tests on host stand-ins" 90 "$PY" -m pytest -q -x tests/mpi/test_staging.py
@@ -70,7 +70,7 @@ elif [ -z "$MPIRUN" ]; then
     echo "no mpirun found: skipping the MPI tests and the bandwidth table"
     FAILED+=("mpirun missing")
 else
-    CUDA_AWARE=$("$PY" -c "from mtrain.ringreduce import cuda; print(int(bool(cuda.query_cuda_support())))" 2>/dev/null || echo 0)
+    CUDA_AWARE=$("$PY" -c "from mtrain.ringreduce.transport import cuda; print(int(bool(cuda.query_cuda_support())))" 2>/dev/null || echo 0)
     if "$PY" -c "import pytest" 2>/dev/null; then
         step "GPU tests (tests/gpu)" 210 "$PY" -m pytest -q -rs tests/gpu
         step "staging tests on host stand-ins" 90 "$PY" -m pytest -q -x tests/mpi/test_staging.py

@@ -8,7 +8,7 @@ from start to exit:
 
     mtrain      `mtrain run -H …` (CLI, parallel SSH preflight, supervision): the
                 preflight's connection and probe session run the job (one SSH
-                login and one session per host, launcher/ssh_master.py)
+                login and one session per host, launcher/ssh/master.py)
     unshared    the same with MTRAIN_SSH_SHARE=0: every agent makes its own
                 connection after the preflight's (how mtrain launched before)
     raw argv    the exact mpirun argv `mtrain run --dry-run` prints (our paramiko
@@ -54,8 +54,8 @@ def variants(hosts: list[str], cluster) -> dict[str, tuple[list[str], dict[str, 
     spec = ",".join(f"{name}:1" for name in hosts)
     job = [PYTHON, "-c", "pass"]
     common = ["-H", spec, "--network-interface", SUBNET]
-    mtrain = [PYTHON, "-m", "mtrain.launcher.cli", "run", *common, *job]
-    dry = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "--dry-run", *common, *job], env=cluster.env(),
+    mtrain = [PYTHON, "-m", "mtrain.launcher.cli.main", "run", *common, *job]
+    dry = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli.main", "run", "--dry-run", *common, *job], env=cluster.env(),
                          capture_output=True, text=True, timeout=60, check=True)
     raw = shlex.split(dry.stdout.strip().splitlines()[-1])
     ssh = (f"ssh -F {cluster.home}/.ssh/config -o UserKnownHostsFile={cluster.known_hosts} "

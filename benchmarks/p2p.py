@@ -13,7 +13,7 @@ Ping-pong. Rank 0 sends N bytes to rank 1, rank 1 sends them back:
 
 Implementations, each with a buffer of its own: ``mtrain`` is ``rr.send``/``rr.recv``
 on float32 NumPy arrays (transfers up to MTRAIN_P2P_EAGER_BYTES go as one message,
-larger ones as a header then the payload; see mtrain.ringreduce.p2p); ``mpi4py`` is
+larger ones as a header then the payload; see mtrain.ringreduce.transport.p2p); ``mpi4py`` is
 ``comm.Send``/``comm.Recv`` on buffer objects (no pickling) on a private duplicate of
 COMM_WORLD; ``gloo`` is torch.distributed's ``send``/``recv`` on CPU tensors (when torch
 is installed; ``--no-gloo`` leaves it out). They run interleaved, one call each per
@@ -49,7 +49,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import p2p
+from mtrain.ringreduce.transport import p2p
 # A sibling benchmark (repo_helpers.py says why so).
 from allreduce import (KiB, MiB, cluster_spec, gloo_group, mpi_library, parse_size, run_on_cluster,
                        timed_side_by_side)

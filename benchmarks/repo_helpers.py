@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from mtrain.launcher.module_files import load_module_file
+from mtrain.launcher.cli.module_files import load_module_file
 
 ROOT = Path(__file__).resolve().parent.parent
 _NETCLUSTER = "mtrain_benchmarks_netcluster"

@@ -34,9 +34,9 @@ from repo_helpers import slurmcluster
 PYTHON = sys.executable
 FIRST = "import socket, time; print('first', time.time(), socket.gethostname(), flush=True)\n"
 VARIANTS = {
-    "mtrain (slurm)": [PYTHON, "-m", "mtrain.launcher.cli", "run"],
+    "mtrain (slurm)": [PYTHON, "-m", "mtrain.launcher.cli.main", "run"],
     "srun --mpi=pmix": ["srun", "--mpi=pmix"],
-    "mtrain (ssh)": [PYTHON, "-m", "mtrain.launcher.cli", "run", "--launcher", "ssh"],
+    "mtrain (ssh)": [PYTHON, "-m", "mtrain.launcher.cli.main", "run", "--launcher", "ssh"],
 }
 RANKS = 4
 

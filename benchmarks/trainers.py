@@ -152,7 +152,7 @@ def one_job(trainer: str, backend: str, args: argparse.Namespace) -> float:
     """The median step time (s) of one job, after its warm-up steps."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    argv = [sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", str(args.np), sys.executable,
+    argv = [sys.executable, "-m", "mtrain.launcher.cli.main", "run", "-np", str(args.np), sys.executable,
             os.path.abspath(__file__), "--worker", trainer, "--backend", backend, "--steps", str(args.steps)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     for line in done.stdout.splitlines():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# mtrain.launcher.records.job_layout.ENV_JOB_FILE, which `mtrain run` sets for every rank; spelled
+# mtrain.common.records.job_layout.ENV_JOB_FILE, which `mtrain run` sets for every rank; spelled
 # out because importing the launcher's records would cost every `import torch` milliseconds
 # (tests/unit/test_autoload.py keeps the two equal).
 JOB_VARIABLE = "MTRAIN_JOB_FILE"

@@ -4,7 +4,7 @@ mtrain always talks MPI through mpi4py; it has no Gloo, NCCL, DDL, oneCCL, ROCm 
 SYCL (Intel GPU) support of its own. Its CUDA support is CuPy: present when the install
 has it (``pip install 'mtrain[cuda12]'``), absent otherwise.
 """
-from mtrain.ringreduce.cuda import cupy_installed
+from mtrain.ringreduce.transport.cuda import cupy_installed
 
 
 def mpi_built() -> bool: return True

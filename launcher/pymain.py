@@ -15,9 +15,8 @@ The rank wrapper (``launcher/rank.py``) starts a rank's command through this run
 the command runs this environment's Python (``command_through_runner``); the program sees
 the ``sys.argv``, ``sys.path[0]``, ``__main__`` and tracebacks it would have seen without it.
 
-``final_status()`` is how the runtime's exit handler (``mtrain.ringreduce.exits``) reads the
-status; ``abort_mpi_at_exit`` is the one place that turns an error status into MPI_Abort.
-This module must stay stdlib-only and must not start MPI: it only looks at an ``mpi4py.MPI``
+The status it learns goes to ``mtrain.common.exit_status``, where the runtime's exit handler
+(``mtrain.ringreduce.exits``) reads it.  This module must stay stdlib-only and must not start MPI: it only looks at an ``mpi4py.MPI``
 (and a ``torch.distributed``, see ``close_torch_process_groups``) the program itself imported.
 """
 from __future__ import annotations
@@ -28,9 +27,9 @@ import shutil
 import sys
 from typing import Any, Mapping, Sequence
 
-from mtrain.launcher.records.elastic import ENV_ELASTIC, RESET_EXIT_STATUS
-from mtrain.launcher.records.frames import user_line
-from mtrain.launcher.records.phase import Phase, PhaseNote
+from mtrain.common import exit_status
+from mtrain.common.records.user_frames import user_line
+from mtrain.common.records.phase import Phase, PhaseNote
 
 MODULE = "mtrain.launcher.pymain"
 # Options of the interpreter (before the program): these take no value...
@@ -41,41 +40,10 @@ _VALUED = frozenset("WX")
 _NOT_A_PROGRAM = frozenset("hiV")
 _LONG_VALUED = ("--check-hash-based-pycs",)
 
-_final: "int | None" = None  # the status the program ended with (None: still running, or not run here)
-
-
-def final_status() -> "int | None":
-    """The exit status of the program this runner ran, once it has ended (else None)."""
-    return _final
-
-
-def status_of(code: Any) -> int:
-    """The process status ``SystemExit(code)`` ends with (as the interpreter computes it)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    return 1  # a message: printed, then status 1
-
-
-def abort_mpi_at_exit(status: int) -> bool:
-    """Make an error ``status`` end MPI with ``MPI_Abort(status)`` at exit instead of waiting in
-    ``MPI_Finalize`` for the other ranks; True when it did.  Status 0, and the status every rank of
-    an elastic job leaves with to start the next generation together, finalize as usual."""
-    if not status or (status == RESET_EXIT_STATUS and os.environ.get(ENV_ELASTIC)):
-        return False
-    mpi = sys.modules.get("mpi4py.MPI")  # the program's own MPI, if it started one: never start one here
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
-        return False
-    mpi._set_abort_status(status)  # mpi4py's exit hook then calls MPI_Abort(status), not MPI_Finalize
-    return True
-
-
 def _ended(status: int, leaving: "BaseException | None" = None) -> None:
-    global _final
     if status == 0:
         close_torch_process_groups()
-    _final = status
+    exit_status.set_final(status)
     # The supervisor learns that this rank will call nothing more: others waiting for it in
     # init() never would get out (see supervise.stuck_in_init); and the program's own line it
     # left from, for the job's failure report (a status 0 fails the job too if the rank left
@@ -84,7 +52,7 @@ def _ended(status: int, leaving: "BaseException | None" = None) -> None:
     PhaseNote(Phase.ENDED, status=status, where=where).emit()
     # Whether or not the runtime was initialized: a rank that fails before init() must not
     # keep the others waiting in theirs (its exit handler, when it has one, says the same).
-    abort_mpi_at_exit(status)
+    exit_status.abort_mpi_at_exit(status)
 
 
 def close_torch_process_groups() -> None:
@@ -171,7 +139,7 @@ def main(argv: "list[str] | None" = None) -> None:
     try:
         _run(argv)
     except SystemExit as leaving:
-        _ended(status_of(leaving.code), leaving)
+        _ended(exit_status.status_of(leaving.code), leaving)
         raise  # the interpreter prints a message code and exits, as it would have
     except BaseException as error:  # noqa: B036 - what the interpreter would do with it, below
         # Printed by the hook the interpreter would call (mtrain's abort hook after init()),

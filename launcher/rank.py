@@ -10,7 +10,7 @@ It runs the user's command as a child and
 * stops the child (its whole process group) when MPI stops us, and dies with
   its parent, so a killed mpirun/prted never leaves a rank running;
 * passes SIGUSR1 (mpirun forwards `mtrain run`'s) on to the child when the child
-  catches it: the runtime's flight recorder dumps on it (ringreduce/recorder.py),
+  catches it: the runtime's flight recorder dumps on it (ringreduce/observe/recorder.py),
   and a program that has not called `init()` would be killed by it;
 * starts a command that runs this environment's Python through
   ``mtrain.launcher.pymain``, which learns the status the program ends with;
@@ -27,7 +27,7 @@ failure, and the wrapper hides Open MPI's "Delaying for…" line and marks the
 record `mpi_abort` (evidence the supervisor weighs; see outcome.first_failure).
 
 The runtime sharpens the report through $MTRAIN_ERROR_FILE (the idea of
-torchelastic's error file): an `ErrorReport` (mtrain.launcher.records.errors) written there
+torchelastic's error file): an `ErrorReport` (mtrain.common.records.error_report) written there
 before the rank exits says why it fails and whether the failure began here or
 in a peer.  Without one, the last line the rank printed to stderr stands in as
 its reason, so a failure before `init()` reads the same as one after.
@@ -43,18 +43,19 @@ import sys
 import threading
 import time
 
-from mtrain.launcher import job_files, pymain
+from mtrain.launcher.job import job_files
+from mtrain.launcher import pymain
 from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
-from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records.daemon_env import ENV_USER_UMASK, restore_user_tmpdir
-from mtrain.launcher.records.elastic import RESUME_MARKER
-from mtrain.launcher.records.errors import ENV_ERROR_FILE, ErrorReport, FailureCause
-from mtrain.launcher.records.exits import ExitRecord, exception_line
-from mtrain.launcher.records.flight_recorder import DUMP_MARKER, DUMP_REQUEST_MARKER
-from mtrain.launcher.records.job_layout import ENV_JOB_FILE, JobLayout
-from mtrain.launcher.records.marker import ENV_MARKER_FD, marker_channel
-from mtrain.launcher.records.phase import PHASE_MARKER, Phase, PhaseNote
-from mtrain.launcher.records.steps import STEP_MARKER
+from mtrain.common.private import PrivatePathError
+from mtrain.common.records.daemon_env import ENV_USER_UMASK, restore_user_tmpdir
+from mtrain.common.records.elastic import RESUME_MARKER
+from mtrain.common.records.error_report import ENV_ERROR_FILE, ErrorReport, FailureCause
+from mtrain.common.records.exit_record import ExitRecord, exception_line
+from mtrain.common.records.flight_recorder import DUMP_MARKER, DUMP_REQUEST_MARKER
+from mtrain.common.records.job_layout import ENV_JOB_FILE, JobLayout
+from mtrain.common.records.marker import ENV_MARKER_FD, marker_channel
+from mtrain.common.records.phase import PHASE_MARKER, Phase, PhaseNote
+from mtrain.common.records.steps import STEP_MARKER
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0

@@ -11,15 +11,15 @@ PRRTE's daemon forks and calls setsid(), so killing a process group is not
 enough: the guard makes itself a child subreaper, so every descendant stays
 under it even when its parent exits, and signals the whole tree.
 
-Under Slurm (`--slurm PRTED ARGS…`, launcher/slurm.py) srun starts the guard on each node, the
+Under Slurm (`--slurm PRTED ARGS…`, launcher/job/slurm.py) srun starts the guard on each node, the
 layout comes in the environment, and Slurm, not a heartbeat, ends the step.
 
-With `--job-file`, the guard first writes the job's layout (mtrain.launcher.records.
+With `--job-file`, the guard first writes the job's layout (mtrain.common.records.
 job_layout.JobLayout) to that path template, "{host}" replaced by this host's name, for
 the rank wrappers here, and removes it when the job ends.
 
 The preflight's probe becomes the guard when the launcher shares its SSH
-connection (launcher/ssh_master.py): after its answer the probe calls
+connection (launcher/ssh/master.py): after its answer the probe calls
 `after_probe()`, which waits for one "go" line on stdin (`go_line()`: the
 daemon command, the job-file template and the layout) and then guards that
 command exactly as above; the end of stdin instead means the job is not
@@ -41,13 +41,13 @@ import tempfile
 import time
 
 from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
-from mtrain.launcher import job_files
-from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records.agent_events import AgentEvent, AgentEventKind, event_line
-from mtrain.launcher.records.daemon_env import DAEMON_UMASK, ENV_OPENMPI_SESSION_BASE, restore_user_tmpdir
-from mtrain.launcher.records.elastic import HostUpdates, host_path, updates_file
-from mtrain.launcher.records.exits import signal_name
-from mtrain.launcher.records.job_layout import ENV_JOB_FILE, ENV_JOB_LAYOUT, JobLayout
+from mtrain.launcher.job import job_files
+from mtrain.common.private import PrivatePathError
+from mtrain.common.records.agent_events import AgentEvent, AgentEventKind, event_line
+from mtrain.common.records.daemon_env import DAEMON_UMASK, ENV_OPENMPI_SESSION_BASE, restore_user_tmpdir
+from mtrain.common.records.elastic import HostUpdates, host_path, updates_file
+from mtrain.common.records.exit_record import signal_name
+from mtrain.common.records.job_layout import ENV_JOB_FILE, ENV_JOB_LAYOUT, JobLayout
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def slurm_main(command: list[str]) -> int:
     """`--slurm PRTED ARGS…`: what PRRTE's plm slurm starts on each node through srun
-    (launcher/slurm.py).  The job's layout comes in $MTRAIN_JOB_LAYOUT (Slurm passes mpirun's
+    (launcher/job/slurm.py).  The job's layout comes in $MTRAIN_JOB_LAYOUT (Slurm passes mpirun's
     environment on), there is no session to watch (Slurm ends the step when mpirun goes, and
     signals it on scancel), and the daemon runs as given, without a shell."""
     template = os.environ.get(ENV_JOB_FILE, "")

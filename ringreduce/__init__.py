@@ -1,30 +1,18 @@
 """ringreduce: the collective runtime inside every mtrain rank."""
-import os as _os
-
-
-def _init_mpi() -> None:
-    """Import mpi4py's MPI, which initializes MPI.  A program started without a launcher
-    (python train.py) is an MPI singleton: one rank, which needs no shared-memory transport,
-    and Open MPI 5's singleton leaves that transport's 16 MiB segment in /dev/shm when it ends,
-    whatever way.  So a singleton's MPI_Init sees btl "self" (a user's own OMPI_MCA_btl wins),
-    and the setting is gone again before the program starts anything (a job of its own)."""
-    launched = any(key in _os.environ for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"))
-    if launched or "OMPI_MCA_btl" in _os.environ:
-        from mpi4py import MPI  # noqa: F401
-        return
-    _os.environ["OMPI_MCA_btl"] = "self"
-    try:
-        from mpi4py import MPI  # noqa: F401,F811  (MPI_Init reads it here)
-    finally:
-        del _os.environ["OMPI_MCA_btl"]
-
-
-_init_mpi()
-from .engine import EngineStats
-from .requests import AllreduceOp, Handle, Signature
-from .errors import EngineError, HorovodInternalError, InvalidArgumentError, JoinedError, MismatchError, ShutdownError, StallError
+# Importing the runtime starts no MPI: init() does (transport/mpi.py).
+from mtrain.ringreduce.engine.cycle import EngineStats
+from mtrain.ringreduce.core.requests import AllreduceOp, Handle, Signature
+from mtrain.ringreduce.core.errors import (
+    EngineError,
+    HorovodInternalError,
+    InvalidArgumentError,
+    JoinedError,
+    MismatchError,
+    ShutdownError,
+    StallError,
+)
 from .process_sets import ProcessSet, global_process_set
-from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from mtrain.ringreduce.core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
     NotInitializedError,
     add_process_set,
@@ -81,7 +69,7 @@ from .api import (
     straggler_stats,
     synchronize,
 )
-from .submit import submit_allreduce
+from mtrain.ringreduce.engine.submit import submit_allreduce
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum",

@@ -9,17 +9,29 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mtrain.launcher.straggler_rows import StragglerRow
+from mtrain.common.straggler_rows import StragglerRow
 
-from . import comm as comm_module
-from . import exits, p2p, steps
-from .engine import EngineStats
-from .ops import Average, ReduceOp
+from mtrain.ringreduce.transport import comm as comm_module
+from mtrain.ringreduce import exits
+from mtrain.ringreduce.transport import p2p
+from mtrain.ringreduce.observe import steps
+from mtrain.ringreduce.engine.cycle import EngineStats
+from mtrain.ringreduce.core.ops import Average, ReduceOp
 from .process_sets import ProcessSet, current, global_process_set
-from .requests import Handle
-from .submit import (submit_allgather, submit_allgather_object, submit_allreduce, submit_alltoall, submit_barrier,
-                     submit_broadcast, submit_broadcast_object, submit_grouped_allgather, submit_grouped_allreduce,
-                     submit_grouped_reducescatter, submit_reducescatter)
+from mtrain.ringreduce.core.requests import Handle
+from mtrain.ringreduce.engine.submit import (
+    submit_allgather,
+    submit_allgather_object,
+    submit_allreduce,
+    submit_alltoall,
+    submit_barrier,
+    submit_broadcast,
+    submit_broadcast_object,
+    submit_grouped_allgather,
+    submit_grouped_allreduce,
+    submit_grouped_reducescatter,
+    submit_reducescatter,
+)
 
 
 def rank() -> int:

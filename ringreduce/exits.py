@@ -35,10 +35,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from mtrain.launcher import pymain
-from mtrain.launcher.pymain import status_of
-from mtrain.launcher.records.errors import supervised
-from mtrain.launcher.records.exits import ExitRecord, own_failure_line
+from mtrain.common import exit_status
+from mtrain.common.exit_status import status_of
+from mtrain.common.records.error_report import supervised
+from mtrain.common.records.exit_record import ExitRecord, own_failure_line
 
 _requested: "int | None" = None   # the status sys.exit() was last asked for
 _installed = False
@@ -89,10 +89,10 @@ def install(shutdown: Callable[[], None]) -> None:
 
 def leave(shutdown: Callable[[], None]) -> None:
     """The exit handler: an error status ends the whole job; status 0 leaves politely."""
-    status = pymain.final_status()
+    status = exit_status.final_status()
     if status is None:  # not run by mtrain's runner: what sys.exit noted, if anything
         status = _requested or 0
-    if pymain.abort_mpi_at_exit(status):  # MPI_Abort at the interpreter's end: nothing polite first
+    if exit_status.abort_mpi_at_exit(status):  # MPI_Abort at the interpreter's end: nothing polite first
         if not supervised():  # no mtrain run to name the first failure: say it here
             rank = sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank()
             sys.stderr.write(own_failure_line(ExitRecord(rank, socket.gethostname(), status, False, time.time())))

@@ -24,20 +24,24 @@ communicators, the global engine, and the registered and private sets (``SetStat
 """
 from __future__ import annotations
 
+import sys
+
 import dataclasses
 import time
 import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from mpi4py import MPI
+from mtrain.ringreduce.transport import mpi
 
-from . import comm as comm_module
-from . import p2p
-from .errors import InvalidArgumentError
+from mtrain.ringreduce.transport import comm as comm_module
+from mtrain.ringreduce.transport import p2p
+from mtrain.ringreduce.core.errors import InvalidArgumentError
+
+MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from mtrain.ringreduce.engine.cycle import Engine
 
 
 class ProcessSet:
@@ -52,7 +56,8 @@ class ProcessSet:
     mpi_comm: "MPI.Comm | None" = None
 
     def __init__(self, ranks_or_comm: "Sequence[int] | MPI.Comm") -> None:
-        if isinstance(ranks_or_comm, MPI.Comm):
+        started = sys.modules.get("mpi4py.MPI")  # a communicator means mpi4py was imported: never start MPI here
+        if started is not None and isinstance(ranks_or_comm, started.Comm):
             self.mpi_comm = ranks_or_comm
             return
         try:

@@ -11,20 +11,28 @@ import sys
 from typing import Any, Sequence
 
 import numpy as np
-from mpi4py import MPI
+from mtrain.ringreduce.transport import mpi
 
-from mtrain.launcher.records.errors import supervised
-from mtrain.launcher.records.phase import Phase, PhaseNote
+from mtrain.common.records.error_report import supervised
+from mtrain.common.records.phase import Phase, PhaseNote
 
-from . import comm as comm_module
-from . import cuda, exits, log, process_sets as _ps, recorder, ring, settings
-from .collectives import Executor
-from .engine import Engine
-from .errors import InvalidArgumentError
+from mtrain.ringreduce.transport import comm as comm_module
+from mtrain.ringreduce.transport import cuda
+from mtrain.ringreduce import exits
+from mtrain.ringreduce.core import log
+from mtrain.ringreduce import process_sets as _ps
+from mtrain.ringreduce.observe import recorder
+from mtrain.ringreduce.transport import ring
+from mtrain.common import settings
+from mtrain.ringreduce.transport.executor import Executor
+from mtrain.ringreduce.engine.cycle import Engine
+from mtrain.ringreduce.core.errors import InvalidArgumentError
 from .process_sets import NotInitializedError, ProcessSet, global_process_set  # noqa: F401  (re-exported)
-from .settings import AutotuneConfig, EngineConfig
-from .steps import job_meter
-from .timeline import TraceLink
+from mtrain.common.settings import AutotuneConfig, EngineConfig
+from mtrain.ringreduce.observe.steps import job_meter
+from mtrain.ringreduce.observe.timeline import TraceLink
+
+MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 
 
 def current() -> _ps.Registry:
@@ -62,6 +70,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     Safe to call more than once. Installs abort-on-uncaught-exception so one
     failing rank ends the job instead of blocking the others.
     """
+    mpi.start()  # MPI starts here, not at import
     wanted = _check_process_sets_argument(process_sets)
     dynamic = _dynamic_process_sets(process_sets)
     comm = _check_comm_argument(comm)

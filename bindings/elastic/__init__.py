@@ -9,7 +9,7 @@ the torch one).
     @hvd.elastic.run    start from the newest commit any host holds; leave for the next
                         generation (exit status RESET_EXIT_STATUS) when the hosts change
 
-The driver's side of the contract is in ``mtrain.launcher.records.elastic``.
+The driver's side of the contract is in ``mtrain.common.records.elastic``.
 """
 from .runner import run
 from .state import HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State

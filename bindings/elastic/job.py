@@ -1,4 +1,4 @@
-"""What an elastic rank learns from its environment (the driver's side is mtrain.launcher.records.elastic).
+"""What an elastic rank learns from its environment (the driver's side is mtrain.common.records.elastic).
 
 Every value is read when it is needed, not at import: a rank's environment is the
 source of truth, and tests point each rank at its own folders.
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from mtrain.launcher.records import elastic as records
-from mtrain.launcher.private import private_folder
+from mtrain.common.records import elastic as records
+from mtrain.common.private import private_folder
 
 
 def is_elastic() -> bool:
@@ -23,7 +23,7 @@ def state_folder() -> str:
         raise RuntimeError(f"{records.ENV_ELASTIC} is set but {records.ENV_ELASTIC_STATE_DIR} is not: "
                            "elastic ranks need a snapshot folder; start the job with `mtrain run --min-np ...`")
     folder = records.host_path(template)
-    # /dev/shm/mtrain-elastic-<job>/<host>: both made 0700 by us, or refused (see launcher/private.py).
+    # /dev/shm/mtrain-elastic-<job>/<host>: both made 0700 by us, or refused (see bindings/common/private.py).
     return private_folder(folder, parents=1)
 
 

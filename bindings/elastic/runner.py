@@ -24,8 +24,8 @@ import sys
 from typing import Any, Callable
 
 import mtrain.ringreduce as rr
-from mtrain.launcher.private import PrivatePathError
-from mtrain.launcher.records.elastic import RESET_EXIT_STATUS, ElasticResume
+from mtrain.common.private import PrivatePathError
+from mtrain.common.records.elastic import RESET_EXIT_STATUS, ElasticResume
 
 from . import job, snapshot
 from .state import HostsUpdatedInterrupt, State

@@ -14,10 +14,10 @@ A write goes to a temporary file beside it and is moved into place with
 ``os.replace``: a rank killed mid-write (its host lost) leaves the previous snapshot.
 
 A snapshot is unpickled only when it is ours twice over: its folder and file belong to
-this user and nobody else may use them (launcher/private.py), and its MAC, an HMAC-SHA256
+this user and nobody else may use them (bindings/common/private.py), and its MAC, an HMAC-SHA256
 of the header under the job's secret key (the header holds the payload's SHA-256), is
 right.  The key is made by the launcher for each job and reaches the ranks only in their
-environment ($MTRAIN_JOB_SECRET, never on a command line: see mtrain.launcher.records.elastic), so a
+environment ($MTRAIN_JOB_SECRET, never on a command line: see mtrain.common.records.elastic), so a
 snapshot another job wrote, or one changed since, is refused with ``SnapshotRejected``.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import pickle
 import time
 from typing import Any
 
-from mtrain.launcher.private import check_private, open_private, private_folder, write_private
+from mtrain.common.private import check_private, open_private, private_folder, write_private
 
 FILE_NAME = "state.snapshot"
 MAGIC = b"mtrain-elastic-snapshot "

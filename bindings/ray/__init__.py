@@ -12,7 +12,7 @@ below do, and say `pip install 'mtrain[ray]'` when Ray is missing.
 """
 from __future__ import annotations
 
-from mtrain.launcher.call_service import RankFailed
+from mtrain.launcher.tasks.call_service import RankFailed
 from mtrain.ray.errors import RayClusterUnreachable, RayNotAvailable
 
 __all__ = ["RayExecutor", "RaySettings", "RankFailed", "RayNotAvailable", "RayClusterUnreachable"]

@@ -1,5 +1,5 @@
 """Where an mtrain.ray job's ranks go: a placement group, one actor per bundle, one TaskService
-per node (launcher/task_service.py), run by the first actor on that node.
+per node (launcher/tasks/service.py), run by the first actor on that node.
 
 Horovod's two strategies, by the same rule (horovod/ray/strategy.py):
 * `num_hosts` (× `num_workers_per_host`): one bundle per host holding all its workers' resources,
@@ -36,7 +36,7 @@ class SlotActor:
 
     def start_service(self, key: bytes) -> tuple[str, int]:
         """Start this node's TaskService; (address, port) for the driver's task agents."""
-        from mtrain.launcher.task_service import TaskService
+        from mtrain.launcher.tasks.service import TaskService
         if self.service is None:
             self.service = TaskService(key, address=ray.util.get_node_ip_address())
             return self.service.start()

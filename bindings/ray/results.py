@@ -11,7 +11,7 @@ import asyncio
 import pickle
 from typing import Any
 
-from mtrain.launcher.call_service import RankFailed
+from mtrain.launcher.tasks.call_service import RankFailed
 
 
 class RemoteRankFailed(RankFailed):

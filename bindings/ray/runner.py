@@ -3,13 +3,13 @@
     driver process                                     each Ray node (one SlotActor per bundle)
     RayExecutor.start()
       ├─ placement group + actors (placement.py) ─────▶ first actor on the node: TaskService
-      ├─ CallServer (launcher/call_service.py)
+      ├─ CallServer (launcher/tasks/call_service.py)
       └─ job process: mpirun ── task agent ═══════════▶ remote guard ─ prted ─ ranks (call_worker)
                                                                     each rank ══▶ CallServer
     run / execute / execute_single  ── calls through the CallServer, results in rank order
     shutdown()  ── ranks told to stop, job ends, services stopped, actors killed, group removed
 
-The ranks live as long as the executor: start() launches them once (launcher/task_launch.py,
+The ranks live as long as the executor: start() launches them once (launcher/tasks/launch.py,
 in a process of its own so the job is supervised exactly as `mtrain run` supervises one, and
 can be stopped with a signal), and every call runs in the same processes, so a model or an
 MPI world made in one call is there in the next.
@@ -122,8 +122,8 @@ class RayExecutor:
     def start(self, executable_cls: Optional[type] = None, executable_args: Optional[List] = None,
               executable_kwargs: Optional[Dict] = None, extra_env_vars: Optional[Dict] = None) -> None:
         """Reserve the workers' resources, start the ranks, make `executable_cls` in each."""
-        from mtrain.launcher.call_service import CallServer, new_key
-        from mtrain.launcher.task_launch import start_through_tasks
+        from mtrain.launcher.tasks.call_service import CallServer, new_key
+        from mtrain.launcher.tasks.launch import start_through_tasks
         from mtrain.ray import placement as placing
         from mtrain.ray.worker import create_executable
         if self.job is not None:
@@ -143,7 +143,7 @@ class RayExecutor:
             self.server.start()
             env = {**{str(k): str(v) for k, v in (extra_env_vars or {}).items()}, **self.server.env()}
             options = {"network_interfaces": tuple(sorted(self.settings.nics))} if self.settings.nics else {}
-            self.job = start_through_tasks([sys.executable, "-m", "mtrain.launcher.call_worker"],
+            self.job = start_through_tasks([sys.executable, "-m", "mtrain.launcher.tasks.call_worker"],
                                            {node.hostname: node.service for node in nodes},
                                            {node.hostname: node.slots for node in nodes}, key, env,
                                            self.settings.timeout_s, self.settings.verbose, **options)

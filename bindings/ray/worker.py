@@ -1,4 +1,4 @@
-"""What runs inside each rank of an mtrain.ray job (launcher/call_worker.py serves the calls).
+"""What runs inside each rank of an mtrain.ray job (launcher/tasks/call_worker.py serves the calls).
 
 Stdlib only, and nothing here imports Ray: the ranks are MPI processes under the node's
 actor, and importing Ray there would cost each rank seconds for nothing.  The functions are

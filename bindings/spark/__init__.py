@@ -4,7 +4,7 @@ the active Spark application and returns every rank's result, in rank order (Hor
 
 Importing this package does not import pyspark; `run` says in one line what is missing.
 """
-from mtrain.launcher.call_service import RankFailed
+from mtrain.launcher.tasks.call_service import RankFailed
 from mtrain.spark.runner import SparkRunError, run
 
 __all__ = ["run", "RankFailed", "SparkRunError"]

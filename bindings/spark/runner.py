@@ -29,7 +29,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from mtrain.launcher.call_service import CallServer, RanksMissing, new_key
+from mtrain.launcher.tasks.call_service import CallServer, RanksMissing, new_key
 from mtrain.spark.task import ServiceFacts, service_facts
 
 DEFAULT_START_TIMEOUT = 600
@@ -194,7 +194,7 @@ def run(fn: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None,
     start and the ranks to connect (default $HOROVOD_SPARK_START_TIMEOUT, else 600).
     env: more environment for the ranks.  stdout/stderr: text streams for the job's output
     (default this process's).  executable: the ranks' Python (default sys.executable).
-    A failing rank raises mtrain.launcher.call_service.RankFailed naming it; a job that cannot
+    A failing rank raises mtrain.launcher.tasks.call_service.RankFailed naming it; a job that cannot
     start raises SparkRunError (one line).  Call it from the main thread (it handles signals).
     """
     context = active_context()
@@ -260,7 +260,7 @@ def _run_ranks(fn: Callable, args: tuple, kwargs: dict, ranks: CallServer, servi
                nics: Sequence[str] | None, prefix_timestamp: bool) -> list:
     """Start the ranks through the tasks' services (in this thread: the supervisor handles signals)
     while a second thread waits for them and calls `fn` in all; the results in rank order."""
-    from mtrain.launcher.task_launch import run_through_tasks
+    from mtrain.launcher.tasks.launch import run_through_tasks
     outcome: dict[str, Any] = {}
 
     def drive() -> None:
@@ -277,7 +277,7 @@ def _run_ranks(fn: Callable, args: tuple, kwargs: dict, ranks: CallServer, servi
     mpi_args = shlex.split(extra_mpi_args) if isinstance(extra_mpi_args, str) else list(extra_mpi_args or ())
     with _output(stdout, stderr):
         try:
-            status = run_through_tasks([executable or sys.executable, "-m", "mtrain.launcher.call_worker"],
+            status = run_through_tasks([executable or sys.executable, "-m", "mtrain.launcher.tasks.call_worker"],
                                        services, slots, key, env={**dict(env or {}), **ranks.env()},
                                        timeout_s=timeout, verbose=verbose, mpi_args=tuple(mpi_args),
                                        network_interfaces=tuple(nics or ()),

@@ -2,7 +2,7 @@
 
 A task holds one slot of the job for as long as the job runs:
 
-1. it starts a TaskService (launcher/task_service.py) on its node, through which the driver's
+1. it starts a TaskService (launcher/tasks/service.py) on its node, through which the driver's
    mpirun starts Open MPI's daemon there, so that the node's ranks are children of this task;
 2. it connects to the driver's task CallServer as "rank" = its partition index and serves the
    driver's calls (the driver asks each task for its service with `service_facts`);
@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from typing import Iterator, NamedTuple
 
-from mtrain.launcher.call_worker import serve
-from mtrain.launcher.task_service import TaskService
+from mtrain.launcher.tasks.call_worker import serve
+from mtrain.launcher.tasks.service import TaskService
 
 # A task's connection to the driver: the driver is already listening when the tasks start.
 CONNECT_SECONDS = 30.0

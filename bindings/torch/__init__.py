@@ -13,7 +13,7 @@ from typing import List
 
 import torch
 
-from mtrain.ringreduce import cuda as _cuda
+from mtrain.ringreduce.transport import cuda as _cuda
 from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
     Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet, Product,
     ReduceOp, Sum, add_process_set, allgather_object, barrier, broadcast_object, cross_rank, cross_size,

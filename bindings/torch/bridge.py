@@ -5,7 +5,7 @@ both cross through here.
 CPU tensors cross as NumPy views of their own memory (no copy), so an in-place op writes
 the result straight back into the tensor. bfloat16 crosses as ``ml_dtypes.bfloat16`` on the
 same bytes. CUDA tensors cross as CuPy views through DLPack (no copy). The runtime queues
-its device work on the legacy default stream (``mtrain.ringreduce.cuda``): a CUDA tensor is
+its device work on the legacy default stream (``mtrain.ringreduce.transport.cuda``): a CUDA tensor is
 handed over after the legacy stream has been made to wait for torch's current stream, and a
 result is handed back after torch's current stream has been made to wait for the legacy
 stream, so torch side streams are ordered too.

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from mtrain.ringreduce import Adasum, Average, ProcessSet, global_process_set, size
-from mtrain.ringreduce.requests import UNNAMED_PREFIX
+from mtrain.ringreduce.core.requests import UNNAMED_PREFIX
 
 from ..gradient_op import check_gradient_op
 from ..handles import Handle

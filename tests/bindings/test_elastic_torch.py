@@ -121,7 +121,7 @@ def test_a_generation_resumes_from_the_newest_commit_any_host_holds():
     import mtrain.torch as hvd
     from mtrain.elastic import snapshot
     from mtrain.elastic import torch as elastic
-    from mtrain.launcher.records.elastic import ElasticResume, RESUME_MARKER
+    from mtrain.common.records.elastic import ElasticResume, RESUME_MARKER
     n, me = hvd.size(), hvd.rank()
     dataset = list(range(40))
     # Each round: commit held by each rank's "host" (-1: none, a new host).
@@ -209,7 +209,7 @@ def test_a_generation_resumes_from_the_newest_commit_any_host_holds():
 def test_host_updates_interrupt_every_rank_at_the_same_commit():
     import mtrain.torch as hvd
     from mtrain.elastic import torch as elastic
-    from mtrain.launcher.records.elastic import HostUpdates
+    from mtrain.common.records.elastic import HostUpdates
     n, me = hvd.size(), hvd.rank()
     base = _shared_tmp(hvd)
     _elastic_env(base, me, version=4)
@@ -276,7 +276,7 @@ def test_elastic_sampler_partitions_and_resumes_after_recorded_batches():
 def _reset_exit_body():
     import mtrain.torch as hvd
     from mtrain.elastic import torch as elastic
-    from mtrain.launcher.records.elastic import HostUpdates
+    from mtrain.common.records.elastic import HostUpdates
     me = hvd.rank()
     model = _model(seed=me)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -305,7 +305,7 @@ reset_exit_body = _Body()
 
 def test_run_exits_every_rank_with_the_reset_status_and_the_next_generation_resumes(tmp_path):
     from mtrain.elastic import snapshot
-    from mtrain.launcher.records.elastic import RESET_EXIT_STATUS, RESUME_MARKER, ElasticResume
+    from mtrain.common.records.elastic import RESET_EXIT_STATUS, RESUME_MARKER, ElasticResume
     env = {"MTRAIN_ELASTIC": "1", "MTRAIN_ELASTIC_STATE_DIR": str(tmp_path / "state-{host}"),
            "MTRAIN_ELASTIC_UPDATES": str(tmp_path / "updates-{host}"), "MTRAIN_ELASTIC_VERSION": "1",
            "MTRAIN_JOB_SECRET": KEY}

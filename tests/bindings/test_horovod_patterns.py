@@ -35,7 +35,7 @@ def mtrain_run(flags: "list[str]", program: str, args: "list[str]", timeout: flo
     env.update(OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="2",
                TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
     env.update(env_extra or {})
-    argv = [sys.executable, "-m", "mtrain.launcher.cli", "run", *flags, sys.executable, str(PATTERNS / program),
+    argv = [sys.executable, "-m", "mtrain.launcher.cli.main", "run", *flags, sys.executable, str(PATTERNS / program),
             *args]
     done = run_job(argv, timeout, program, env=env, cwd=REPO)
     assert done.returncode == 0, f"{program}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

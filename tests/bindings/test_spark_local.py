@@ -45,6 +45,6 @@ def test_executors_whose_python_lacks_mtrain_are_named_in_one_line(tmp_path) -> 
     done = spark_job(1, PYSPARK_PYTHON=str(base))
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("mtrain.launcher.call_service.CallServerError: mtrain.spark.run: the Spark job of the "
+    assert last.startswith("mtrain.launcher.tasks.call_service.CallServerError: mtrain.spark.run: the Spark job of the "
                            "tasks failed: RuntimeError: mtrain.spark: the Spark executors' Python"), last
     assert "cannot import mtrain" in last and "PYSPARK_PYTHON" in last, last

@@ -40,7 +40,7 @@ def job_env() -> "dict[str, str]":
 
 
 def mtrain_run(args: "list[str]", timeout: float = 120) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", "2", sys.executable, str(JOBS), *args]
+    argv = [sys.executable, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", sys.executable, str(JOBS), *args]
     return run_job(argv, timeout, " ".join(["mtrain run -np 2 trainer_jobs.py", *args]), env=job_env(), cwd=REPO)
 
 
@@ -106,7 +106,7 @@ def test_nccl_on_a_cpu_only_host_ends_with_the_trainers_error(args, message):
                                            ("train_transformers.py", [])], ids=["lightning", "accelerate",
                                                                                 "transformers"])
 def test_example_learns_on_two_ranks(example, args):
-    argv = [sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", "2", sys.executable,
+    argv = [sys.executable, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", sys.executable,
             str(REPO / "examples" / example), *args]
     done = run_job(argv, 120, example, env=job_env(), cwd=REPO)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

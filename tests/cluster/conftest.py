@@ -84,7 +84,7 @@ def job_env(cluster: Cluster, home: Path | None = None) -> dict[str, str]:
 
 
 def mtrain_argv(*args: str) -> list[str]:
-    return [PYTHON, "-m", "mtrain.launcher.cli", "run", *args]
+    return [PYTHON, "-m", "mtrain.launcher.cli.main", "run", *args]
 
 
 def run_mtrain(cluster: Cluster, *args: str, timeout: float = 90, home: Path | None = None,

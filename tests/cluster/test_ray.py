@@ -106,7 +106,7 @@ def test_ranks_start_through_the_actors_without_ssh(report):
     assert any("prted" in line for _, line in chain), chain
     assert not any(line.split(" ", 1)[0].endswith(("ssh", "sshd")) for _, line in chain), chain
     # mpirun's remote shell was the task agent (the job's command line, shown with verbose=2).
-    assert "plm_ssh_agent" in report["stderr"] and "mtrain.launcher.task_agent" in report["stderr"]
+    assert "plm_ssh_agent" in report["stderr"] and "mtrain.launcher.tasks.agent" in report["stderr"]
 
 
 def test_run_gives_results_in_rank_order(report):

@@ -179,7 +179,7 @@ def die_in_rank_one() -> int:
 def test_a_rank_that_dies_ends_the_job_and_the_report_names_it(spark, cluster) -> None:
     import io
     import mtrain.spark
-    from mtrain.launcher.call_service import CallServerError
+    from mtrain.launcher.tasks.call_service import CallServerError
     output, errors = io.StringIO(), io.StringIO()
     with pytest.raises(CallServerError) as ended:
         mtrain.spark.run(die_in_rank_one, start_timeout=180, stdout=output, stderr=errors)

@@ -10,7 +10,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from mtrain.ringreduce import cuda
+from mtrain.ringreduce.transport import cuda
 from tests.mpi.harness import mpi_test
 
 if cuda.gpu_count() == 0:
@@ -30,7 +30,7 @@ def _cupy_equals_host() -> None:
     import cupy
 
     import mtrain.ringreduce as rr
-    from mtrain.ringreduce.ops import Average, Max, Min, Sum
+    from mtrain.ringreduce.core.ops import Average, Max, Min, Sum
     from tests.mpi.data import DTYPES, assert_matches, reference, values
     rank, size = rr.rank(), rr.size()
     for dtype in [d for d in DTYPES if d.name != "bfloat16"]:  # CuPy has no bfloat16
@@ -139,7 +139,7 @@ def test_cupy_scaled_allreduce_equals_host():
     import cupy
 
     import mtrain.ringreduce as rr
-    from mtrain.ringreduce.ops import Average, Sum
+    from mtrain.ringreduce.core.ops import Average, Sum
     from tests.mpi.data import values
     rank = rr.rank()
     for dtype in (np.int8, np.uint8, np.int16, np.int32, np.float16, np.float32):

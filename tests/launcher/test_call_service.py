@@ -1,4 +1,4 @@
-"""The driver's CallServer against real ranks: `mpirun -np N python -m mtrain.launcher.call_worker`.
+"""The driver's CallServer against real ranks: `mpirun -np N python -m mtrain.launcher.tasks.call_worker`.
 
 What mtrain.spark.run and mtrain.ray build on: every rank's result comes back in rank order,
 a raising function is reported naming its rank (and the ranks keep serving), stop ends
@@ -16,8 +16,14 @@ from typing import Iterator
 
 import pytest
 
-from mtrain.launcher.call_service import (CallServer, CallServerError, RankFailed, RanksMissing, client_handshake,
-                                          new_key)
+from mtrain.launcher.tasks.call_service import (
+    CallServer,
+    CallServerError,
+    RankFailed,
+    RanksMissing,
+    client_handshake,
+    new_key,
+)
 from tests.jobs import kill_session, session_members
 from tests.mpi.mpirun import job_environment, mpirun_command
 
@@ -28,7 +34,7 @@ class Ranks:
     """`size` call workers under a real mpirun, in a session of their own."""
 
     def __init__(self, size: int, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(mpirun_command(size) + [sys.executable, "-m", "mtrain.launcher.call_worker"],
+        self.proc = subprocess.Popen(mpirun_command(size) + [sys.executable, "-m", "mtrain.launcher.tasks.call_worker"],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
 
@@ -153,7 +159,7 @@ def test_a_wrong_key_is_refused(started) -> None:
 
 DRIVER = """
 import sys, time
-from mtrain.launcher.call_service import CallServer, new_key
+from mtrain.launcher.tasks.call_service import CallServer, new_key
 server = CallServer(new_key(), 2, bind="127.0.0.1")
 server.start()
 print(" ".join(f"{name}={value}" for name, value in server.env().items()), flush=True)

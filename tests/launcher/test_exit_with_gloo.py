@@ -52,7 +52,7 @@ def test_a_program_leaving_gloo_work_in_flight_exits_cleanly(tmp_path, np_):
     program.write_text(PROGRAM)
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    done = run_job([sys.executable, "-m", "mtrain.launcher.cli", "run", "-np", str(np_), sys.executable,
+    done = run_job([sys.executable, "-m", "mtrain.launcher.cli.main", "run", "-np", str(np_), sys.executable,
                     str(program)], 180, env=env)
     assert done.returncode == 0, f"status {done.returncode}\n{done.stderr[-4000:]}"
     for sign in ("terminate called", "Aborted", "Signal: 6", "SIGABRT"):

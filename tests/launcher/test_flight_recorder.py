@@ -63,7 +63,7 @@ def test_sigusr1_before_init_does_not_kill_the_program(tmp_path):
     release = tmp_path / "release"
     code = ("import os, time\nprint('ready', flush=True)\n"
             f"while not os.path.exists({str(release)!r}):\n    time.sleep(0.05)\nprint('finished', flush=True)\n")
-    proc = subprocess.Popen([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-c", code],
+    proc = subprocess.Popen([PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", PYTHON, "-c", code],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out: list = []
     err: list = []
@@ -96,20 +96,20 @@ def test_sigusr1_before_the_job_runs_does_not_end_mtrain():
     # The hang report's SIGUSR1 may come before a job runs (or between elastic generations), where
     # the supervisor's handler is not installed yet: its default action would end mtrain at once.
     code = ("import os, signal, sys\n"
-            "import mtrain.launcher.launch as launch\n"
+            "import mtrain.launcher.job.launch as launch\n"
             "def launched(config, dry_run=False):\n"
             "    os.kill(os.getpid(), signal.SIGUSR1)\n"
             "    print('still here')\n"
             "    return 0\n"
             "launch.launch = launched\n"
-            "from mtrain.launcher.cli import main\n"
+            "from mtrain.launcher.cli.main import main\n"
             "sys.exit(main(['run', '-np', '1', 'true']))\n")
     done = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
     assert done.returncode == 0 and "still here" in done.stdout, (done.returncode, done.stderr)
 
 
 def test_marker_lines_go_to_the_wrappers_pipe_only_while_it_is_still_that_pipe(tmp_path):
-    from mtrain.launcher.records.marker import ENV_MARKER_FD, marker_channel, marker_fd
+    from mtrain.common.records.marker import ENV_MARKER_FD, marker_channel, marker_fd
     read, write = os.pipe()
     other = os.open(tmp_path / "file", os.O_WRONLY | os.O_CREAT)
     try:
@@ -150,7 +150,7 @@ def test_stall_report_names_each_ranks_op_when_pytest_captures_stderr(tmp_path):
     script.write_text(_DIVERGING_TEST)
     env = {**_env(), "MTRAIN_STALL_WARNING_SECONDS": "2", "MTRAIN_STALL_SHUTDOWN_SECONDS": "8",
            "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-m", "pytest", "-q",
+    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", PYTHON, "-m", "pytest", "-q",
                            "-p", "no:cacheprovider", str(script)],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
     stderr = done.stderr

@@ -28,7 +28,7 @@ def env() -> dict[str, str]:
 
 
 def mtrain(*args: str, timeout: float = 60, extra_env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    return run_job([PYTHON, "-m", "mtrain.launcher.cli", "run", *args], timeout,
+    return run_job([PYTHON, "-m", "mtrain.launcher.cli.main", "run", *args], timeout,
                    env=dict(env(), **(extra_env or {})), cwd=cwd)
 
 
@@ -190,7 +190,7 @@ def test_more_ranks_than_cores_with_mpi(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_stopping_mtrain_leaves_nothing(sig):
     token = f"mtrtok{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-c",
+    proc = subprocess.Popen([PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", PYTHON, "-c",
                              "import time; print('ready', flush=True); time.sleep(120)", token],
                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -213,7 +213,7 @@ def test_stopping_mtrain_leaves_nothing(sig):
 
 
 def test_check_reports_mpi_and_frameworks():
-    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "check"], capture_output=True, text=True,
+    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli.main", "check"], capture_output=True, text=True,
                           timeout=200, env=env())
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -390,7 +390,7 @@ def test_the_program_keeps_the_users_umask_while_open_mpi_runs_with_a_private_on
     code = ("import os; mask = os.umask(0)\n"
             "daemon = [l for l in open(f'/proc/{os.getppid()}/status') if l.startswith('Umask')][0].split()[1]\n"
             "print('umask', oct(mask), daemon)")
-    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", PYTHON, "-c", code],
+    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", PYTHON, "-c", code],
                           capture_output=True, text=True, timeout=60, env=env(), umask=mask)
     assert done.returncode == 0, done.stderr
     lines = sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines())
@@ -421,7 +421,7 @@ def test_the_program_keeps_the_users_tmpdir_while_mpirun_makes_its_folder_in_a_p
     if users != "unset":
         environment["TMPDIR"] = str(tmp_path)
     flags = ["-x", "TMPDIR"] if users == "passed on" else []
-    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", *flags, PYTHON, "-c", code],
+    done = subprocess.run([PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", *flags, PYTHON, "-c", code],
                           capture_output=True, text=True, timeout=60, env=environment)
     assert done.returncode == 0, done.stderr
     lines = sorted(line.split(">:", 1)[1] for line in done.stdout.splitlines())

@@ -54,7 +54,7 @@ def run_in_terminal(argv: "list[str]", timeout: float) -> "tuple[int, bytes]":
 
 
 def test_live_line_on_a_terminal_with_the_ranks_output_above_it():
-    status, seen = run_in_terminal([PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", "--progress",
+    status, seen = run_in_terminal([PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", "--progress",
                                     "--no-straggler-report", PYTHON, "-c", PROGRAM], timeout=90)
     text = seen.decode(errors="replace")
     assert status == 0, text

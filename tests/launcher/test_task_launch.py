@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from mtrain.launcher import task_agent
+from mtrain.launcher.tasks import agent as task_agent
 from mtrain.launcher.process_tools import descendants
-from mtrain.launcher.task_service import TaskService
+from mtrain.launcher.tasks.service import TaskService
 from tests.jobs import run_job
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,7 +32,7 @@ def service():
 def agent_argv(folder: str, key: bytes, host: str, address: str, port: int, *words: str) -> list[str]:
     path = os.path.join(folder, "agent.json")
     task_agent.write_config(path, key, {host: (address, port)}, PYTHON, None)
-    return [PYTHON, "-m", "mtrain.launcher.task_agent", "--config", path, "-x", host, *words]
+    return [PYTHON, "-m", "mtrain.launcher.tasks.agent", "--config", path, "-x", host, *words]
 
 
 def test_agent_runs_a_command_and_returns_its_output_and_status(service, tmp_path):
@@ -117,8 +117,8 @@ def _driver(rank_code: str, token: str) -> str:
     # the agent, which reaches the service started here.
     return textwrap.dedent(f"""
         import os, socket, sys
-        from mtrain.launcher.task_service import TaskService
-        from mtrain.launcher.task_launch import run_through_tasks
+        from mtrain.launcher.tasks.service import TaskService
+        from mtrain.launcher.tasks.launch import run_through_tasks
         key = os.urandom(32)
         service = TaskService(key)
         address, port = service.start()

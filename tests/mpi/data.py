@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from mtrain.ringreduce.ops import SUPPORTED_DTYPES, Average, Max, Min, Product, Sum
+from mtrain.ringreduce.core.ops import SUPPORTED_DTYPES, Average, Max, Min, Product, Sum
 
 DTYPES = [d for d in SUPPORTED_DTYPES if d != np.bool_]
 OPS = [Sum, Average, Min, Max, Product]

@@ -14,8 +14,8 @@ from typing import Iterator
 
 import pytest
 
-from mtrain.launcher.job_files import SHARED_MEMORY_PARENT
-from mtrain.launcher.records.daemon_env import ENV_OPENMPI_SESSION_BASE
+from mtrain.launcher.job.job_files import SHARED_MEMORY_PARENT
+from mtrain.common.records.daemon_env import ENV_OPENMPI_SESSION_BASE
 
 REPO = Path(__file__).resolve().parents[2]
 

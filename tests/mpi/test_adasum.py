@@ -7,8 +7,8 @@ import pytest
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import adasum
-from mtrain.ringreduce.backend import NumpyBackend
+from mtrain.ringreduce.transport import adasum
+from mtrain.ringreduce.transport.backend import NumpyBackend
 from tests.mpi.adasum_reference import assert_close, rank_tensors, reference
 from tests.mpi.harness import mpi_test
 

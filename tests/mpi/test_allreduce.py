@@ -5,7 +5,9 @@ import numpy as np
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import ring, runtime, shm
+from mtrain.ringreduce.transport import ring
+from mtrain.ringreduce import runtime
+from mtrain.ringreduce.transport import shm
 from tests.mpi.data import DTYPES, OPS, assert_matches, reference, values
 from tests.mpi.harness import mpi_test
 
@@ -143,8 +145,8 @@ def test_allreduce_in_place_noncontiguous_and_scaling():
 
 @mpi_test(nps=(1, 2, 3))
 def test_ring_over_a_layout_of_many_buffers_equals_one_contiguous_buffer():
-    from mtrain.ringreduce import ring
-    from mtrain.ringreduce.backend import NumpyBackend
+    from mtrain.ringreduce.transport import ring
+    from mtrain.ringreduce.transport.backend import NumpyBackend
     n, me = rr.size(), rr.rank()
     comm = MPI.COMM_WORLD.Dup()
     backend = NumpyBackend()

@@ -13,7 +13,7 @@ import pytest
 
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import runtime
-from mtrain.ringreduce.engine import ASSIST_MAX_OPS
+from mtrain.ringreduce.engine.cycle import ASSIST_MAX_OPS
 from tests.mpi.data import values
 from tests.mpi.harness import mpi_test
 

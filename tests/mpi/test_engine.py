@@ -210,8 +210,8 @@ def test_shutdown_with_ops_in_flight_never_hangs(nprocs):
 
 LATE_ENGINE_EXIT_SCRIPT = """
 import threading, numpy as np, mtrain.ringreduce as rr
-from mtrain.ringreduce.dispatch import Dispatcher
-from mtrain.ringreduce.engine import Engine
+from mtrain.ringreduce.engine.dispatch import Dispatcher
+from mtrain.ringreduce.engine.cycle import Engine
 original = Dispatcher.fail_all
 
 
@@ -323,9 +323,9 @@ def test_engine_thread_adopts_the_gpu_bound_in_the_creating_thread():
     # for CuPy's runtime records which thread asked for which device.
     import threading
     import types
-    from mtrain.ringreduce.collectives import Executor
-    from mtrain.ringreduce.engine import Engine
-    from mtrain.ringreduce.settings import EngineConfig
+    from mtrain.ringreduce.transport.executor import Executor
+    from mtrain.ringreduce.engine.cycle import Engine
+    from mtrain.common.settings import EngineConfig
 
     calls = []
     runtime = types.SimpleNamespace(getDevice=lambda: 3,

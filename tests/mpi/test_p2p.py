@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce.errors import InvalidArgumentError, MismatchError, ShutdownError
-from mtrain.ringreduce.p2p import EAGER_BYTES
+from mtrain.ringreduce.core.errors import InvalidArgumentError, MismatchError, ShutdownError
+from mtrain.ringreduce.transport.p2p import EAGER_BYTES
 from tests.mpi.data import values
 from tests.mpi.harness import mpi_test
 

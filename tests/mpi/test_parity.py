@@ -19,7 +19,7 @@ def test_error_classes_are_runtime_errors():
 
 
 def test_integer_scaling_truncates_toward_zero():
-    from mtrain.ringreduce.backend import NumpyBackend, scale_in_place
+    from mtrain.ringreduce.transport.backend import NumpyBackend, scale_in_place
     for dtype in (np.int8, np.int32, np.int64, np.uint16):
         values = np.array([-37, 37, -3, 3, -1, 1, 0, 101], dtype=np.int64)
         if np.dtype(dtype).kind == "u":

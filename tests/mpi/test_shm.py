@@ -1,4 +1,4 @@
-"""The shared-memory and hierarchical all-reduce (ringreduce/shm.py) and how the Executor picks it.
+"""The shared-memory and hierarchical all-reduce (ringreduce/transport/shm.py) and how the Executor picks it.
 
 One host: every element is reduced by one rank in rank order, so results must equal
 a reference reduced in rank order with the same NumPy operations, bit for bit.
@@ -12,10 +12,10 @@ import pytest
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import collectives, shm
-from mtrain.ringreduce.backend import DeviceBackend, NumpyBackend
-from mtrain.ringreduce.collectives import Executor, algorithm_from_environment
-from mtrain.ringreduce.ops import SUPPORTED_DTYPES
+from mtrain.ringreduce.transport import executor as collectives, shm
+from mtrain.ringreduce.transport.backend import DeviceBackend, NumpyBackend
+from mtrain.ringreduce.transport.executor import Executor, algorithm_from_environment
+from mtrain.ringreduce.core.ops import SUPPORTED_DTYPES
 from tests.mpi.data import DTYPES, OPS, assert_matches, reference, values
 from tests.mpi.harness import mpi_test
 

@@ -15,10 +15,11 @@ import numpy as np
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce import runtime, size_table
-from mtrain.ringreduce.backend import NumpyBackend
-from mtrain.ringreduce.collectives import Algorithm, Executor
-from mtrain.ringreduce.ops import Average, Max, Min, Product, Sum
+from mtrain.ringreduce import runtime
+from mtrain.ringreduce.transport import size_table
+from mtrain.ringreduce.transport.backend import NumpyBackend
+from mtrain.ringreduce.transport.executor import Algorithm, Executor
+from mtrain.ringreduce.core.ops import Average, Max, Min, Product, Sum
 from tests.mpi.harness import mpi_test
 from tests.mpi import test_allreduce as allreduce_tests
 from tests.mpi.test_allreduce import check_identical_everywhere

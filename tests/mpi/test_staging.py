@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mtrain.ringreduce import ring
-from mtrain.ringreduce.backend import NumpyBackend, StagedBackend
-from mtrain.ringreduce.collectives import Executor, Kind
-from mtrain.ringreduce.engine import Engine
-from mtrain.ringreduce.settings import EngineConfig
-from mtrain.ringreduce.requests import Handle, make_request
-from mtrain.ringreduce.ops import Average, Max, Min, Product, Sum
+from mtrain.ringreduce.transport import ring
+from mtrain.ringreduce.transport.backend import NumpyBackend, StagedBackend
+from mtrain.ringreduce.transport.executor import Executor, Kind
+from mtrain.ringreduce.engine.cycle import Engine
+from mtrain.common.settings import EngineConfig
+from mtrain.ringreduce.core.requests import Handle, make_request
+from mtrain.ringreduce.core.ops import Average, Max, Min, Product, Sum
 from tests.mpi.data import DTYPES, assert_matches, reference, values
 from tests.mpi.harness import mpi_test
 
@@ -305,7 +305,7 @@ def test_checker_catches_broken_staging():
 # -- pure pieces of the GPU path (no MPI job, no GPU) -----------------------
 
 def test_gpu_choice_respects_the_users_choice():
-    from mtrain.ringreduce.cuda import choose_device
+    from mtrain.ringreduce.transport.cuda import choose_device
     assert [choose_device(r, 2, {}, False) for r in range(4)] == [0, 1, 0, 1]
     assert choose_device(3, 0, {}, False) is None                                 # no GPU: nothing to bind
     assert choose_device(1, 1, {"CUDA_VISIBLE_DEVICES": "3"}, False) is None      # launcher gave one GPU
@@ -330,7 +330,7 @@ def test_device_scaling_matches_host_bit_for_bit():
 
 
 def test_cuda_aware_override(monkeypatch):
-    from mtrain.ringreduce import cuda
+    from mtrain.ringreduce.transport import cuda
     monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
     assert cuda.cuda_aware() is True
     monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "0")

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from mtrain.launcher import timeline_summary as ts
+from mtrain.launcher.cli import timeline_summary as ts
 from tests.mpi.harness import REPO, launch
 from tests.mpi.test_engine import DYING_RANK_SCRIPT  # rank 1 killed (SIGKILL) at its 20th all-reduce
 
@@ -70,7 +70,7 @@ def test_every_rank_is_in_one_file_on_rank_0s_clock_and_the_summary_reads_it(npr
         assert max(barrier_ends) - min(barrier_ends) < 50e3, barrier_ends  # µs: well under the skews
 
         png = os.path.join(tmp, "steps.png")
-        summary = subprocess.run([sys.executable, "-m", "mtrain.launcher.cli", "timeline-summary", path,
+        summary = subprocess.run([sys.executable, "-m", "mtrain.launcher.cli.main", "timeline-summary", path,
                                   "--png", png, "--top", "3"], capture_output=True, text=True, timeout=60, cwd=REPO)
         assert summary.returncode == 0, summary.stderr
         assert f"ranks: {nprocs} (0-{nprocs - 1})" in summary.stdout

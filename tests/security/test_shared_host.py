@@ -43,7 +43,7 @@ class Job:
     def __init__(self, work: Path, commits: int = 3) -> None:
         self.work = work
         self.go = work / "go"
-        argv = [PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", "--min-np", "2", "-H", "localhost:2",
+        argv = [PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", "--min-np", "2", "-H", "localhost:2",
                 PYTHON, str(HERE / "shared_host_job.py"), str(self.go), str(commits)]
         self.proc = subprocess.Popen(user_argv(JOB_USER, argv), cwd=work, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
@@ -193,7 +193,7 @@ def test_a_snapshot_folder_planted_by_another_user_is_refused_and_never_read(wor
 
 def test_the_job_folders_planted_by_another_user_are_refused_with_one_line():
     # Every call the launcher, the remote guard and the rank wrapper make in the job's folders
-    # (launcher/job_files.py), run as the job's user, at paths the other user made first: folders
+    # (launcher/job/job_files.py), run as the job's user, at paths the other user made first: folders
     # of theirs open to all in /tmp and /dev/shm, and symlinks to them.
     name = f"mtrain-job-planted{os.getpid()}"
     planted = [f"{base}/{name}{suffix}" for base in ("/tmp", "/dev/shm") for suffix in ("", "-link")]
@@ -201,10 +201,10 @@ def test_the_job_folders_planted_by_another_user_are_refused_with_one_line():
         for command in (["mkdir", "-m", "0777", f"{base}/{name}"], ["ln", "-s", f"{base}/{name}", f"{base}/{name}-link"]):
             assert as_user(OTHER_USER, command).returncode == 0
     code = ("import sys\n"
-            "from mtrain.launcher import job_files\n"
-            "from mtrain.launcher.private import PrivatePathError\n"
-            "from mtrain.launcher.records.elastic import HostUpdates, updates_file\n"
-            "from mtrain.launcher.records.job_layout import JobLayout\n"
+            "from mtrain.launcher.job import job_files\n"
+            "from mtrain.common.private import PrivatePathError\n"
+            "from mtrain.common.records.elastic import HostUpdates, updates_file\n"
+            "from mtrain.common.records.job_layout import JobLayout\n"
             "template = sys.argv[1] + '/{host}.g0.json'\n"
             "layout = JobLayout(slots=(1,), master_addr='10.0.0.1', master_port=1, workers=('10.0.0.1:1',))\n"
             "for call in (lambda: layout.write(job_files.layout(template, 'h')),\n"
@@ -239,7 +239,7 @@ def test_open_mpi_folders_another_user_planted_do_not_stop_a_job(work):
     planted = [int(word) for word in planting.stdout.split()]
     try:
         assert planting.returncode == 0 and planted, planting.stderr
-        argv = [PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "2", "-H", "localhost:2",
+        argv = [PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", "-H", "localhost:2",
                 PYTHON, "-c", stale_mpi_folders.PRINT_PID]
         done = as_user(JOB_USER, argv, capture_output=True, text=True, cwd=work, timeout=90)
         assert done.returncode == 0, done.stderr

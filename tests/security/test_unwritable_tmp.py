@@ -45,7 +45,7 @@ def run_with_closed(folders: "list[str]", env: "list[str]", hold: Path) -> subpr
             if path.startswith(folder.rstrip("/") + "/"):
                 inside = os.path.relpath(path, folder)
                 steps += [f"mkdir -p {folder}/{inside}", f"mount --bind {kept}/{inside} {folder}/{inside}"]
-    argv = user_argv(JOB_USER, [PYTHON, "-m", "mtrain.launcher.cli", "run", "-np", "1", "-H", "localhost:1",
+    argv = user_argv(JOB_USER, [PYTHON, "-m", "mtrain.launcher.cli.main", "run", "-np", "1", "-H", "localhost:1",
                                 PYTHON, "-c", "print('ran')"])
     argv[argv.index("env") + 2:argv.index("env") + 2] = env  # after "env -i"
     script = " && ".join(steps + ["cd /", 'exec "$@"'])

@@ -1,5 +1,5 @@
 """torch's autoload of the "mtrain" backend (bindings/autoload.py) and what a rank's layout tells
-Lightning (launcher/records/job_layout.py): registered inside an mtrain job only, never starting
+Lightning (bindings/common/records/job_layout.py): registered inside an mtrain job only, never starting
 MPI at ``import torch``; the PL_TRAINER_* defaults only where Lightning's arithmetic holds."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mtrain import autoload
-from mtrain.launcher.records.job_layout import ENV_JOB_FILE, JobLayout
+from mtrain.common.records.job_layout import ENV_JOB_FILE, JobLayout
 
 REPO = Path(__file__).resolve().parents[2]
 _PROBE = ("import json, sys, torch, torch.distributed as dist; "

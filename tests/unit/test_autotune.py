@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mtrain.ringreduce import autotune
-from mtrain.ringreduce.autotune import Knobs, Space, Tuner
-from mtrain.ringreduce.optim import BayesianOptimizer
-from mtrain.ringreduce.settings import AutotuneConfig, EngineConfig
+from mtrain.ringreduce.observe import autotune
+from mtrain.ringreduce.observe.autotune import Knobs, Space, Tuner
+from mtrain.ringreduce.observe.optim import BayesianOptimizer
+from mtrain.common.settings import AutotuneConfig, EngineConfig
 
 
 def optimise(f, bounds, samples: int, seed: int) -> "tuple[np.ndarray, float, list]":
@@ -111,8 +111,8 @@ def test_rank_0_tries_bayes_samples_then_each_categorical_value_then_keeps_the_b
 
 
 def test_a_failed_log_file_is_a_warning_and_tuning_goes_on(tmp_path, capsys):
-    from mtrain.ringreduce import log
-    from mtrain.ringreduce.settings import LogLevel
+    from mtrain.ringreduce.core import log
+    from mtrain.common.settings import LogLevel
     log.set_level(LogLevel.WARNING)
     t = tuner(tmp_path, log_path=str(tmp_path / "missing" / "log.csv"))
     assert "cannot write the log file" in capsys.readouterr().err

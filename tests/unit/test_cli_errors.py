@@ -9,7 +9,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def mtrain(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "mtrain.launcher.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mtrain.launcher.cli.main", *args], capture_output=True,
                           text=True, timeout=30, env=env, cwd=cwd)
 
 
@@ -75,7 +75,7 @@ def test_dry_run_prints_plan_and_argv_without_running(tmp_path):
 def test_dry_run_remote_hosts_use_the_agent():
     done = mtrain("run", "--dry-run", "-H", "node1:2,node2:2", "-x", "FOO=bar baz", "python", "t.py")
     assert done.returncode == 0, done.stderr
-    assert "-np 4" in done.stdout and "mtrain.launcher.ssh_agent" in done.stdout
+    assert "-np 4" in done.stdout and "mtrain.launcher.ssh.agent" in done.stdout
     assert "'FOO=bar baz'" in done.stdout
 
 

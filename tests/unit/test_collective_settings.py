@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtrain.launcher import tuning
+from mtrain.launcher.cli import tuning
 
 REFUSED = {
     "MTRAIN_ALLREDUCE_ALGORITHM": (" NCCL", "MTRAIN_ALLREDUCE_ALGORITHM=' NCCL' is not an all-reduce algorithm; set it "

@@ -1,12 +1,12 @@
 """How device arrays and frameworks plug into the runtime, without a GPU: the backend
-registry (ringreduce/backend.py) and the device-bound hooks (ringreduce/cuda.py)."""
+registry (ringreduce/transport/backend.py) and the device-bound hooks (ringreduce/transport/cuda.py)."""
 import sys
 import types
 
 import numpy as np
 import pytest
 
-from mtrain.ringreduce import backend, cuda
+from mtrain.ringreduce.transport import backend, cuda
 
 
 def test_cupy_arrays_are_registered_by_the_cuda_module():

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from mtrain.launcher.elastic import Blacklist, DiscoveryError, parse_discovery_output, plan_hosts
-from mtrain.launcher.hosts import HostSlots
+from mtrain.launcher.elastic.driver import Blacklist, DiscoveryError, parse_discovery_output, plan_hosts
+from mtrain.launcher.job.hosts import HostSlots
 
 
 def test_discovery_lines_with_and_without_slots():
@@ -51,8 +51,8 @@ def test_plan_skips_blacklisted_hosts_and_trims_to_the_limit():
 def test_the_hosts_whose_ranks_never_reported_an_end():
     # Ranks are placed in plan order: a:0-1, b:2-4, c:5. Open MPI's launcher exits 0 when b's
     # daemon dies with its ranks; their wrappers die too and write no record.
-    from mtrain.launcher.elastic import silent_hosts
-    from mtrain.launcher.records.exits import ExitRecord
+    from mtrain.launcher.elastic.driver import silent_hosts
+    from mtrain.common.records.exit_record import ExitRecord
     plan = [HostSlots("a", 2), HostSlots("b", 3), HostSlots("c", 1)]
     records = [ExitRecord(rank, "x", 0, False, 1.0, ()) for rank in (0, 1, 5)]
     assert silent_hosts(plan, records) == ["b"]
@@ -73,9 +73,9 @@ def test_the_hosts_whose_ranks_never_reported_an_end():
 def test_a_reset_asked_for_by_a_rank_whose_peers_were_stopped_on_their_way_out():
     # Seen under Slurm: rank 3 exited with 75 first; Open MPI stopped the others, still leaving
     # MPI_Finalize, by SIGTERM. The generation asked for the next one all the same.
-    from mtrain.launcher.elastic import reset_asked
-    from mtrain.launcher.records.elastic import RESET_EXIT_STATUS
-    from mtrain.launcher.records.exits import ExitRecord
+    from mtrain.launcher.elastic.driver import reset_asked
+    from mtrain.common.records.elastic import RESET_EXIT_STATUS
+    from mtrain.common.records.exit_record import ExitRecord
     asked = ExitRecord(3, "b", RESET_EXIT_STATUS, False, 1.0)
     stopped = [ExitRecord(rank, "a", -15, True, 1.1) for rank in (0, 1, 2)]
     assert reset_asked([asked] + stopped)
@@ -92,7 +92,7 @@ def test_hosts_slow_to_answer_at_the_end_are_waited_for_once_in_all():
     exit three times as long."""
     import threading
     import time
-    from mtrain.launcher.elastic import on_hosts_within
+    from mtrain.launcher.elastic.driver import on_hosts_within
     answered, never = [], threading.Event()
 
     def action(host: str) -> None:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mtrain.launcher.records.flight_recorder import OpState
-from mtrain.ringreduce.collectives import Kind
-from mtrain.ringreduce.errors import Refusal
-from mtrain.ringreduce.ops import dtype_code
-from mtrain.ringreduce.recorder import FlightRecorder
-from mtrain.ringreduce.requests import Signature
+from mtrain.common.records.flight_recorder import OpState
+from mtrain.ringreduce.transport.executor import Kind
+from mtrain.ringreduce.core.errors import Refusal
+from mtrain.ringreduce.core.ops import dtype_code
+from mtrain.ringreduce.observe.recorder import FlightRecorder
+from mtrain.ringreduce.core.requests import Signature
 
 F32 = dtype_code("float32")
 SIG = Signature(int(Kind.ALLREDUCE), F32, (8,), 1, -1, 1.0, 1.0, "numpy")

@@ -1,9 +1,9 @@
-"""Fusion planning (ringreduce/fusion.py): pure functions, no MPI."""
+"""Fusion planning (ringreduce/engine/fusion.py): pure functions, no MPI."""
 import random
 
 import pytest
 
-from mtrain.ringreduce.fusion import RingPlan, group_by_key, plan_batch, plan_rings
+from mtrain.ringreduce.engine.fusion import RingPlan, group_by_key, plan_batch, plan_rings
 
 
 def test_group_by_key_keeps_first_appearance_order():

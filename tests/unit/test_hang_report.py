@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from mtrain.launcher.hang_report import Collector, ranks_text, report
-from mtrain.launcher.records.flight_recorder import OpRecord, OpState, RecorderDump, SetRecord
+from mtrain.launcher.supervise.hang_report import Collector, ranks_text, report
+from mtrain.common.records.flight_recorder import OpRecord, OpState, RecorderDump, SetRecord
 
 W, D = OpState.WAITING, OpState.DONE
 

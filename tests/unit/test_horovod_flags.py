@@ -1,5 +1,5 @@
 """horovodrun's flags and config file on `mtrain run`, and Horovod's variables in the runtime
-(launcher/tuning.py, launcher/cli.py, ringreduce/settings.py), without starting a job."""
+(launcher/cli/tuning.py, launcher/cli/main.py, bindings/common/settings.py), without starting a job."""
 from __future__ import annotations
 
 import math
@@ -12,16 +12,18 @@ import time
 import pytest
 
 import mtrain
-from mtrain.launcher import capabilities, tuning
-from mtrain.launcher.cli import main
-from mtrain.launcher.config import MpiKind, MpiLauncher
-from mtrain.launcher.environment import forwarded_names
-from mtrain.launcher.hosts import HostSlots
-from mtrain.launcher.mpirun import build_argv
-from mtrain.launcher.output import OutputSink
-from mtrain.ringreduce import collectives, log, settings
-from mtrain.ringreduce.negotiation import Coordinator, ResponseCache
-from mtrain.ringreduce.settings import EngineConfig, LogLevel
+from mtrain.launcher.cli import capabilities, tuning
+from mtrain.launcher.cli.main import main
+from mtrain.launcher.cli.config import MpiKind, MpiLauncher
+from mtrain.launcher.job.environment import forwarded_names
+from mtrain.launcher.job.hosts import HostSlots
+from mtrain.launcher.job.mpirun import build_argv
+from mtrain.launcher.supervise.output import OutputSink
+from mtrain.ringreduce.transport import executor as collectives
+from mtrain.ringreduce.core import log
+from mtrain.common import settings
+from mtrain.ringreduce.negotiation.coordinator import Coordinator, ResponseCache
+from mtrain.common.settings import EngineConfig, LogLevel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -407,7 +409,7 @@ def test_rank_zero_logs_its_settings_at_debug_and_says_there_is_no_hierarchical_
 
 
 def test_the_launcher_refuses_a_variable_the_ranks_would_refuse():
-    from mtrain.launcher import tuning
+    from mtrain.launcher.cli import tuning
     refusal = tuning.refused_variable({"HOROVOD_CYCLE_TIME": "abc"})
     assert refusal is not None and refusal.startswith("HOROVOD_CYCLE_TIME='abc' is not a number")
     assert tuning.refused_variable({"HOROVOD_CACHE_CAPACITY": "-1"}).startswith("HOROVOD_CACHE_CAPACITY=")
@@ -417,7 +419,7 @@ def test_the_launcher_refuses_a_variable_the_ranks_would_refuse():
 
 
 def test_checking_variables_leaves_mpi_alone_in_the_launcher():
-    code = ("import sys; from mtrain.launcher import tuning; tuning.refused_variable({}); "
+    code = ("import sys; from mtrain.launcher.cli import tuning; tuning.refused_variable({}); "
             "print(sorted(m for m in sys.modules if m.startswith(('mpi4py', 'mtrain.ringreduce'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

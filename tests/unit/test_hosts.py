@@ -1,9 +1,19 @@
 """Host parsing and slot assignment (pure functions)."""
 import pytest
 
-from mtrain.launcher.hosts import (HostSlots, HostSpecError, assign_slots, expand_slurm_counts,
-                            expand_slurm_nodelist, is_local, parse_host_list, parse_hostfile_text,
-                            rank_hosts, read_hostfile, slurm_hosts)
+from mtrain.launcher.job.hosts import (
+    HostSlots,
+    HostSpecError,
+    assign_slots,
+    expand_slurm_counts,
+    expand_slurm_nodelist,
+    is_local,
+    parse_host_list,
+    parse_hostfile_text,
+    rank_hosts,
+    read_hostfile,
+    slurm_hosts,
+)
 
 
 def test_host_list_in_order_with_default_slot():

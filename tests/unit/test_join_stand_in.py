@@ -1,4 +1,4 @@
-"""What a joined rank stands in with (ringreduce/join.py), without MPI."""
+"""What a joined rank stands in with (ringreduce/engine/join.py), without MPI."""
 from __future__ import annotations
 
 import threading
@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 
-from mtrain.ringreduce.join import stand_in  # (the package exports join(), the function)
-from mtrain.ringreduce.ops import ReduceOp
-from mtrain.ringreduce.requests import host_allreduce_signature
+from mtrain.ringreduce.engine.join import stand_in  # (the package exports join(), the function)
+from mtrain.ringreduce.core.ops import ReduceOp
+from mtrain.ringreduce.core.requests import host_allreduce_signature
 
 
 def test_a_stand_in_is_submitted_when_it_is_made():

@@ -1,4 +1,4 @@
-"""The launch's own signal handling outside the job's run (launcher/launch.py's Termination),
+"""The launch's own signal handling outside the job's run (launcher/job/launch.py's Termination),
 and a launch whose SSH connection master cannot serve: it goes on without sharing."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from mtrain.launcher.config import SshOptions
+from mtrain.launcher.cli.config import SshOptions
 
 
 def _in_child(code: str) -> subprocess.CompletedProcess:
@@ -17,7 +17,7 @@ def test_signal_outside_the_job_ends_the_launch_through_its_cleanup():
     # SIGTERM while a launch sets up: SystemExit(143) from where it was, so every finally runs.
     done = _in_child(
         "import os, signal\n"
-        "from mtrain.launcher.launch import Termination\n"
+        "from mtrain.launcher.job.launch import Termination\n"
         "try:\n"
         "    with Termination():\n"
         "        try:\n"
@@ -34,7 +34,7 @@ def test_signal_outside_the_job_ends_the_launch_through_its_cleanup():
 def test_signal_during_the_cleanup_waits_for_its_end():
     done = _in_child(
         "import os, signal\n"
-        "from mtrain.launcher.launch import Termination\n"
+        "from mtrain.launcher.job.launch import Termination\n"
         "try:\n"
         "    with Termination() as termination:\n"
         "        with termination.cleaning():\n"
@@ -47,9 +47,9 @@ def test_signal_during_the_cleanup_waits_for_its_end():
 
 
 def test_launch_goes_on_without_sharing_where_no_socket_can_be_served(tmp_path, monkeypatch):
-    from mtrain.launcher import launch as launchlib
-    from mtrain.launcher.config import LaunchConfig, MpiKind, MpiLauncher
-    from mtrain.launcher.hosts import HostSlots
+    from mtrain.launcher.job import launch as launchlib
+    from mtrain.launcher.cli.config import LaunchConfig, MpiKind, MpiLauncher
+    from mtrain.launcher.job.hosts import HostSlots
     config = LaunchConfig(plan=(HostSlots("a", 1),), command=("true",), remote_hosts=("a",), ssh=SshOptions(),
                           mpi=MpiLauncher("/bin/true", MpiKind.OPENMPI))
     not_private = tmp_path / "open"

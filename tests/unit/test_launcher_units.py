@@ -7,16 +7,22 @@ import threading
 
 import pytest
 
-from mtrain.launcher.config import SshOptions
+from mtrain.launcher.cli.config import SshOptions
 from mtrain.launcher.rank import child_environment, exit_record
-from mtrain.launcher.ssh_agent import read_config, remote_command, split_arguments, wait_for_gate, write_config
-from mtrain.launcher.outcome import first_failure, print_failure_report
-from mtrain.launcher.supervise import Job
-from mtrain.launcher.records.agent_events import AgentEvent, AgentEventKind, AgentEventReader
-from mtrain.launcher.records.errors import ErrorReport, FailureCause, report_error
-from mtrain.launcher.records.exits import EXIT_MARKER, ExitRecord, exception_line
-from mtrain.launcher.records.gate import Gate
-from mtrain.launcher.records.phase import Phase, PhaseNote
+from mtrain.launcher.ssh.agent import (
+    read_config,
+    remote_command,
+    split_arguments,
+    wait_for_gate,
+    write_config,
+)
+from mtrain.launcher.supervise.outcome import first_failure, print_failure_report
+from mtrain.launcher.supervise.supervisor import Job
+from mtrain.common.records.agent_events import AgentEvent, AgentEventKind, AgentEventReader
+from mtrain.common.records.error_report import ErrorReport, FailureCause, report_error
+from mtrain.common.records.exit_record import EXIT_MARKER, ExitRecord, exception_line
+from mtrain.common.records.gate import Gate
+from mtrain.common.records.phase import Phase, PhaseNote
 
 
 def test_agent_parses_ssh_style_arguments():
@@ -98,7 +104,7 @@ def test_wrapper_hides_open_mpi_abort_delay_line_and_records_it():
 
 
 def test_wrapper_carries_the_runtimes_own_account_into_the_record():
-    code = ("from mtrain.launcher.records.errors import FailureCause, report_error\n"
+    code = ("from mtrain.common.records.error_report import FailureCause, report_error\n"
             "report_error('ShutdownError: rank 2 left\\nmore', FailureCause.PEER)\n"
             "report_error('second account, ignored', FailureCause.OWN)\n"
             "raise SystemExit(9)")
@@ -225,7 +231,7 @@ def test_describe_names_signal_and_reason():
 
 
 def test_exception_lines_are_recognised_and_shortened():
-    assert exception_line("mtrain.ringreduce.errors.MismatchError: ranks differ") == "MismatchError: ranks differ"
+    assert exception_line("mtrain.ringreduce.core.errors.MismatchError: ranks differ") == "MismatchError: ranks differ"
     assert exception_line("[rank1]: RuntimeError: simulated") == "RuntimeError: simulated"
     assert exception_line("KeyboardInterrupt") == "KeyboardInterrupt"
     for other in ("  File \"x.py\", line 3", "WARNING: All log messages", "/a/b.py:74: UserWarning: x",
@@ -242,7 +248,7 @@ def test_wrapper_keeps_the_exception_line_a_long_message_pushes_out_of_the_tail(
 
 
 def test_paramiko_starts_without_importing_invoke_until_ssh_config_needs_it():
-    code = ("import sys, mtrain.launcher.ssh, paramiko.config as c\n"
+    code = ("import sys, mtrain.launcher.ssh.client, paramiko.config as c\n"
             "assert 'invoke.context' not in sys.modules, 'invoke imported at start-up'\n"
             "assert c.invoke.Context.__module__ == 'invoke.context'\n"
             "assert sys.modules['invoke'].Context is c.invoke.Context\n")
@@ -251,7 +257,7 @@ def test_paramiko_starts_without_importing_invoke_until_ssh_config_needs_it():
 
 
 def test_paramiko_gets_its_version_without_importlib_metadata_which_still_works_after():
-    code = ("import sys, importlib, mtrain.launcher.ssh, paramiko\n"
+    code = ("import sys, importlib, mtrain.launcher.ssh.client, paramiko\n"
             "assert 'importlib.metadata' not in sys.modules, 'the stand-in was left behind'\n"
             "assert not hasattr(importlib, 'metadata'), 'the stand-in was left on importlib'\n"
             "from importlib import metadata\n"
@@ -263,7 +269,7 @@ def test_paramiko_gets_its_version_without_importlib_metadata_which_still_works_
 
 def test_wrapper_leaves_its_scratch_directory_behind_in_no_case(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "OMPI_COMM_WORLD_RANK": "0"}
-    code = ("from mtrain.launcher.records.errors import FailureCause, report_error\n"
+    code = ("from mtrain.common.records.error_report import FailureCause, report_error\n"
             "report_error('it failed', FailureCause.OWN)\n"
             "raise SystemExit(4)")
     for argv in ([sys.executable, "-c", code], [sys.executable, "-c", "pass"], ["/nonexistent/program"]):
@@ -296,7 +302,7 @@ def test_records_are_frozen_compare_by_value_and_take_defaults():
 
 
 def test_phase_notes_round_trip_and_tell_a_job_stuck_in_init():
-    from mtrain.launcher.supervise import stuck_in_init
+    from mtrain.launcher.supervise.supervisor import stuck_in_init
     for note in (PhaseNote(Phase.INIT_WAITING, (0, 1, 3)), PhaseNote(Phase.INIT_DONE), PhaseNote(Phase.ENDED, status=4),
                  PhaseNote(Phase.ENDED, status=1, where="train.py:7 in step")):
         marker, _, payload = note.encode().partition(b" ")
@@ -331,7 +337,7 @@ def test_the_supervisor_takes_phase_notes_out_of_the_ranks_output():
 def test_lines_that_mpirun_starts_with_nul_bytes_keep_their_rank():
     # Seen on the test cluster after a rank's abort: "\x00[0]<stderr>:@@mtrain-flight-recorder@@ ...".
     import io
-    from mtrain.launcher.records.flight_recorder import RecorderDump
+    from mtrain.common.records.flight_recorder import RecorderDump
     job = Job(["mpirun"], {}, 2, None, False, None)
     dump = RecorderDump(1, "h1", "SIGUSR1", 5.0, ())
     text = (b"\0[0]<stderr>:" + PhaseNote(Phase.INIT_DONE).encode() + b"\0\0[1]<stderr>:" + dump.encode()
@@ -344,7 +350,7 @@ def test_lines_that_mpirun_starts_with_nul_bytes_keep_their_rank():
 
 
 def test_event_lines_are_taken_out_of_a_guards_stderr_and_appended(tmp_path):
-    from mtrain.launcher.records.agent_events import event_line, take_events
+    from mtrain.common.records.agent_events import event_line, take_events
     events = str(tmp_path / "events")
     died = AgentEvent(AgentEventKind.DAEMON_DIED, "h2", "host h2: the MPI daemon there died (killed by SIGKILL)", 5.0)
     chunk = b"mtrain-guard: one\n" + event_line(died) + b"two, unterminated"
@@ -389,7 +395,7 @@ def _frozen_record() -> None:
 
 
 def test_user_line_is_the_innermost_frame_of_the_programs_own_code(monkeypatch):
-    from mtrain.launcher.records.frames import user_line
+    from mtrain.common.records.user_frames import user_line
     here = os.path.dirname(os.path.abspath(__file__))
     name = os.path.basename(__file__)
     line = _bad_json.__code__.co_firstlineno + 2
@@ -424,7 +430,7 @@ def test_the_failure_report_says_where_a_failing_rank_left(capsys):
 def test_the_runtimes_records_on_stderr_are_never_a_ranks_last_words():
     # Seen under Slurm: a rank's last stderr line was its step meter's record, which then stood in
     # as the reason of its failure ("exit code 75 (@@mtrain-steps@@ {...})").
-    from mtrain.launcher.records.steps import StepReport, StepSample
+    from mtrain.common.records.steps import StepReport, StepSample
     report = StepReport("node-1", (StepSample(1, 7, 1.0, 0.5, 0.25, 64),)).encode()
     code = ("import os, sys\n"
             "print('the last words', file=sys.stderr)\n"

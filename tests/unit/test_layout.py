@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from mtrain.launcher.hosts import HostSlots
-from mtrain.launcher.layout import HostFacts, job_layout, ports_needed
-from mtrain.launcher.netif import choose_interface
-from mtrain.launcher.records.job_layout import JobLayout
+from mtrain.launcher.job.hosts import HostSlots
+from mtrain.launcher.job.layout import HostFacts, job_layout, ports_needed
+from mtrain.launcher.job.netif import choose_interface
+from mtrain.common.records.job_layout import JobLayout
 
 PLAN = [HostSlots("a", 2), HostSlots("b", 3)]
 FACTS = {

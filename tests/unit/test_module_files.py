@@ -2,7 +2,7 @@
 launcher skips its early check of the runtime's settings only for the first."""
 import pytest
 
-from mtrain.launcher.module_files import NotAModuleFile, load_module_file
+from mtrain.launcher.cli.module_files import NotAModuleFile, load_module_file
 
 
 def test_a_module_that_fails_as_it_runs_raises_its_own_error_and_is_not_kept(tmp_path):

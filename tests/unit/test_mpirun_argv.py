@@ -1,10 +1,10 @@
 """The launcher argv builder: Open MPI 5 and MPICH hydra (pure)."""
 import pytest
 
-from mtrain.launcher.config import MpiKind, MpiLauncher
-from mtrain.launcher.environment import forwarded_names, rank_environment
-from mtrain.launcher.hosts import HostSlots
-from mtrain.launcher.mpirun import MpiNotFound, build_argv, kind_from_version_text
+from mtrain.launcher.cli.config import MpiKind, MpiLauncher
+from mtrain.launcher.job.environment import forwarded_names, rank_environment
+from mtrain.launcher.job.hosts import HostSlots
+from mtrain.launcher.job.mpirun import MpiNotFound, build_argv, kind_from_version_text
 
 OMPI = MpiLauncher("/opt/ompi/bin/mpirun", MpiKind.OPENMPI)
 HYDRA = MpiLauncher("/opt/mpich/bin/mpiexec", MpiKind.MPICH)
@@ -17,7 +17,7 @@ def _after(argv, flag):
 
 
 def test_openmpi_multi_host():
-    argv = build_argv(OMPI, PLAN, COMMAND, rank_python="/env/bin/python", agent=["/env/bin/python", "-m", "mtrain.launcher.ssh_agent"],
+    argv = build_argv(OMPI, PLAN, COMMAND, rank_python="/env/bin/python", agent=["/env/bin/python", "-m", "mtrain.launcher.ssh.agent"],
                       env_names=["PATH"], env_values={"SEED": "1 2"}, network_interfaces=["10.0.0.0/24"],
                       as_root=True)
     assert argv[:3] == ["/opt/ompi/bin/mpirun", "-np", "3"]
@@ -26,7 +26,7 @@ def test_openmpi_multi_host():
     assert "--allow-run-as-root" in argv
     prte = _after(argv, "--prtemca")
     assert prte == ["plm_ssh_agent", "plm_ssh_no_tree_spawn", "oob_tcp_if_include"]
-    assert argv[argv.index("plm_ssh_agent") + 1] == "/env/bin/python -m mtrain.launcher.ssh_agent"
+    assert argv[argv.index("plm_ssh_agent") + 1] == "/env/bin/python -m mtrain.launcher.ssh.agent"
     assert argv[argv.index("btl_tcp_if_include") + 1] == "10.0.0.0/24"
     assert _after(argv, "-x") == ["PATH", "SEED=1 2"]
     # The user's words are the tail, untouched, after the rank wrapper.
@@ -66,7 +66,7 @@ def test_hydra_multi_host():
 
 def test_hydra_needs_a_single_program_agent():
     with pytest.raises(ValueError, match="one executable"):
-        build_argv(HYDRA, PLAN, ["true"], rank_python="py", agent=["py", "-m", "mtrain.launcher.ssh_agent"])
+        build_argv(HYDRA, PLAN, ["true"], rank_python="py", agent=["py", "-m", "mtrain.launcher.ssh.agent"])
 
 
 def test_empty_command_or_plan_rejected():

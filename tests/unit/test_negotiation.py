@@ -1,11 +1,11 @@
-"""Coordinator and ResponseCache (ringreduce/negotiation.py) without MPI: the gathered
+"""Coordinator and ResponseCache (ringreduce/negotiation/coordinator.py) without MPI: the gathered
 reports every rank would send are built by hand, as rank 0 receives them."""
 import numpy as np
 import pytest
 
-from mtrain.ringreduce import negotiation
-from mtrain.ringreduce.errors import MismatchError, StallError, Verdict
-from mtrain.ringreduce.negotiation import Coordinator, Response, ResponseCache, bits_of, set_bit
+from mtrain.ringreduce.negotiation import coordinator as negotiation
+from mtrain.ringreduce.core.errors import MismatchError, StallError, Verdict
+from mtrain.ringreduce.negotiation.coordinator import Coordinator, Response, ResponseCache, bits_of, set_bit
 
 
 def report(name, meta, description=None):

@@ -36,8 +36,8 @@ def test_wheel_holds_only_mtrain_and_works_from_its_own_install(tmp_path):
                    "mtrain/torch/sync_batch_norm.py", "mtrain/distributed/__init__.py", "mtrain/keras.py",
                    "mtrain/tensorflow/__init__.py", "mtrain/tensorflow/mpi_ops.py",
                    "mtrain/tensorflow/gradient_tape.py", "mtrain/tensorflow/keras/__init__.py",
-                   "mtrain/launcher/rank.py", "mtrain/launcher/records/__init__.py", "mtrain/launcher/ssh_agent.py",
-                   "mtrain/ringreduce/ring.py"):
+                   "mtrain/launcher/rank.py", "mtrain/common/records/__init__.py", "mtrain/launcher/ssh/agent.py",
+                   "mtrain/ringreduce/transport/ring.py", "mtrain/ringreduce/engine/cycle.py"):
         assert module in names, module
     import mtrain
     assert wheel.name.startswith(f"mtrain-{mtrain.__version__}-")  # the one version, read from mtrain
@@ -48,7 +48,7 @@ def test_wheel_holds_only_mtrain_and_works_from_its_own_install(tmp_path):
     assert installed.returncode == 0, installed.stderr
     empty = tmp_path / "elsewhere"
     empty.mkdir()
-    done = _python("import mtrain, mtrain.launcher.rank, mtrain.launcher.cli, mtrain.ringreduce, mtrain.launcher.records\n"
+    done = _python("import mtrain, mtrain.launcher.rank, mtrain.launcher.cli.main, mtrain.ringreduce, mtrain.common.records\n"
                    "print(mtrain.__file__)\n"
                    "for name in ('launcher', 'bindings', 'ringreduce'):\n"
                    "    try:\n        __import__(name)\n    except ModuleNotFoundError:\n        continue\n"
@@ -63,3 +63,14 @@ def test_editable_install_exposes_only_mtrain(tmp_path):
                    "    try:\n        __import__(name)\n    except ModuleNotFoundError:\n        continue\n"
                    "    raise SystemExit(f'{name} is importable')\n", tmp_path)
     assert done.returncode == 0, done.stderr
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """A sub-package missing from pyproject's list would be left out of a wheel (and of an
+    editable install's finder) while the repository's own checkout still imports it."""
+    import tomllib  # (Python 3.11+; CI's Python)
+    from tests.unit.source_modules import installed_modules
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in installed_modules().items() if path.name == "__init__.py"}
+    assert packages == listed, f"in the tree, not listed: {sorted(packages - listed)}; listed, not in the tree: {sorted(listed - packages)}"

@@ -15,9 +15,15 @@ import sys
 import pytest
 
 from mtrain.elastic import snapshot
-from mtrain.launcher.private import PrivatePathError, private_folder, read_private, remove_private, write_private
-from mtrain.launcher.records.elastic import HostUpdates
-from mtrain.launcher.records.job_layout import JobLayout
+from mtrain.common.private import (
+    PrivatePathError,
+    private_folder,
+    read_private,
+    remove_private,
+    write_private,
+)
+from mtrain.common.records.elastic import HostUpdates
+from mtrain.common.records.job_layout import JobLayout
 
 OTHER_UID = 65534  # nobody
 KEY = b"k" * 64  # the job's key
@@ -185,7 +191,7 @@ def test_a_hosts_job_files_go_by_generation(tmp_path, monkeypatch):
     # The guard of a generation that ended may still be stopping its daemon while the next
     # generation starts on the same host: each removes only its own generation's entries, and a
     # new generation what earlier ones left (a killed host's).
-    from mtrain.launcher import job_files
+    from mtrain.launcher.job import job_files
     monkeypatch.setattr(job_files, "JOB_FOLDER_PARENT", str(tmp_path / "tmp"))
     monkeypatch.setattr(job_files, "SHARED_MEMORY_PARENT", str(tmp_path / "shm"))
     os.makedirs(tmp_path / "tmp", mode=0o700)
@@ -212,7 +218,7 @@ def test_a_job_folder_another_hosts_cleanup_removes_as_it_is_made_is_made_again(
     # Hosts that share /tmp share the job's folder: one host's guard removes it once it is empty
     # (what its earlier generations left is gone) just as another host has made it and is about
     # to put its layout, daemon folder or rank folder in it.  The second host makes it again.
-    from mtrain.launcher import job_files
+    from mtrain.launcher.job import job_files
     monkeypatch.setattr(job_files, "JOB_FOLDER_PARENT", str(tmp_path / "tmp"))
     monkeypatch.setattr(job_files, "SHARED_MEMORY_PARENT", str(tmp_path / "shm"))
     os.makedirs(tmp_path / "tmp", mode=0o700)

@@ -14,8 +14,8 @@ from mtrain.launcher.pymain import MODULE, command_through_runner
 PYTHON = sys.executable
 HERE = os.path.dirname(PYTHON)
 # What the exit handler will read, printed by an exit handler of the program's own (no MPI).
-REPORT = ("import atexit\nfrom mtrain.launcher import pymain\n"
-          "atexit.register(lambda: print('final', pymain.final_status(), flush=True))\n")
+REPORT = ("import atexit\nfrom mtrain.common import exit_status\n"
+          "atexit.register(lambda: print('final', exit_status.final_status(), flush=True))\n")
 
 
 @pytest.mark.parametrize("argv, expected", [

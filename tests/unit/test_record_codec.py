@@ -2,7 +2,7 @@
 a tuple field of mixed types, and a record that extends one with fields (it would drop them)."""
 import pytest
 
-from mtrain.launcher.records.base import Record
+from mtrain.common.records.base import Record
 
 
 def test_a_tuple_field_of_mixed_types_is_refused():

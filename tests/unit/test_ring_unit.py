@@ -5,9 +5,9 @@ import sys
 import numpy as np
 import pytest
 
-from mtrain.ringreduce import ops
-from mtrain.ringreduce.backend import NumpyBackend
-from mtrain.ringreduce.ring import even_bounds, segment_bounds
+from mtrain.ringreduce.core import ops
+from mtrain.ringreduce.transport.backend import NumpyBackend
+from mtrain.ringreduce.transport.ring import even_bounds, segment_bounds
 from tests.horovod_scaling import horovod_scaled
 
 
@@ -49,17 +49,17 @@ def _fresh(code: str) -> str:
 
 def test_importing_the_runtime_leaves_ml_dtypes_until_bfloat16_is_needed():
     # Importing ml_dtypes takes most of a second; every rank of every job paid it at import.
-    assert _fresh("import sys, mtrain.ringreduce, mtrain.ringreduce.ops as ops; "
+    assert _fresh("import sys, mtrain.ringreduce, mtrain.ringreduce.core.ops as ops; "
                   "ops.dtype_code('float32'); ops.dtype_from_code(1); print('ml_dtypes' in sys.modules)") == "False"
 
 
 def test_bfloat16_keeps_its_wire_code_however_it_is_first_met():
     pytest.importorskip("ml_dtypes")
     # Sent by this rank (its own array), received from another (a code alone), or listed.
-    assert _fresh("import numpy as np, ml_dtypes, mtrain.ringreduce.ops as ops; "
+    assert _fresh("import numpy as np, ml_dtypes, mtrain.ringreduce.core.ops as ops; "
                   "print(ops.dtype_code(np.zeros(2, ml_dtypes.bfloat16).dtype))") == str(ops.BFLOAT16_CODE)
-    assert _fresh("import mtrain.ringreduce.ops as ops; print(ops.dtype_from_code(ops.BFLOAT16_CODE))") == "bfloat16"
-    assert _fresh("from mtrain.ringreduce.ops import SUPPORTED_DTYPES; print(SUPPORTED_DTYPES[-1], "
+    assert _fresh("import mtrain.ringreduce.core.ops as ops; print(ops.dtype_from_code(ops.BFLOAT16_CODE))") == "bfloat16"
+    assert _fresh("from mtrain.ringreduce.core.ops import SUPPORTED_DTYPES; print(SUPPORTED_DTYPES[-1], "
                   "len(SUPPORTED_DTYPES))") == f"bfloat16 {ops.BFLOAT16_CODE + 1}"
     assert ops.BFLOAT16_CODE == 12  # after the twelve built-in dtypes: the order is the wire code
 
@@ -112,7 +112,7 @@ def test_backend_scale_is_horovods_rule_bit_for_bit():
 
 
 def test_average_is_one_scaling_by_postscale_over_size():
-    from mtrain.ringreduce.backend import finishing_factor
+    from mtrain.ringreduce.transport.backend import finishing_factor
     assert finishing_factor(ops.Average, 3.0, 4) == 0.75
     assert finishing_factor(ops.Sum, 3.0, 4) == 3.0
     assert finishing_factor(ops.Max, 1.0, 4) == 1.0

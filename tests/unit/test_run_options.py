@@ -3,8 +3,8 @@ parameter of the command, so an option added to one and not the other fails here
 internal error at a user's first run."""
 import dataclasses
 
-from mtrain.launcher import cli
-from mtrain.launcher.run_options import RunOptions
+from mtrain.launcher.cli import main as cli
+from mtrain.launcher.cli.run_options import RunOptions
 
 
 def test_every_run_parameter_has_a_field_and_no_field_is_left_over():

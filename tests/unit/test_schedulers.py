@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from mtrain.launcher.hosts import HostSlots, HostSpecError, pbs_hosts, scheduler_allocation
-from mtrain.launcher.netif import shared_subnets
+from mtrain.launcher.job.hosts import HostSlots, HostSpecError, pbs_hosts, scheduler_allocation
+from mtrain.launcher.job.netif import shared_subnets
 
 pytestmark = pytest.mark.timeout(60)
 SLURM = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_TASKS_PER_NODE": "2(x2)"}
@@ -21,7 +21,7 @@ def mtrain(*args: str, env: dict, path_dir=None) -> subprocess.CompletedProcess:
     full.update(env)
     if path_dir is not None:
         full["PATH"] = f"{path_dir}{os.pathsep}{full['PATH']}"
-    return subprocess.run([sys.executable, "-m", "mtrain.launcher.cli", "run", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mtrain.launcher.cli.main", "run", *args], capture_output=True,
                           text=True, timeout=30, env=full)
 
 
@@ -127,5 +127,5 @@ def test_auto_without_srun_goes_over_ssh():
     ({}, None),
 ])
 def test_why_slurm_is_ending_a_job(fields, expected):
-    from mtrain.launcher.slurm import ended_by
+    from mtrain.launcher.job.slurm import ended_by
     assert ended_by(fields) == expected

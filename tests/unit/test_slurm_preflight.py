@@ -1,4 +1,4 @@
-"""The preflight through srun (launcher/slurm.py), against an `srun` stand-in that answers as Slurm
+"""The preflight through srun (launcher/job/slurm.py), against an `srun` stand-in that answers as Slurm
 does: one JSON line per node that ran the probe, srun's and slurmstepd's error lines for the others.
 (tests/cluster/test_slurm.py runs the real Slurm.)"""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import mtrain
-from mtrain.launcher import slurm
+from mtrain.launcher.job import slurm
 
 pytestmark = pytest.mark.timeout(60)
 

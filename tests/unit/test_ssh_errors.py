@@ -3,9 +3,9 @@ import socket
 
 import pytest
 
-from mtrain.launcher import ssh
-from mtrain.launcher.config import SshOptions
-from mtrain.launcher.preflight import HostReport, slot_warnings
+from mtrain.launcher.ssh import client as ssh
+from mtrain.launcher.cli.config import SshOptions
+from mtrain.launcher.job.preflight import HostReport, slot_warnings
 
 
 @pytest.fixture

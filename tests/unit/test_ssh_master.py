@@ -1,4 +1,4 @@
-"""The SSH connection master (launcher/ssh_master.py) with stand-ins for paramiko's objects:
+"""The SSH connection master (launcher/ssh/master.py) with stand-ins for paramiko's objects:
 what the agent gets relayed, what the host gets sent, and when nothing may run at all.
 The real thing over sshd: tests/cluster/test_shared_connection.py."""
 from __future__ import annotations
@@ -16,11 +16,21 @@ import time
 
 import pytest
 
-from mtrain.launcher import remote_guard, ssh_agent, ssh_master
-from mtrain.launcher.config import SshOptions
-from mtrain.launcher.ssh_master import (ConnectionMaster, FrameKind, MasterSession, Outcome, ProtocolError,
-                                        decode_request, encode_request, receive_frame, send_frame)
-from mtrain.launcher.records.agent_events import AgentEventKind, AgentEventReader
+from mtrain.launcher import remote_guard
+from mtrain.launcher.ssh import agent as ssh_agent, master as ssh_master
+from mtrain.launcher.cli.config import SshOptions
+from mtrain.launcher.ssh.master import (
+    ConnectionMaster,
+    FrameKind,
+    MasterSession,
+    Outcome,
+    ProtocolError,
+    decode_request,
+    encode_request,
+    receive_frame,
+    send_frame,
+)
+from mtrain.common.records.agent_events import AgentEventKind, AgentEventReader
 
 WORDS = ["PATH=/p;export PATH;", "prted", "--daemonize", "--x", '"a b"']
 
@@ -200,7 +210,7 @@ def agent(master: ConnectionMaster | None, tmp_path, host: str, *words: str, mas
                            master=master_path or (master.path if master else None))
     env = {**os.environ, "HOME": str(tmp_path)}
     env.pop("SSH_AUTH_SOCK", None)
-    return subprocess.Popen([sys.executable, "-m", "mtrain.launcher.ssh_agent", "--config", config, host, *words],
+    return subprocess.Popen([sys.executable, "-m", "mtrain.launcher.ssh.agent", "--config", config, host, *words],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **popen)
 
 

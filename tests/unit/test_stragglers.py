@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import io
 
-from mtrain.launcher.progress import ProgressDisplay, describe
-from mtrain.launcher.records.steps import STEP_MARKER, StepReport, StepSample
-from mtrain.launcher.straggler_rows import MIN_EXCESS_SECONDS, straggler_table
-from mtrain.launcher.stragglers import ROWS_SHOWN, StepBoard, format_table, title_for
+from mtrain.launcher.supervise.progress import ProgressDisplay, describe
+from mtrain.common.records.steps import STEP_MARKER, StepReport, StepSample
+from mtrain.common.straggler_rows import MIN_EXCESS_SECONDS, straggler_table
+from mtrain.launcher.supervise.stragglers import ROWS_SHOWN, StepBoard, format_table, title_for
 
 
 def samples(rank: int, computes: "list[float]", slow: "set[int]" = frozenset(), waits: "list[float] | None" = None,

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from mtrain.launcher.cli import main
-from mtrain.launcher import timeline_summary as ts
-from mtrain.ringreduce.timeline import ClockSample, Timeline, best_offset
+from mtrain.launcher.cli.main import main
+from mtrain.launcher.cli import timeline_summary as ts
+from mtrain.ringreduce.observe.timeline import ClockSample, Timeline, best_offset
 
 
 def _meta(pid: int, tid: int, name: str) -> dict:
