@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import runtime
-from mtrain.ringreduce.transport.executor import Kind
+from mtrain.ringreduce.core.ops import Kind
 from mtrain.ringreduce.core.requests import Handle, make_request
 
 from allreduce import timed_side_by_side  # a sibling benchmark (repo_helpers.py says why so)

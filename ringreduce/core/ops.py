@@ -14,6 +14,19 @@ import numpy as np
 from mtrain.ringreduce.core.errors import InvalidArgumentError  # a RuntimeError, as Horovod's refusals; and the ValueError of before
 
 
+class Kind(enum.IntEnum):
+    """Which collective an op is."""
+
+    ALLREDUCE = 1
+    ALLGATHER = 2
+    BROADCAST = 3
+    REDUCESCATTER = 4
+    ALLTOALL = 5
+    BARRIER = 6
+    BROADCAST_OBJECT = 7
+    ALLGATHER_OBJECT = 8
+
+
 class ReduceOp(enum.IntEnum):
     Average = 0
     Sum = 1

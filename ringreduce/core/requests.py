@@ -13,16 +13,30 @@
 """
 from __future__ import annotations
 
+import enum
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from mtrain.ringreduce.transport.backend import backend_for
-from mtrain.ringreduce.transport.executor import Kind
 from mtrain.ringreduce.core.errors import Refusal
-from mtrain.ringreduce.negotiation.coordinator import UNNAMED_PREFIX, RequestState  # noqa: F401  (UNNAMED_PREFIX: re-exported)
-from mtrain.ringreduce.core.ops import ReduceOp, dtype_code
+from mtrain.ringreduce.core.ops import Kind, ReduceOp, dtype_code
+
+
+
+# Ops submitted without a name are named by a per-rank counter under this prefix
+# (``SubmitQueue.auto_name``); such names never repeat, so the response cache never keeps them.
+UNNAMED_PREFIX = "noname."
+
+
+class RequestState(enum.Enum):
+    """Where one submitted op stands in the negotiation on this rank. It changes only through
+    the request's own methods: ``cache_at``, ``report`` and ``uncache``."""
+
+    UNREPORTED = "unreported"  # neither cached nor reported to the coordinator yet
+    REPORTED = "reported"      # sent to the coordinator; waiting for its verdict
+    CACHED = "cached"          # known to every rank as a cache bit: goes in the bit vector
 
 
 class Signature(NamedTuple):
@@ -226,8 +240,22 @@ class Request:
     def nbytes(self) -> int:
         return self.array.nbytes
 
+    def cache_at(self, bit: int) -> None:
+        """Every rank knows this op as cache ``bit``: it goes in the bit vector."""
+        self.state = _CACHED
+        self.bit = bit
 
-_UNREPORTED = RequestState.UNREPORTED  # an Enum member read through its class costs a lookup each time
+    def report(self) -> None:
+        """Sent to the coordinator: it waits for the verdict."""
+        self.state = _REPORTED
+
+    def uncache(self) -> None:
+        """Its cache entry is gone (invalidated, or the cache turned off): it is reported afresh."""
+        self.state = _UNREPORTED
+
+
+# An Enum member read through its class costs a lookup each time.
+_UNREPORTED, _REPORTED, _CACHED = RequestState.UNREPORTED, RequestState.REPORTED, RequestState.CACHED
 
 
 class AllreduceOp(Handle):
@@ -281,6 +309,9 @@ class AllreduceOp(Handle):
     meta = Request.meta
     describe = Request.describe
     nbytes = Request.nbytes
+    cache_at = Request.cache_at
+    report = Request.report
+    uncache = Request.uncache
 
 
 def make_request(kind: Kind, array: "Any | None", name: str, handle: Handle, index: int = 0,

@@ -6,14 +6,14 @@ engine thread
 1. takes the newly submitted ops from the submit queue (``submit_queue.py``:
    once a burst of submissions is over, or at once when a thread waits on a handle),
 2. negotiates with the other ranks which ops every rank has submitted
-   (``negotiation.py``: a response-cache bit vector in the steady state, a
+   (``negotiation/``: a response-cache bit vector in the steady state, a
    coordinator round trip for new names),
 3. has the dispatcher (``dispatch.py``) run the ready ops in the same order on
    every rank and complete their handles.
 
 The steady state is a training step that repeats the last one's ops. A batch
 that ran whole (every op cached, all of it taken in one cycle) is kept as a
-steady batch (``negotiation.SteadyBatch``). When the same ops come again in
+steady batch (``negotiation.steady.SteadyBatch``). When the same ops come again in
 the same order, the cycle sends the kept vector, and if every rank sent the
 same (nothing more, nothing missing, no news) it runs the batch as it is, with
 no per-op work before the rings. Otherwise the ops become pending ops like any
@@ -52,18 +52,12 @@ from mtrain.ringreduce.transport.executor import Executor
 from mtrain.ringreduce.engine.dispatch import Dispatcher
 from mtrain.ringreduce.core.errors import EngineError, ShutdownError, Verdict
 from mtrain.ringreduce.engine.fusion import PLAN_CACHE_SIZE
-from mtrain.ringreduce.negotiation.coordinator import (
-    Agreement,
-    Control,
-    Coordinator,
-    Negotiator,
-    Report,
-    RequestState,
-    ResponseCache,
-    SteadyBatch,
-)
+from mtrain.ringreduce.negotiation.cache import ResponseCache
+from mtrain.ringreduce.negotiation.coordinator import Coordinator, Gathered, Report
+from mtrain.ringreduce.negotiation.steady import SteadyBatch
+from mtrain.ringreduce.negotiation.vector import Agreement, Control, Negotiator
 from mtrain.ringreduce.core.ops import ReduceOp
-from mtrain.ringreduce.core.requests import AllreduceOp, Completion, Handle, Request, Signature
+from mtrain.ringreduce.core.requests import AllreduceOp, Completion, Handle, Request, RequestState, Signature
 from mtrain.common.settings import DEFAULT_CACHE_CAPACITY, EngineConfig
 from mtrain.ringreduce.observe.steps import StepMeter
 from mtrain.ringreduce.engine.submit_queue import SubmitQueue, Taken
@@ -118,7 +112,7 @@ class Engine:
         self._coordinator = (Coordinator(self._size, config.stall_warning_s, config.stall_shutdown_s,
                                          self._members) if self._rank == 0 else None)
         if self._coordinator is not None and flight is not None:
-            self._coordinator.on_stall = recorder.request_dumps
+            self._coordinator.stall.on_stall = recorder.request_dumps
         self._stall_check_next = False
         # Whole batches seen before, to run again as they were, by their first op's name and length.
         self._steady: "dict[tuple[str, int], SteadyBatch]" = {}
@@ -275,7 +269,7 @@ class Engine:
         cache.disable()
         for request in self.queue.pending.values():
             if request.state is RequestState.CACHED:
-                request.state = RequestState.UNREPORTED
+                request.uncache()
         self._steady.clear()
 
     # -- the cycle: in the engine thread, or in a thread that waits (assist) -------------
@@ -425,12 +419,8 @@ class Engine:
             self.queue.admit(incoming)
             anywhere = self._negotiator.anywhere(not_anywhere)
             return self._decide(self._negotiator.decode(steady.layout, everywhere, anywhere))
-        coordinator = self._coordinator
-        if coordinator is not None:
-            if coordinator.first_seen or coordinator.warned:
-                for name in steady.names:
-                    coordinator.forget(name)
-            self._stall_check_next = coordinator.stall_check_due(time.monotonic())
+        if self._coordinator is not None:
+            self._stall_check_next = self._coordinator.after_round(steady.names, (), time.monotonic())
         ready = list(map(incoming.__getitem__, steady.order))
         dispatch = self._dispatch
         self._steady_cycles += 1
@@ -450,9 +440,8 @@ class Engine:
             return False
         joined = agreement.joined
         joined_changed = self._join.note(joined)
-        names = self.cache.names
-        ready = [names[b] for b in agreement.ready]
-        partial = [names[b] for b in agreement.partial]
+        ready = self.cache.names_at(agreement.ready)
+        partial = self.cache.names_at(agreement.partial)
         responses: list = []
         # A rank that joins completes the ops the others reported but it never will: the
         # coordinator looks again in the cycle every rank sees the join.
@@ -469,20 +458,14 @@ class Engine:
             elif response.name not in pending:
                 continue
             elif verdict is Verdict.INVALIDATE:
-                pending[response.name].state = RequestState.UNREPORTED
+                pending[response.name].uncache()
             else:  # MISMATCH, STALLED or REFUSED: the op ends with that error on every rank
                 if verdict is Verdict.STALLED and dispatch.flight is not None:
                     recorder.dump_now("stall shutdown")  # while the op still shows as waiting
                 error = verdict.error(response.message, response.meta)
                 dispatch.finish(self.queue.pop_pending([response.name])[0], error=error)
-        coordinator = self._coordinator
-        if coordinator is not None:
-            now = time.monotonic()
-            if coordinator.first_seen or coordinator.warned:  # else forget() has nothing to do
-                for name in ready:
-                    coordinator.forget(name)
-            coordinator.note_partial(partial, now)
-            self._stall_check_next = coordinator.stall_check_due(now)
+        if self._coordinator is not None:
+            self._stall_check_next = self._coordinator.after_round(ready, partial, time.monotonic())
         if ready:
             if joined:
                 dispatch.execute(self._with_joined(ready, ready_meta, joined), self._cycles)
@@ -501,8 +484,8 @@ class Engine:
                 handle = request.handle
                 group = id(handle) if handle.parts > 1 else 0  # the parts of one grouped op
                 reports.append(Report(request.name, request.signature, request.describe(self._members), group))
-                request.state = RequestState.REPORTED
-        gathered = self._control.gather((reports, sorted(pending) if stall_check else None), root=0)
+                request.report()
+        gathered = self._control.gather(Gathered(reports, sorted(pending) if stall_check else None), root=0)
         responses = None
         if self._coordinator is not None:
             responses = self._coordinator.decide(gathered, self.cache, cached_anywhere, time.monotonic(),
@@ -540,7 +523,7 @@ class Engine:
     def _with_joined(self, ready: "list[str]", ready_meta: "dict[str, Any]", joined: "list[int]") -> "list[Request]":
         """The ready ops as this rank runs them while ``joined`` ranks have joined."""
         own = self.queue.pop_pending(ready, missing_ok=True)
-        runnable, refused = join.runnable(ready, own, ready_meta, self.cache.entries,
+        runnable, refused = join.runnable(ready, own, ready_meta, self.cache.signature_of,
                                           [self._members[r] for r in joined], self.done_cv)
         for request, error in refused:
             self._dispatch.finish(request, error=error)

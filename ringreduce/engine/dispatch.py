@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from mtrain.ringreduce.transport.backend import NumpyBackend
-from mtrain.ringreduce.transport.executor import Executor, Kind
+from mtrain.ringreduce.core.ops import Kind
+from mtrain.ringreduce.transport.executor import Executor
 from mtrain.ringreduce.engine.fusion import FusionBuffers, Plan, PlanCache, Ring
 from mtrain.ringreduce.core.ops import Adasum
 from mtrain.ringreduce.observe.recorder import FlightRecorder

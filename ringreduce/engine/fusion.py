@@ -28,6 +28,8 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
+from mtrain.ringreduce.core.ops import Kind
+
 
 @dataclasses.dataclass(frozen=True)
 class RingPlan:
@@ -164,7 +166,6 @@ class Plan:
     __slots__ = ("signatures", "threshold", "inplace_min", "one_by_one", "rings")
 
     def __init__(self, ready: "list[Any]", signatures: "list[Any]", threshold: int, inplace_min: int) -> None:
-        from mtrain.ringreduce.transport.executor import Kind  # here: importing collectives starts MPI, and planning is MPI-free
         self.signatures, self.threshold, self.inplace_min = signatures, threshold, inplace_min
         allreduces = [i for i, r in enumerate(ready) if r.kind is Kind.ALLREDUCE]
         self.one_by_one = [i for i, r in enumerate(ready) if r.kind is not Kind.ALLREDUCE]

@@ -12,12 +12,12 @@ The last rank to join is the result of every rank's ``join()``.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from mtrain.ringreduce.transport.backend import backend_for
-from mtrain.ringreduce.transport.executor import Kind
+from mtrain.ringreduce.core.ops import Kind
 from mtrain.ringreduce.core.errors import JoinedError
 from mtrain.ringreduce.core.ops import ReduceOp, dtype_from_code
 from mtrain.ringreduce.core.requests import PLACEHOLDER, Handle, Request, Signature
@@ -50,7 +50,7 @@ class JoinState:
 
 
 def runnable(ready: "list[str]", own: "list[Request | None]", ready_meta: "dict[str, Signature]",
-             cached: "dict[str, tuple[int, Signature]]", joined: "list[int]",
+             cached_signature: "Callable[[str], Signature]", joined: "list[int]",
              done_cv: Any) -> "tuple[list[Request], list[tuple[Request, JoinedError]]]":
     """The ready ops (by name, in the agreed order) as this rank runs them while ``joined`` (job
     ranks) have joined: its own (``own``, None where it has none: it has joined itself), a
@@ -58,7 +58,7 @@ def runnable(ready: "list[str]", own: "list[Request | None]", ready_meta: "dict[
     runnable, refused = [], []
     for name, request in zip(ready, own):
         signature = request.signature if request is not None else (
-            ready_meta[name] if name in ready_meta else cached[name][1])
+            ready_meta[name] if name in ready_meta else cached_signature(name))
         why = problem(signature, joined)
         if why:
             if request is not None:

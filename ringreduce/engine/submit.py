@@ -17,7 +17,7 @@ import numpy as np
 from mtrain.ringreduce import exits
 from mtrain.ringreduce.transport.adasum import is_power_of_two
 from mtrain.ringreduce.transport.backend import is_device_array
-from mtrain.ringreduce.transport.executor import Kind
+from mtrain.ringreduce.core.ops import Kind
 from mtrain.ringreduce.engine.cycle import Engine
 from mtrain.ringreduce.core.errors import HorovodInternalError, InvalidArgumentError, Refusal
 from mtrain.ringreduce.core.ops import Adasum, ReduceOp, check_op, check_reducible, dtype_code

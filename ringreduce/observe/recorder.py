@@ -42,7 +42,7 @@ from mtrain.common.records.flight_recorder import (
 )
 from mtrain.common.records.user_frames import frame_line
 
-from mtrain.ringreduce.transport.executor import Kind
+from mtrain.ringreduce.core.ops import Kind
 from mtrain.ringreduce.core.errors import Refusal
 from mtrain.ringreduce.core.ops import dtype_from_code
 

@@ -29,17 +29,6 @@ from mtrain.ringreduce.core.ops import ReduceOp
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 
 
-class Kind(enum.IntEnum):
-    ALLREDUCE = 1
-    ALLGATHER = 2
-    BROADCAST = 3
-    REDUCESCATTER = 4
-    ALLTOALL = 5
-    BARRIER = 6
-    BROADCAST_OBJECT = 7
-    ALLGATHER_OBJECT = 8
-
-
 class Algorithm(settings.TextChoice):
     """The all-reduce algorithm asked for (MTRAIN_ALLREDUCE_ALGORITHM), and what an Executor
     runs (``Executor.allreduce_path``: RING, SHM or HIERARCHICAL, never AUTO). Its text is

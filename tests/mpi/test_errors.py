@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import mtrain.ringreduce as rr
-from mtrain.ringreduce.negotiation.coordinator import RequestState
+from mtrain.ringreduce.core.requests import RequestState
 from tests.mpi.expect import raises
 from tests.mpi.harness import launch, mpi_test
 

@@ -18,7 +18,8 @@ from mpi4py import MPI
 
 from mtrain.ringreduce.transport import ring
 from mtrain.ringreduce.transport.backend import NumpyBackend, StagedBackend
-from mtrain.ringreduce.transport.executor import Executor, Kind
+from mtrain.ringreduce.core.ops import Kind
+from mtrain.ringreduce.transport.executor import Executor
 from mtrain.ringreduce.engine.cycle import Engine
 from mtrain.common.settings import EngineConfig
 from mtrain.ringreduce.core.requests import Handle, make_request

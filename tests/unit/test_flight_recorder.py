@@ -4,7 +4,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from mtrain.common.records.flight_recorder import OpState
-from mtrain.ringreduce.transport.executor import Kind
+from mtrain.ringreduce.core.ops import Kind
 from mtrain.ringreduce.core.errors import Refusal
 from mtrain.ringreduce.core.ops import dtype_code
 from mtrain.ringreduce.observe.recorder import FlightRecorder

@@ -22,7 +22,8 @@ from mtrain.launcher.supervise.output import OutputSink
 from mtrain.ringreduce.transport import executor as collectives
 from mtrain.ringreduce.core import log
 from mtrain.common import settings
-from mtrain.ringreduce.negotiation.coordinator import Coordinator, ResponseCache
+from mtrain.ringreduce.negotiation.cache import ResponseCache
+from mtrain.ringreduce.negotiation.coordinator import Coordinator
 from mtrain.common.settings import EngineConfig, LogLevel
 
 pytestmark = pytest.mark.timeout(60)
