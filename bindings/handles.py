@@ -2,7 +2,7 @@
 
 A framework op is a runtime op plus a last step that turns the runtime's NumPy
 result into a framework tensor (or copies it back into the caller's tensor).
-``Handle`` carries both, so ``synchronize`` is one call for every adapter.
+``FrameworkHandle`` carries both, so ``synchronize`` is one call for every adapter.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Callable
 import mtrain.ringreduce as rr
 
 
-class HandleBase:
+class FrameworkHandleBase:
     """What ``synchronize`` and ``poll`` accept: an op in flight with ``wait()`` and ``poll()``.
 
     No fields (empty slots), so a binding may also derive its handle from the runtime's own
@@ -26,7 +26,7 @@ class HandleBase:
         raise NotImplementedError
 
 
-class Handle(HandleBase):
+class FrameworkHandle(FrameworkHandleBase):
     """An op in flight. ``wait()`` returns the framework-level result (once computed, cached)."""
 
     __slots__ = ("_inner", "_finish", "_done", "_result")
@@ -45,13 +45,13 @@ class Handle(HandleBase):
         return self._result
 
 
-class DeferredHandle(Handle):
+class DeferredHandle(FrameworkHandle):
     """Several handles whose results one function combines (e.g. a sparse all-reduce: an
     all-gather of indices and one of values). Callable too, as Horovod's sparse handle is."""
 
     __slots__ = ("_parts",)
 
-    def __init__(self, parts: "list[Handle]", finish: Callable[..., Any]) -> None:
+    def __init__(self, parts: "list[FrameworkHandle]", finish: Callable[..., Any]) -> None:
         super().__init__(None, finish)
         self._parts = parts
 
@@ -68,15 +68,15 @@ class DeferredHandle(Handle):
         return self.wait()
 
 
-def synchronize(handle: HandleBase) -> Any:
+def synchronize(handle: FrameworkHandleBase) -> Any:
     """Wait for ``handle``'s op and return its result; raises the op's error."""
-    if not isinstance(handle, HandleBase):
+    if not isinstance(handle, FrameworkHandleBase):
         raise TypeError(f"synchronize() takes a handle returned by an *_async op, got {type(handle).__name__}")
     return handle.wait()
 
 
-def poll(handle: HandleBase) -> bool:
+def poll(handle: FrameworkHandleBase) -> bool:
     """True once ``handle``'s op has finished (``synchronize`` will not block)."""
-    if not isinstance(handle, HandleBase):
+    if not isinstance(handle, FrameworkHandleBase):
         raise TypeError(f"poll() takes a handle returned by an *_async op, got {type(handle).__name__}")
     return handle.poll()

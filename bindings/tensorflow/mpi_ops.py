@@ -5,8 +5,8 @@ into the runtime; see ``bridge.run_collective``).
 Split as Horovod's ``horovod/tensorflow/`` is: ``bridge`` (tensors to the runtime and back, the
 graph's submit and wait ops), ``raw_ops`` and ``gradients`` (the collectives without and with their
 gradients), ``functions`` (broadcasting variables and objects, the ``*_op`` tensors),
-``process_sets`` and ``errors``. This module keeps every name it had, so
-``mtrain.tensorflow.mpi_ops`` imports as before.
+``process_sets`` and ``errors``. This module gathers their public names, as Horovod's
+``horovod.tensorflow.mpi_ops`` offers them.
 """
 from __future__ import annotations
 

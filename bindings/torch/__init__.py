@@ -24,7 +24,7 @@ from mtrain.ringreduce import (  # noqa: F401  (re-exported: the Horovod API)
 from ..build_info import (  # noqa: F401  (re-exported: Horovod's build queries)
     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built,
     sycl_built)
-from ..handles import DeferredHandle, Handle, HandleBase, poll, synchronize  # noqa: F401
+from ..handles import DeferredHandle, FrameworkHandle, FrameworkHandleBase, poll, synchronize  # noqa: F401
 from . import elastic  # noqa: F401  (hvd.elastic, as Horovod's subpackage)
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters  # noqa: F401

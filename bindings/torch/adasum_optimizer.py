@@ -21,7 +21,7 @@ import torch
 
 from mtrain.ringreduce import Adasum
 
-from ..handles import Handle
+from ..handles import FrameworkHandle
 from .mpi_ops import allreduce_async_, synchronize
 from .pass_count import too_many_passes_check
 
@@ -60,7 +60,7 @@ class DistributedAdasumOptimizer:
                 self._handles[p] = self._allreduce_delta_async(p)
         return hook
 
-    def _allreduce_delta_async(self, p: torch.Tensor) -> Tuple[Handle, Any]:
+    def _allreduce_delta_async(self, p: torch.Tensor) -> Tuple[FrameworkHandle, Any]:
         """Step the wrapped optimizer on ``p`` alone, then start the Adasum of its delta."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -15,14 +15,14 @@ import torch
 import mtrain.ringreduce as rr
 from mtrain.ringreduce import AllreduceOp, ProcessSet, ReduceOp, Signature, submit_allreduce
 
-from ..handles import Handle, HandleBase
+from ..handles import FrameworkHandle, FrameworkHandleBase
 from .bridge import after_device_work, numpy_view
 
 __all__ = ["InPlaceHandle", "TensorAllreduce", "ViewCache", "allreduce_in_place", "inplace_buffer",
            "named_views"]
 
 
-class InPlaceHandle(Handle):
+class InPlaceHandle(FrameworkHandle):
     """An in-place op on a tensor (or a list of them) the runtime writes directly (contiguous,
     on the CPU): the result is the tensor (or the list) itself. No finishing function per op,
     and nothing to remember after the wait (the runtime handle keeps its result and its error),
@@ -43,7 +43,7 @@ class InPlaceHandle(Handle):
         return self._tensor
 
 
-class TensorAllreduce(HandleBase, AllreduceOp):
+class TensorAllreduce(FrameworkHandleBase, AllreduceOp):
     """An in-place all-reduce of one contiguous CPU tensor: the runtime's op and the binding's
     handle in one object (one per gradient of every step). ``wait()`` returns the tensor."""
 
@@ -145,7 +145,7 @@ named_views = ViewCache()  # for ops the caller names: names recur every step
 
 def allreduce_in_place(tensor: torch.Tensor, name: Optional[str], op: Any, prescale_factor: float,
                        postscale_factor: float, process_set: ProcessSet,
-                       views: "ViewCache | None" = None, key: Any = None) -> Handle:
+                       views: "ViewCache | None" = None, key: Any = None) -> FrameworkHandle:
     """Start an in-place all-reduce of a checked tensor whose view is not kept (yet): a tensor's
     first step. ``views`` and ``key``: where its NumPy view is kept for ``ViewCache.submit``
     to take the next steps."""
@@ -162,7 +162,7 @@ def allreduce_in_place(tensor: torch.Tensor, name: Optional[str], op: Any, presc
         return handle
     buffer, land = inplace_buffer(tensor)
     inner = rr.allreduce_async_(buffer, op, name, prescale_factor, postscale_factor, process_set=process_set)
-    return Handle(inner, land)
+    return FrameworkHandle(inner, land)
 
 
 def inplace_buffer(tensor: torch.Tensor) -> Tuple[Any, Any]:

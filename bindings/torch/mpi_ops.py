@@ -16,7 +16,7 @@ import mtrain.ringreduce as rr
 from mtrain.ringreduce import Average, ProcessSet, Sum, global_process_set, rank
 
 from ..gradient_op import resolve_op
-from ..handles import DeferredHandle, Handle, synchronize
+from ..handles import DeferredHandle, FrameworkHandle, synchronize
 from .bridge import check_tensor, check_tensors, from_numpy, numpy_view
 from .compression import Compression
 from .inplace import InPlaceHandle, allreduce_in_place, inplace_buffer, named_views
@@ -35,17 +35,17 @@ __all__ = [
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> Handle:
+        process_set: ProcessSet = global_process_set) -> FrameworkHandle:
     """Start an all-reduce of ``tensor`` into a new tensor; ``synchronize`` returns it."""
     array = numpy_view(check_tensor(tensor))
     inner = rr.allreduce_async(array, resolve_op(average, op), name, prescale_factor, postscale_factor,
                                process_set=process_set)
-    return Handle(inner, lambda result: from_numpy(result).reshape(tensor.shape))
+    return FrameworkHandle(inner, lambda result: from_numpy(result).reshape(tensor.shape))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> Handle:
+        process_set: ProcessSet = global_process_set) -> FrameworkHandle:
     """Start an in-place all-reduce of ``tensor``; ``synchronize`` returns ``tensor``."""
     op = Average if op is None and average is None else resolve_op(average, op)
     if name is not None:
@@ -97,18 +97,18 @@ class _AllreduceFunction(torch.autograd.Function):
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> Handle:
+        process_set: ProcessSet = global_process_set) -> FrameworkHandle:
     """Start all-reduces of several tensors as one unit; ``synchronize`` returns new tensors."""
     arrays = [numpy_view(t) for t in check_tensors(tensors)]
     inner = rr.grouped_allreduce_async(arrays, resolve_op(average, op), name, prescale_factor, postscale_factor,
                                        process_set=process_set)
-    return Handle(inner, lambda results: [from_numpy(r).reshape(t.shape) for r, t in zip(results, tensors)])
+    return FrameworkHandle(inner, lambda results: [from_numpy(r).reshape(t.shape) for r, t in zip(results, tensors)])
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> Handle:
+        process_set: ProcessSet = global_process_set) -> FrameworkHandle:
     """In-place grouped all-reduce; ``synchronize`` returns the same tensors."""
     tensors = check_tensors(tensors)
     if all(t.is_cpu and t.is_contiguous() for t in tensors):  # written in place: nothing to land
@@ -118,7 +118,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
     pairs = [inplace_buffer(t) for t in tensors]
     inner = rr.grouped_allreduce_async_([b for b, _ in pairs], resolve_op(average, op), name,
                                         prescale_factor, postscale_factor, process_set=process_set)
-    return Handle(inner, lambda results: [land(r) for (_, land), r in zip(pairs, results)])
+    return FrameworkHandle(inner, lambda results: [land(r) for (_, land), r in zip(pairs, results)])
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -170,8 +170,8 @@ def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
-        process_set: ProcessSet = global_process_set) -> Handle:
-    return Handle(rr.allgather_async(numpy_view(check_tensor(tensor)), name, process_set=process_set), from_numpy)
+        process_set: ProcessSet = global_process_set) -> FrameworkHandle:
+    return FrameworkHandle(rr.allgather_async(numpy_view(check_tensor(tensor)), name, process_set=process_set), from_numpy)
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
@@ -183,10 +183,10 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-        process_set: ProcessSet = global_process_set) -> Handle:
+        process_set: ProcessSet = global_process_set) -> FrameworkHandle:
     """Start all-gathers of several tensors as one unit; ``synchronize`` returns a list."""
     arrays = [numpy_view(check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
-    return Handle(rr.grouped_allgather_async(arrays, name, process_set=process_set),
+    return FrameworkHandle(rr.grouped_allgather_async(arrays, name, process_set=process_set),
                   lambda results: [from_numpy(r) for r in results])
 
 
@@ -238,15 +238,15 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-        process_set: ProcessSet = global_process_set) -> Handle:
-    return Handle(rr.broadcast_async(numpy_view(check_tensor(tensor)), root_rank, name, process_set=process_set),
+        process_set: ProcessSet = global_process_set) -> FrameworkHandle:
+    return FrameworkHandle(rr.broadcast_async(numpy_view(check_tensor(tensor)), root_rank, name, process_set=process_set),
                   lambda result: from_numpy(result).reshape(tensor.shape))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-        process_set: ProcessSet = global_process_set) -> Handle:
+        process_set: ProcessSet = global_process_set) -> FrameworkHandle:
     buffer, land = inplace_buffer(check_tensor(tensor))
-    return Handle(rr.broadcast_async_(buffer, root_rank, name, process_set=process_set), land)
+    return FrameworkHandle(rr.broadcast_async_(buffer, root_rank, name, process_set=process_set), land)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -290,14 +290,14 @@ def _p2p_tensor(tensor: Any, what: str) -> torch.Tensor:
 
 
 def send_async(tensor: torch.Tensor, dest: int, tag: int = 0,
-               process_set: ProcessSet = global_process_set) -> Handle:
+               process_set: ProcessSet = global_process_set) -> FrameworkHandle:
     """Start sending ``tensor`` to rank ``dest``; ``synchronize`` returns once it may be changed."""
     view = numpy_view(_p2p_tensor(tensor, "send tensor").contiguous())
-    return Handle(rr.send_async(view, dest, tag, process_set), lambda _: None)
+    return FrameworkHandle(rr.send_async(view, dest, tag, process_set), lambda _: None)
 
 
 def recv_async(tensor: torch.Tensor, source: int, tag: int = 0,
-               process_set: ProcessSet = global_process_set) -> Handle:
+               process_set: ProcessSet = global_process_set) -> FrameworkHandle:
     """Start receiving rank ``source``'s send into ``tensor`` (same dtype and number of
     elements); ``synchronize`` returns ``tensor``."""
     buffer, land = inplace_buffer(_p2p_tensor(tensor, "recv tensor"))
@@ -305,7 +305,7 @@ def recv_async(tensor: torch.Tensor, source: int, tag: int = 0,
     def finish(result: Any) -> torch.Tensor:
         land(result)
         return tensor
-    return Handle(rr.recv_async(buffer, source, tag, process_set), finish)
+    return FrameworkHandle(rr.recv_async(buffer, source, tag, process_set), finish)
 
 
 def send(tensor: torch.Tensor, dest: int, tag: int = 0, process_set: ProcessSet = global_process_set) -> None:
@@ -323,11 +323,11 @@ def recv(tensor: torch.Tensor, source: int, tag: int = 0,
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Handle:
+                        postscale_factor: float = 1.0) -> FrameworkHandle:
     """Start ``reducescatter``. Horovod's parameter order: ``process_set`` before the scale factors
     here and in the other reduce-scatters (its all-reduces put it last)."""
     array = numpy_view(check_tensor(tensor))
-    return Handle(rr.reducescatter_async(array, op, name, prescale_factor, postscale_factor,
+    return FrameworkHandle(rr.reducescatter_async(array, op, name, prescale_factor, postscale_factor,
                                                    process_set=process_set), from_numpy)
 
 
@@ -347,12 +347,12 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression:
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: Any = Average,
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Handle:
+                                postscale_factor: float = 1.0) -> FrameworkHandle:
     """Start reduce-scatters of several tensors as one unit; ``synchronize`` returns a list."""
     arrays = [numpy_view(check_tensor(t, f"tensors[{i}]")) for i, t in enumerate(tensors)]
     inner = rr.grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor,
                                              process_set=process_set)
-    return Handle(inner, lambda results: [from_numpy(r) for r in results])
+    return FrameworkHandle(inner, lambda results: [from_numpy(r) for r in results])
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
@@ -419,7 +419,7 @@ def _check_splits_dtype(splits: Any) -> Any:
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
-        process_set: ProcessSet = global_process_set) -> Handle:
+        process_set: ProcessSet = global_process_set) -> FrameworkHandle:
     splits = _check_splits_dtype(splits)
     tensor = check_tensor(tensor)
     device = tensor.device if tensor.is_cuda else None
@@ -431,7 +431,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
         out = from_numpy(array)
         return (out if device is None else out.to(device)), \
             torch.as_tensor(np.asarray(received), dtype=torch.int32)
-    return Handle(rr.alltoall_async(numpy_view(tensor), splits, name, process_set=process_set), finish)
+    return FrameworkHandle(rr.alltoall_async(numpy_view(tensor), splits, name, process_set=process_set), finish)
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,

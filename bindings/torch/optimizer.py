@@ -12,7 +12,7 @@ from mtrain.ringreduce import Adasum, Average, ProcessSet, global_process_set, s
 from mtrain.ringreduce.core.requests import UNNAMED_PREFIX
 
 from ..gradient_op import check_gradient_op
-from ..handles import Handle
+from ..handles import FrameworkHandle
 from .adasum_optimizer import DistributedAdasumOptimizer
 from .bridge import check_tensor
 from .compression import Compression
@@ -72,7 +72,7 @@ class _DistributedOptimizer:
                 self._handles.setdefault(p, None)
         return hook
 
-    def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Handle, Any]:
+    def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[FrameworkHandle, Any]:
         grad = p.grad
         if grad is None:  # no gradient on this rank this step: take part with zeros
             grad = p.grad = torch.zeros_like(p)

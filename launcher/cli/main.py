@@ -362,7 +362,7 @@ def choose_launcher(options: RunOptions) -> "tuple[Launcher, str]":
                                "`mtrain run` in an sbatch script or under salloc, or give the hosts with -H")
     problem = slurm.missing_tools()
     if problem is not None:
-        if name is LauncherName.AUTO:  # inside an allocation whose tools we cannot run: SSH as before
+        if name is LauncherName.AUTO:  # inside an allocation whose tools we cannot run: SSH
             return Launcher.SSH, ""
         raise click.UsageError(f"--launcher slurm: {problem}")
     return Launcher.SLURM, job

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 # With --progress, ranks send their measured steps this often (seconds).
 PROGRESS_REPORT_SECONDS = 1
-# "0" turns off the shared SSH connections (each agent then connects by itself, as before).
+# "0" turns off the shared SSH connections (each agent then connects by itself).
 ENV_SHARE_SSH = "MTRAIN_SSH_SHARE"
 
 
@@ -377,7 +377,7 @@ def start_master(config: LaunchConfig, scratch: str, job_file: str, updates: str
     try:
         master.start()
     except (OSError, RuntimeError) as error:
-        # No Unix socket here (an odd $TMPDIR, say): the agents connect by themselves, as before.
+        # No Unix socket here (an odd $TMPDIR, say): the agents connect by themselves.
         master.close()
         _log(config, f"SSH connections are not shared: cannot serve {master.path}: {error}")
         return None

@@ -20,7 +20,7 @@ command, so on each host one session, one login shell and one Python serve
 both the probe and the guard.  Nothing runs there before the whole preflight
 has passed: until then the master holds every request.  A host without a
 shared connection (or a master that is not there) makes the agent connect by
-itself, as before.
+itself.
 
 The frames are this module's record: both sides import it.  The master also
 sends the heartbeats the remote guard expects (and an elastic job's host-set

@@ -26,8 +26,8 @@ class MismatchError(HorovodInternalError, ValueError):
 
 
 class InvalidArgumentError(RuntimeError, ValueError):
-    """An op was refused at submission (Horovod raises these as RuntimeError);
-    also a ValueError, what mtrain raised before."""
+    """An op was refused at submission: a RuntimeError, as Horovod raises these, and a
+    ValueError, as Python's own argument errors are."""
 
 
 class JoinedError(HorovodInternalError):

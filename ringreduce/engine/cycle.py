@@ -308,7 +308,7 @@ class Engine:
         """A thread is about to block on ``handle`` (``Handle.wait``): if the engine thread is
         between cycles and the work at hand is small, run up to ASSIST_CYCLES cycles here
         instead, until the handle is done. A lone op then costs no thread switch to the engine
-        and none back (two wake-ups of the other thread, ~10 us each on the test VM). The cycle
+        and none back (two wake-ups of the other thread, each costing about as much as a small op). The cycle
         is the same code, under the same lock, so every guarantee holds; what the thread cannot
         finish here (the other ranks have not submitted yet, more work came) it waits for as
         before. Large work is left to the engine thread: a Ctrl-C that lands in the middle of

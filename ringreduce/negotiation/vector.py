@@ -93,8 +93,8 @@ class Negotiator:
         # Reused by every exchange, by length: the buffer sent (the vectors are copied into it),
         # the one received (what the exchange returns views of), and a persistent all-reduce
         # of the one into the other (``MPI_Allreduce_init``, MPI 4: started each round, it skips
-        # building the schedule that each ``Iallreduce`` builds anew, 0.5-0.9 us of the ~1.9 us
-        # a round takes at 2 ranks on the test VM), or None where the library has none.
+        # building the schedule that each ``Iallreduce`` builds anew: docs/benchmarks.md), or None
+        # where the library has none.
         self._rounds: "dict[int, tuple[np.ndarray, np.ndarray, Any]]" = {}
 
     def layout(self, words: int) -> VectorLayout:

@@ -55,7 +55,7 @@ def scale_in_place(xp: Any, buf: Any, factor: float) -> None:
         buf[...] = xp.trunc(buf.astype(np.float64) * np.float64(factor)).astype(dtype)
         return
     if not (dtype.name == "bfloat16" or dtype.kind == "f" and dtype.itemsize == 2):
-        # float32 and float64 (and bool, as before): the factor is rounded to the buffer's dtype
+        # float32 and float64 (and bool): the factor is rounded to the buffer's dtype
         # first, so the product is one rounding of buf * dtype(factor); taking it in float64 with
         # the exact factor can land one ulp away.
         xp.multiply(buf, dtype.type(factor), out=buf)

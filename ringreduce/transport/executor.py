@@ -2,7 +2,7 @@
 
 Nothing here checks arguments. ``submit.py`` validates each one once, in the
 caller's thread (dtype, op, root, splits; objects are pickled there, unpickled in api.py), and the engine's
-negotiation (``negotiation.py``) runs an op only once every rank has
+negotiation (``negotiation/``) runs an op only once every rank has
 submitted it under the same name with the same collective, dtype, shape, op,
 root and scaling, so a mismatch is an error on every rank, never a hang. The
 only metadata that still moves here is data the collective needs: allgather's
