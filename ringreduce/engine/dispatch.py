@@ -79,10 +79,9 @@ class Dispatcher:
         """The ops since the last step's end were one step: the meter records it, and so does the
         timeline, if one runs."""
         steps = self.steps
-        row = steps.step_end()  # (step, cycle, end, compute, wait, nbytes)
-        if row is not None and self.timelines.current is not None:
-            start = steps.compute_start
-            self.timelines.step(row[0], start, start + row[3], row[2], row[4])
+        if steps.step_end() and self.timelines.current is not None:
+            sample, start = steps.last(), steps.compute_start
+            self.timelines.step(sample.step, start, start + sample.compute, sample.end, sample.wait)
 
     # -- running -----------------------------------------------------------------------------------
     def plan(self, ready: "list[Request]") -> Plan:

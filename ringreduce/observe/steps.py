@@ -90,14 +90,14 @@ class StepMeter:
     def done(self, now: float) -> None:
         self._done = now
 
-    def step_end(self) -> "tuple | None":
-        """The ops run since the last step_end were one step: record it, and return its row (a
-        ``StepSample``'s fields in order: step, cycle, end, compute, wait, nbytes); None: nothing
-        ran, or it was the first step (which has no previous one to measure its compute from: it
-        holds the start-up). Rows are kept as plain tuples, made into ``StepSample`` records only
-        when read (``recent``, ``send``): a lone op may be a whole step, and a record costs ~1 us."""
+    def step_end(self) -> bool:
+        """The ops run since the last step_end were one step: record it; False when nothing ran,
+        or when it was the first step (which has no previous one to measure its compute from: it
+        holds the start-up). Rows are kept here as plain tuples, made into ``StepSample`` records
+        only when read (``last``, ``recent``, ``send``): a lone op may be a whole step, and making
+        a record costs more than the tuple."""
         if self._cycle < 0:
-            return None
+            return False
         self._steps += 1
         previous, self._previous_done = self._previous_done, self._done
         row = None
@@ -110,7 +110,11 @@ class StepMeter:
             if self._supervised:  # (straggler_stats() reads ``kept``; only mtrain run reads the rest)
                 self._unsent.append(row)
         self._reset()
-        return row
+        return row is not None
+
+    def last(self) -> StepSample:
+        """The step ``step_end`` recorded last (after it returned True)."""
+        return StepSample(*self.kept[-1])
 
     def due(self) -> bool:
         """Whether what was measured should go to the launcher now."""

@@ -26,10 +26,9 @@ file, events appended as they happen; it is a valid JSON array once ``close()``
 runs (viewers, and ``mtrain timeline-summary``, also accept it without the
 closing bracket, e.g. after a crash).
 
-How the other ranks' events get there. The issue asked for the launcher to merge
-per-rank files; that needs a shared filesystem or a transport the launcher does
-not have, and a program run under plain ``mpirun`` would get no merge. Instead
-every rank sends its events to rank 0 over MPI, which already connects every
+How the other ranks' events get there. The launcher does not merge per-rank files:
+that would need a shared filesystem or a transport the launcher does not have, and a
+program run under plain ``mpirun`` would get no merge. Instead every rank sends its events to rank 0 over MPI, which already connects every
 rank to rank 0 on any set of hosts:
 
 - at ``init`` (``TraceLink.measure``, before the engine thread owns MPI) each
@@ -47,7 +46,7 @@ rank to rank 0 on any set of hosts:
 
 Sending from two threads of a rank (the engine's and the collector or a user
 calling ``stop_timeline``) needs MPI_THREAD_MULTIPLE, mpi4py's default; with less,
-rank 0 records its own events only, as before.
+rank 0 records its own events only.
 """
 from __future__ import annotations
 
@@ -545,7 +544,7 @@ class TimelineSwitch:
             timeline.step(index, compute_start, compute_end, end, wait_s)
 
     def close(self, gone: "Iterable[int]" = ()) -> None:
-        """The engine ends: close the timeline (it stays set, as before, for late events to be
+        """The engine ends: close the timeline (it stays set, for late events to be
         ignored) and free the link once the engine thread has ended (``free_link``)."""
         timeline = self.current
         if timeline is not None:
