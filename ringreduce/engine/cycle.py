@@ -53,7 +53,8 @@ from mtrain.ringreduce.engine.dispatch import Dispatcher
 from mtrain.ringreduce.core.errors import EngineError, ShutdownError, Verdict
 from mtrain.ringreduce.engine.fusion import PLAN_CACHE_SIZE
 from mtrain.ringreduce.negotiation.cache import ResponseCache
-from mtrain.ringreduce.negotiation.coordinator import Coordinator, Gathered, Report
+from mtrain.ringreduce.negotiation.coordinator import Coordinator
+from mtrain.ringreduce.negotiation.messages import Gathered, Report
 from mtrain.ringreduce.negotiation.steady import SteadyBatch
 from mtrain.ringreduce.negotiation.vector import Agreement, Control, Negotiator
 from mtrain.ringreduce.core.ops import ReduceOp

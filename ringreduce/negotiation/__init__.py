@@ -8,6 +8,7 @@ coordinator once, and are cached from then on.
     vector       the negotiation vector: its layout, how a rank fills it, the exchange, what it means
     cache        the response cache: name ⇄ bit, identical on every rank
     coordinator  rank 0's decisions on ops not cached: ready, mismatch, refused, invalidated, stalled
+    messages     what a coordinator round carries: each rank's Gathered reports, rank 0's Responses
     stall        the stall inspector: which ops some ranks submitted long ago and others not yet
     steady       the steady batch: a step that repeats the cached ops of a step before
 """

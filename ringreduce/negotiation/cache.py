@@ -8,14 +8,12 @@ The cache answers questions about its entries; nobody reads them directly.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from mtrain.common.settings import DEFAULT_CACHE_CAPACITY
 from mtrain.ringreduce.core.errors import Verdict
 from mtrain.ringreduce.core.requests import UNNAMED_PREFIX, RequestState
-
-if TYPE_CHECKING:
-    from mtrain.ringreduce.negotiation.coordinator import Response
+from mtrain.ringreduce.negotiation.messages import Response
 
 # Names the response cache holds unless told otherwise (settings.CACHE_CAPACITY: the
 # engine passes the configured capacity). Auto-named ops are never cached: their names never repeat.
@@ -110,7 +108,7 @@ class ResponseCache:
                 bits.append(request.bit)
         return bits, unreported_any
 
-    def apply(self, response: "Response") -> None:
+    def apply(self, response: Response) -> None:
         """One of the coordinator's responses, as every rank applies it."""
         if response.verdict is Verdict.READY and response.bit >= 0:
             words = self.words

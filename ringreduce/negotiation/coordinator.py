@@ -1,6 +1,6 @@
 """The coordinator: rank 0 decides, identically for every rank, what happens to ops not cached.
 
-Ops not in the response cache are reported to rank 0 (``Report``), which keeps a table of who
+Ops not in the response cache are reported to rank 0 (``messages.Report``), which keeps a table of who
 submitted what.  When all ranks have reported a name it checks their signatures agree, assigns
 a cache bit, and every rank gets the decision (``Response``); if they disagree, an error naming
 each rank's submission.  A rank that refused its own arguments at submission reports a
@@ -15,38 +15,12 @@ responses afterwards (``ResponseCache.apply``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Iterable, Sequence
 
 from mtrain.ringreduce.core.errors import Refusal, Verdict
 from mtrain.ringreduce.negotiation.cache import ResponseCache
+from mtrain.ringreduce.negotiation.messages import Gathered, Report, Response
 from mtrain.ringreduce.negotiation.stall import StallInspector
-
-
-class Report(NamedTuple):
-    """What a rank tells the coordinator about one op it submitted that is not cached."""
-
-    name: str
-    signature: Any    # requests.Signature, or an errors.Refusal
-    description: str  # what the rank submitted, for error messages
-    group: int = 0    # the parts of one grouped op share it on their rank (0: not grouped)
-
-
-class Gathered(NamedTuple):
-    """What one rank sends rank 0 in a coordinator round."""
-
-    reports: "list[Report]"
-    pending: "list[str] | None"  # every name it has pending, when the round is a stall check
-
-
-@dataclasses.dataclass(frozen=True)
-class Response:
-    """One decision of the coordinator, applied by every rank in order."""
-
-    verdict: Verdict
-    name: str
-    bit: int = -1  # cache bit for READY (-1: not cached)
-    meta: Any = None
-    message: str = ""  # for MISMATCH and STALLED: what the error says
 
 
 class Coordinator:

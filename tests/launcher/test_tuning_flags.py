@@ -19,7 +19,7 @@ for _ in range(3):
 engine = runtime.current().engine
 c = engine.config
 print("settings", c.fusion_threshold_bytes, f"{c.cycle_time_s * 1000:g}", c.cache_capacity,
-      f"{c.stall_warning_s:g}", c.log_level.name, len(engine.cache.names), out.tolist(),
+      f"{c.stall_warning_s:g}", c.log_level.name, engine.cache.next_bit, out.tolist(),
       f"{c.stall_shutdown_s:g}", int(c.timeline_mark_cycles))
 """
 

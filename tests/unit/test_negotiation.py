@@ -11,7 +11,8 @@ from mtrain.ringreduce.core.ops import ReduceOp
 from mtrain.ringreduce.core.requests import AllreduceOp, RequestState
 from mtrain.ringreduce.negotiation import cache as cache_module
 from mtrain.ringreduce.negotiation.cache import ResponseCache
-from mtrain.ringreduce.negotiation.coordinator import Coordinator, Response
+from mtrain.ringreduce.negotiation.coordinator import Coordinator
+from mtrain.ringreduce.negotiation.messages import Response
 from mtrain.ringreduce.negotiation.steady import SteadyBatch
 from mtrain.ringreduce.negotiation.vector import Control, Negotiator, bits_of, set_bit
 
