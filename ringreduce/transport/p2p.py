@@ -8,8 +8,7 @@ Ranks are global ranks (as ``root_rank`` is); with a ``process_set`` both ends m
 it, and its transfers never meet another set's. The k-th send from ``src`` to ``dest``
 with a tag matches the k-th recv on ``dest`` from ``src`` with that tag, as in MPI.
 
-On the wire, on the set's own communicator (``Communicators.p2p``, which carries nothing
-else), a transfer is
+On the wire, on the set's own communicator (``Communicators.p2p``, nothing else), a transfer is
 
 * a small one (payload up to ``MTRAIN_P2P_EAGER_BYTES``, 64 KiB): one message on MPI
   tag ``2*tag`` holding a header (dtype, element count) and the payload;
@@ -36,12 +35,11 @@ large transfer is in flight (``benchmarks/p2p.py`` measures an all-reduce beside
 mover thread polls with short, growing sleeps while transfers are in flight and sleeps on
 a condition when none are.
 
-CuPy arrays are staged through host memory, on the legacy default stream: a send copies
-its array to the host before it returns; a recv lands in a host buffer, then on the device.
-
-A transfer whose peer has left the job ends with the ``ShutdownError`` that names it (the
-set's engine hears of the leaving rank within a cycle), never a hang; this rank's own
-``shutdown()`` ends its transfers in flight likewise.
+CuPy arrays are staged through host memory, on the legacy default stream: a send copies its
+array to the host before it returns; a recv lands in a host buffer, then on the device. A
+transfer whose peer has left the job ends with the ``ShutdownError`` that names it (the set's
+engine hears of the leaving rank within a cycle), never a hang; this rank's own ``shutdown()``
+ends its transfers in flight likewise.
 """
 from __future__ import annotations
 
@@ -53,11 +51,11 @@ import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
-from mtrain.ringreduce.transport import mpi
 
-from mtrain.ringreduce.transport.backend import is_device_array
-from mtrain.ringreduce.core.errors import InvalidArgumentError, MismatchError, ShutdownError
 from mtrain.common import settings
+from mtrain.ringreduce.core.errors import InvalidArgumentError, MismatchError, ShutdownError
+from mtrain.ringreduce.transport import mpi
+from mtrain.ringreduce.transport.backend import is_device_array
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 
