@@ -3,7 +3,9 @@
 ``SETTINGS`` is the one table of the variables the runtime reads: each setting's
 ``MTRAIN_*`` name, its Horovod twin, and how its text is parsed.  Every reader goes
 through ``Setting.read``: our variable wins when both are set, a bad value is a
-ValueError at ``init()`` naming the variable and what it accepts.
+ValueError at ``init()`` naming the variable and what it accepts (a few observability
+variables, ``lenient`` here, have always read a bad value as their default instead; the
+flight recorder's size says so on stderr). The default of each is written here once.
 
 One frozen ``EngineConfig`` per engine, read once at ``init()``; the engine
 never reads the environment itself.
@@ -16,6 +18,9 @@ import math
 import os
 from typing import Any, Callable, Mapping, NamedTuple
 
+from mtrain.common.records.flight_recorder import ENV_FLIGHT_RECORDER_SIZE
+from mtrain.common.records.steps import ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, ENV_STRAGGLER_OFF
+
 # Chosen by measurement on the 2-core development VM (benchmarks/fusion.py; docs/benchmarks.md):
 DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_FUSION_THRESHOLD_BYTES = 8 << 20
@@ -26,6 +31,8 @@ DEFAULT_STALL_WARNING_SECONDS = 60.0
 # Names the response cache keeps (Horovod's default is 1024; ours was sized for
 # models with a few thousand gradient tensors, whose every step stays on the fast path).
 DEFAULT_CACHE_CAPACITY = 4096
+# Ops the flight recorder keeps per process set (0: off).
+DEFAULT_FLIGHT_RECORDER_SIZE = 256
 
 
 class LogLevel(enum.IntEnum):
@@ -115,7 +122,10 @@ class Setting(NamedTuple):
     parser of its text, what the parser accepts (for the error), and the default.
 
     ``refusal`` is the error's text, a format with ``name``, ``raw`` (the value as set),
-    ``text`` (stripped), ``lowered`` (stripped, lower case) and ``accepts``."""
+    ``text`` (stripped), ``lowered`` (stripped, lower case) and ``accepts``.
+
+    ``lenient``: a value the parser refuses reads as the default instead of being a ValueError
+    (so neither ``mtrain run`` nor ``init()`` refuses it); ``refused`` still tells."""
 
     ours: "str | None"
     horovod: "str | None"
@@ -123,22 +133,33 @@ class Setting(NamedTuple):
     accepts: str
     default: Any
     refusal: str = _REFUSAL
+    lenient: bool = False
 
     def read(self, environ: "Mapping[str, str] | None" = None) -> Any:
         """The value from ``environ`` (default os.environ): ours if set, else Horovod's, else the default.
         An empty variable counts as unset."""
+        value, refused = self._parsed(environ)
+        if refused is not None and not self.lenient:
+            raise ValueError(refused)
+        return value
+
+    def refused(self, environ: "Mapping[str, str] | None" = None) -> "str | None":
+        """The refusal of the value ``read`` takes (``refusal`` filled in), or None when it parses or is unset."""
+        return self._parsed(environ)[1]
+
+    def _parsed(self, environ: "Mapping[str, str] | None") -> "tuple[Any, str | None]":
         environ = os.environ if environ is None else environ
         for name in (self.ours, self.horovod):
             raw = environ.get(name, "") if name else ""
             if raw.strip() == "":
                 continue
             try:
-                return self.parse(raw.strip())
+                return self.parse(raw.strip()), None
             except (ValueError, KeyError):
                 text = raw.strip()
-                raise ValueError(self.refusal.format(name=name, raw=raw, text=text, lowered=text.lower(),
-                                                     accepts=self.accepts)) from None
-        return self.default
+                return self.default, self.refusal.format(name=name, raw=raw, text=text, lowered=text.lower(),
+                                                         accepts=self.accepts)
+        return self.default, None
 
     def source(self, environ: "Mapping[str, str] | None" = None) -> "str | None":
         """The name of the variable ``read`` takes its value from, or None for the default."""
@@ -173,6 +194,27 @@ def _on_off(text: str) -> bool:
     if value in ("0", "false", "no"):
         return False
     raise ValueError
+
+
+def _whole_at_least_zero(text: str) -> int:
+    return max(0, int(text))  # a negative size is 0 (off), as the recorder always read it
+
+
+def _steps(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError
+    return int(text)
+
+
+def _above_zero(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan; inf: never by time
+        raise ValueError
+    return value
+
+
+def _one(text: str) -> bool:
+    return text == "1"  # anything else, as the step meter always read it: measure
 
 
 _SECONDS = "a number of seconds >= 0"
@@ -247,6 +289,18 @@ P2P_EAGER_BYTES = Setting("MTRAIN_P2P_EAGER_BYTES", None, _number, "a number >= 
 P2P_CHUNK_BYTES = Setting("MTRAIN_P2P_CHUNK_BYTES", None, _number, "a number >= 0", None)
 P2P_WINDOW = Setting("MTRAIN_P2P_WINDOW", None, _number, "a number >= 0", None)
 
+# Observability (ringreduce/observe/: recorder.py, steps.py), read when an engine starts. Lenient,
+# as they always were: a bad value is the default (the recorder's size says so on stderr).
+FLIGHT_RECORDER_SIZE = Setting(
+    ENV_FLIGHT_RECORDER_SIZE, None, _whole_at_least_zero, "a whole number", DEFAULT_FLIGHT_RECORDER_SIZE,
+    "{name}={text!r} is not {accepts}; using " + str(DEFAULT_FLIGHT_RECORDER_SIZE)
+    + " (set it to 0 to turn the flight recorder off)", lenient=True)
+# How often a rank sends its step samples to mtrain run: every N steps, and every S seconds.
+STEP_REPORT_STEPS = Setting(ENV_STRAGGLER_EVERY, None, _steps, "a whole number of steps >= 1", 1000, lenient=True)
+STEP_REPORT_SECONDS = Setting(ENV_STEP_REPORT_SECONDS, None, _above_zero, "a number of seconds > 0", 30.0,
+                              lenient=True)
+STRAGGLER_REPORT_DISABLE = Setting(ENV_STRAGGLER_OFF, None, _one, "1 (measure no step)", False)
+
 SETTINGS: "tuple[Setting, ...]" = (
     CYCLE_TIME_MS, FUSION_THRESHOLD_BYTES, INPLACE_MIN_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
     STALL_WARNING_SECONDS, STALL_SHUTDOWN_SECONDS, TIMELINE, TIMELINE_MARK_CYCLES, LOG_LEVEL,
@@ -254,6 +308,7 @@ SETTINGS: "tuple[Setting, ...]" = (
     AUTOTUNE, AUTOTUNE_LOG, AUTOTUNE_WARMUP_SAMPLES, AUTOTUNE_STEPS_PER_SAMPLE, AUTOTUNE_BAYES_OPT_MAX_SAMPLES,
     AUTOTUNE_GAUSSIAN_PROCESS_NOISE, RING_SEGMENT_BYTES, SMALL_ALLREDUCE_BYTES, ALLREDUCE_ALGORITHM, SHM_TRANSPORT,
     SHM_STRIPE_BYTES, CUDA_AWARE, P2P_EAGER_BYTES, P2P_CHUNK_BYTES, P2P_WINDOW,
+    FLIGHT_RECORDER_SIZE, STEP_REPORT_STEPS, STEP_REPORT_SECONDS, STRAGGLER_REPORT_DISABLE,
 )
 
 
@@ -267,12 +322,12 @@ def number_or(setting: Setting, default: float) -> float:
 class AutotuneConfig:
     """Whether and how the autotuner runs (Horovod's --autotune flags; autotune.py)."""
 
-    enabled: bool = False
-    log_path: "str | None" = None
-    warmup_samples: int = 3
-    steps_per_sample: int = 10
-    bayes_opt_max_samples: int = 20
-    gaussian_process_noise: float = 0.8
+    enabled: bool = AUTOTUNE.default
+    log_path: "str | None" = AUTOTUNE_LOG.default
+    warmup_samples: int = AUTOTUNE_WARMUP_SAMPLES.default
+    steps_per_sample: int = AUTOTUNE_STEPS_PER_SAMPLE.default
+    bayes_opt_max_samples: int = AUTOTUNE_BAYES_OPT_MAX_SAMPLES.default
+    gaussian_process_noise: float = AUTOTUNE_GAUSSIAN_PROCESS_NOISE.default
 
     @staticmethod
     def from_environment(environ: "Mapping[str, str] | None" = None) -> "AutotuneConfig":
@@ -289,16 +344,16 @@ class AutotuneConfig:
 class EngineConfig:
     """How one engine cycles, fuses, caches, watches for stalls and logs."""
 
-    cycle_time_s: float = DEFAULT_CYCLE_TIME_MS / 1000
-    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
-    inplace_min_bytes: int = DEFAULT_INPLACE_MIN_BYTES
-    stall_warning_s: float = DEFAULT_STALL_WARNING_SECONDS  # inf: the stall check is off
-    stall_shutdown_s: float = 0.0
-    timeline_path: "str | None" = None
-    timeline_mark_cycles: bool = False
-    cache_capacity: int = DEFAULT_CACHE_CAPACITY
-    log_level: LogLevel = LogLevel.WARNING
-    hierarchical_allgather: bool = False  # asked for (Horovod's variable); mtrain has none
+    cycle_time_s: float = CYCLE_TIME_MS.default / 1000
+    fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES.default
+    inplace_min_bytes: int = INPLACE_MIN_BYTES.default
+    stall_warning_s: float = STALL_WARNING_SECONDS.default  # inf: the stall check is off
+    stall_shutdown_s: float = STALL_SHUTDOWN_SECONDS.default
+    timeline_path: "str | None" = TIMELINE.default
+    timeline_mark_cycles: bool = TIMELINE_MARK_CYCLES.default
+    cache_capacity: int = CACHE_CAPACITY.default
+    log_level: LogLevel = LOG_LEVEL.default
+    hierarchical_allgather: bool = HIERARCHICAL_ALLGATHER.default  # asked for (Horovod's variable); mtrain has none
     autotune: AutotuneConfig = AutotuneConfig()
 
     @staticmethod

@@ -18,7 +18,7 @@ daemon thread, woken through a pipe that is also the interpreter's signal wake-u
 SIGUSR1 wakes it even while the main thread is stuck in C code. The handler is installed by
 ``init()`` under ``mtrain run`` only, from the main thread, and never over a program's own.
 
-MTRAIN_FLIGHT_RECORDER_SIZE (default 256) is K; 0 turns the recorder off.
+MTRAIN_FLIGHT_RECORDER_SIZE (settings.FLIGHT_RECORDER_SIZE, default 256) is K; 0 turns the recorder off.
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable, NamedTuple
 
-from mtrain.common.records.error_report import ENV_ERROR_FILE
+from mtrain.common import settings
+from mtrain.common.records.error_report import supervised
 from mtrain.common.records.flight_recorder import (
-    ENV_FLIGHT_RECORDER_SIZE,
     DumpRequest,
     OpRecord,
     OpState,
@@ -46,18 +46,13 @@ from mtrain.ringreduce.core.ops import Kind
 from mtrain.ringreduce.core.errors import Refusal
 from mtrain.ringreduce.core.ops import dtype_from_code
 
-DEFAULT_SIZE = 256
-
 
 def size_from_environment() -> int:
-    """K, the ops kept per process set (0: the recorder is off)."""
-    text = os.environ.get(ENV_FLIGHT_RECORDER_SIZE, "").strip()
-    try:
-        return max(0, int(text)) if text else DEFAULT_SIZE
-    except ValueError:
-        sys.stderr.write(f"mtrain: {ENV_FLIGHT_RECORDER_SIZE}={text!r} is not a whole number; "
-                         f"using {DEFAULT_SIZE} (set it to 0 to turn the flight recorder off)\n")
-        return DEFAULT_SIZE
+    """K, the ops kept per process set (0: the recorder is off); a bad value is the default, said on stderr."""
+    refused = settings.FLIGHT_RECORDER_SIZE.refused()
+    if refused is not None:
+        sys.stderr.write(f"mtrain: {refused}\n")
+    return settings.FLIGHT_RECORDER_SIZE.read()
 
 
 class FlightRecorder:
@@ -309,7 +304,7 @@ class Dumper:
 def start(rank: int, sets: "Callable[[], list[SetView]]") -> None:
     """Under ``mtrain run`` (and with the recorder on): dump on SIGUSR1 from now on."""
     global _dumper
-    if _dumper is not None or ENV_ERROR_FILE not in os.environ or size_from_environment() == 0:
+    if _dumper is not None or not supervised() or size_from_environment() == 0:
         return
     dumper = Dumper(rank, sets)
     if not dumper.install_signal():

@@ -17,40 +17,24 @@ that a step is over (it is idle again after a thread waited on a handle:
 
 Nothing extra goes on the wire between ranks: the samples go to ``mtrain run`` as marker lines
 on stderr (records.steps.StepReport), every ``MTRAIN_STRAGGLER_EVERY`` steps, every
-``MTRAIN_STEP_REPORT_SECONDS``, and when the engine stops; and ``straggler_stats()`` gathers
-them when the program asks.
+``MTRAIN_STEP_REPORT_SECONDS`` (settings.STEP_REPORT_STEPS, STEP_REPORT_SECONDS), and when the
+engine stops; and ``straggler_stats()`` gathers them when the program asks.
 """
 from __future__ import annotations
 
 import math
-import os
 import socket
 import time
 from collections import deque
 from typing import Any, NamedTuple, Sequence
 
+from mtrain.common import settings
 from mtrain.common.records.error_report import supervised
-from mtrain.common.records.steps import (
-    ENV_STEP_REPORT_SECONDS,
-    ENV_STRAGGLER_EVERY,
-    ENV_STRAGGLER_OFF,
-    StepReport,
-    StepSample,
-)
+from mtrain.common.records.steps import StepReport, StepSample
 from mtrain.common.straggler_rows import StragglerRow, straggler_table
 
 KEPT = 4096               # the newest steps straggler_stats() sees
-DEFAULT_REPORT_SECONDS = 30.0
-DEFAULT_REPORT_STEPS = 1000
 SAMPLES_PER_LINE = 50     # keeps one marker line under a pipe's atomic write size (4 KiB)
-
-
-def _positive(name: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(name, default))
-    except ValueError:
-        return default
-    return value if value > 0 else default
 
 
 class StepMeter:
@@ -59,9 +43,8 @@ class StepMeter:
     def __init__(self) -> None:
         self.host = socket.gethostname()
         self.kept: "deque[tuple]" = deque(maxlen=KEPT)  # StepSample rows (``step_end``)
-        every = os.environ.get(ENV_STRAGGLER_EVERY, "")
-        self._every = int(every) if every.isdigit() and int(every) > 0 else DEFAULT_REPORT_STEPS
-        self._seconds = _positive(ENV_STEP_REPORT_SECONDS, DEFAULT_REPORT_SECONDS)
+        self._every = settings.STEP_REPORT_STEPS.read()
+        self._seconds = settings.STEP_REPORT_SECONDS.read()
         self._unsent: "list[tuple]" = []
         self._supervised = supervised()  # whether an ``mtrain run`` reads the reports
         self._sent_at = time.monotonic()
@@ -136,7 +119,7 @@ class StepMeter:
 def job_meter() -> "StepMeter | None":
     """The job's engine's meter, or None when the straggler report is off
     (MTRAIN_STRAGGLER_REPORT_DISABLE=1: ``mtrain run --no-straggler-report``)."""
-    return StepMeter() if os.environ.get(ENV_STRAGGLER_OFF) != "1" else None
+    return None if settings.STRAGGLER_REPORT_DISABLE.read() else StepMeter()
 
 
 class MeasuredSteps(NamedTuple):

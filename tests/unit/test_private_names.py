@@ -7,6 +7,8 @@ Two ways in are checked, statically:
 * `thing._name` where the file itself defines no `_name` (no `def _name`, `class _name`,
   `_name = ...` or `self._name = ...`): the name belongs to another module's object. A class
   may still use its own private names on another instance of itself (`other._x` in `__eq__`).
+  `getattr(thing, "_name")` (and setattr, hasattr, delattr with the name as a literal) is the
+  same reach-in spelled as a string, under the same rule.
 
 What a module shares with others it makes public, under a name without the underscore.
 """
@@ -27,7 +29,8 @@ PUBLIC_ELSEWHERE = {
     "_value_", "_name_", "_missing_", "_generate_next_value_", "_member_map_", "_value2member_map_",  # enum
 }
 # Private names of the frameworks and libraries we adapt to, which offer no public way to the
-# same thing; each is named here with why, so a new one is a decision, not an accident.
+# same thing; each is named here with why, so a new one is a decision, not an accident. A key
+# `owner._name` allows the name on that object only.
 FRAMEWORK_PRIVATE = {
     "_Environ": "os: the type of os.environ",
     "_set_abort_status": "mpi4py: the status MPI_Abort gives when the interpreter exits with an error",
@@ -48,8 +51,24 @@ FRAMEWORK_PRIVATE = {
     "_aggregate_gradients": "Keras 2 (tf_keras) optimizers: the hook Horovod's wrapper keeps from reducing twice",
     "_HAS_AGGREGATE_GRAD": "Keras 2 (tf_keras) optimizers: the flag Horovod's wrapped optimizer sets",
     "_agg_helper": "Horovod's wrapped Keras 2 optimizer: its gradient aggregation, which Horovod programs read",
+    # Found once getattr/setattr/hasattr/delattr with a literal name counted too:
+    "sys._base_executable": "CPython: the interpreter a virtualenv was made from, which tests/bindings/"
+                        "test_spark_local.py makes a fresh virtualenv of (sys.executable is this one's, with mtrain)",
+    "torch.cuda._sleep": "a kernel that spins the GPU for N cycles (torch's own tests' way to keep a stream "
+              "busy); tests/gpu/test_gpu.py widens the window a missing stream wait would leave, when it exists",
 }
 OURS = ("mtrain", "tests", "benchmarks", "examples")
+
+
+ATTRIBUTE_FUNCTIONS = ("getattr", "setattr", "hasattr", "delattr")
+
+
+def named_attribute(node: ast.AST) -> "tuple[ast.expr, str] | None":
+    """``(thing, "_name")`` for ``getattr(thing, "_name", ...)`` and its siblings, else None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ATTRIBUTE_FUNCTIONS
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+        return node.args[0], node.args[1].value
+    return None
 
 
 def _targets(statement: ast.stmt) -> "list[str]":
@@ -79,12 +98,19 @@ def own_private_names(tree: ast.Module) -> set[str]:
         elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
               and node.value.id in ("self", "cls")):
             names.add(node.attr)  # a class's own (set here, or read here and set by a factory beside it)
+        elif named_attribute(node):
+            thing, name = named_attribute(node)
+            if isinstance(thing, ast.Name) and thing.id in ("self", "cls"):
+                names.add(name)  # getattr(self, "_x"): as self._x
     return {name for name in names if name.startswith("_")}
 
 
-def private(name: str) -> bool:
+def private(name: str, owner: "ast.expr | None" = None) -> bool:
+    """Whether ``name`` (read on ``owner``, where known) is someone's private name. A FRAMEWORK_PRIVATE
+    entry ``owner._name`` allows the name on that object only (``torch.cuda._sleep``)."""
+    on = f"{ast.unparse(owner)}.{name}" if owner is not None else None
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) \
-        and name not in PUBLIC_ELSEWHERE and name not in FRAMEWORK_PRIVATE
+        and name not in PUBLIC_ELSEWHERE and name not in FRAMEWORK_PRIVATE and on not in FRAMEWORK_PRIVATE
 
 
 def offenders_in(text: str, where: str, here: str, is_package: bool = False) -> list[str]:
@@ -98,8 +124,12 @@ def offenders_in(text: str, where: str, here: str, is_package: bool = False) -> 
             for alias in node.names:
                 if private(alias.name) and source != here and source.split(".")[0] in OURS:
                     found.append(f"{where}:{node.lineno} imports {alias.name} from {source}")
-        elif isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own:
+        elif isinstance(node, ast.Attribute) and private(node.attr, node.value) and node.attr not in own:
             found.append(f"{where}:{node.lineno} uses {ast.unparse(node)}")
+        elif named_attribute(node):
+            thing, name = named_attribute(node)
+            if private(name, thing) and name not in own:
+                found.append(f"{where}:{node.lineno} uses {ast.unparse(node)}")
     return found
 
 
@@ -127,6 +157,17 @@ def test_no_underscored_name_is_used_across_modules():
     ("def f(master, watch):\n    master._gate = watch\n", True),
     ("def f(engine):\n    _flight = engine._flight\n", True),
     ("class A:\n    __slots__ = ('_x',)\n    def same(self, other):\n        return other._x\n", False),
+    # The same reach-ins spelled as strings.
+    ("def f(variable):\n    return getattr(variable, '_shared_name', None)\n", True),
+    ("def f(engine):\n    setattr(engine, '_flight', None)\n", True),
+    ("def f(engine):\n    return hasattr(engine, '_flight')\n", True),
+    ("def f(engine):\n    delattr(engine, '_flight')\n", True),
+    ("class A:\n    def __init__(self):\n        setattr(self, '_x', 1)\n    def same(self, other):\n"
+     "        return getattr(other, '_x')\n", False),
+    ("def f(thing, name):\n    return getattr(thing, name), getattr(thing, '__dict__'), getattr(thing, 'x')\n", False),
+    ("def f(p):\n    return getattr(p, '_asdict')()\n", False),
+    ("import torch\ntorch.cuda._sleep(1)\ngetattr(torch.cuda, '_sleep', None)\n", False),  # allowed on that object
+    ("def f(engine):\n    return engine._sleep\n", True),  # ... and on no other
 ])
 def test_the_check_sees_a_reach_in(code, bad):
     found = offenders_in(code, "probe.py", "mtrain.ringreduce.probe")

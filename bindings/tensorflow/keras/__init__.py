@@ -13,15 +13,23 @@ from typing import Any, Dict, List, Optional
 
 import keras
 
-from .. import (  # noqa: F401  (re-exported: the Horovod API)
-    Adasum, Average, Compression, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet,
-    Product, ReduceOp, Sum, add_process_set, allgather, allgather_object, allreduce, alltoall, barrier, broadcast,
-    broadcast_global_variables, broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size,
-    cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled, grouped_allreduce, init,
-    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-    reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline, straggler_stats,
+# Re-exported: the Horovod API, taken from where mtrain.tensorflow takes it (not from that package,
+# whose DistributedOptimizer imports this one for a Keras optimizer: no cycle through its __init__).
+from mtrain.ringreduce import (  # noqa: F401
+    Adasum, Average, HorovodInternalError, Max, Min, MismatchError, NotInitializedError, ProcessSet, Product,
+    ReduceOp, Sum, add_process_set, cross_rank, cross_size, global_process_set, init, is_initialized, local_rank,
+    local_size, mpi_threads_supported, rank, remove_process_set, shutdown, size, start_timeline, stop_timeline,
+    straggler_stats,
+)
+
+from ...build_info import (  # noqa: F401
+    ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built,
     sycl_built,
 )
+from ..compression import Compression
+from ..functions import (  # noqa: F401
+    allgather_object, broadcast_global_variables, broadcast_object, broadcast_variables)
+from ..mpi_ops import allgather, allreduce, alltoall, barrier, broadcast, grouped_allreduce, reducescatter  # noqa: F401
 from ...gradient_op import check_gradient_op
 from ..gradient_tape import divided, local_refs, reduce_gradients, scaled, variable_key
 from ..process_sets import check_process_set, set_size

@@ -42,8 +42,9 @@ def slot_variables(optimizer: Any, variables: Sequence[Any]) -> set:
                 except KeyError:  # no such slot for this variable
                     pass
         return keys
-    # The new tf_keras optimizers name a slot "<slot>/<variable's shared name>" (add_variable_from_reference).
-    owners = {getattr(v, "_shared_name", None) for v in variables}
+    # The new tf_keras optimizers name a slot "<slot>/<variable's shared name>" (add_variable_from_reference):
+    # the variable's name without its ":0" (tf.Variable._shared_name is that, spelled with the public name).
+    owners = {v.name.split(":")[0] for v in variables}
     for slot in optimizer.variables():
         name = slot.name.split(":")[0]
         if "/" in name and name.split("/", 1)[1] in owners:
