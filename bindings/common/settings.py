@@ -300,6 +300,9 @@ STEP_REPORT_STEPS = Setting(ENV_STRAGGLER_EVERY, None, _steps, "a whole number o
 STEP_REPORT_SECONDS = Setting(ENV_STEP_REPORT_SECONDS, None, _above_zero, "a number of seconds > 0", 30.0,
                               lenient=True)
 STRAGGLER_REPORT_DISABLE = Setting(ENV_STRAGGLER_OFF, None, _one, "1 (measure no step)", False)
+# How much slower than the median rank a rank must be to be named a straggler (both halves read it).
+STRAGGLER_THRESHOLD_PERCENT = Setting("MTRAIN_STRAGGLER_THRESHOLD_PERCENT", None, _number, "a number of percent >= 0",
+                                      20.0, lenient=True)
 
 SETTINGS: "tuple[Setting, ...]" = (
     CYCLE_TIME_MS, FUSION_THRESHOLD_BYTES, INPLACE_MIN_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
@@ -309,6 +312,7 @@ SETTINGS: "tuple[Setting, ...]" = (
     AUTOTUNE_GAUSSIAN_PROCESS_NOISE, RING_SEGMENT_BYTES, SMALL_ALLREDUCE_BYTES, ALLREDUCE_ALGORITHM, SHM_TRANSPORT,
     SHM_STRIPE_BYTES, CUDA_AWARE, P2P_EAGER_BYTES, P2P_CHUNK_BYTES, P2P_WINDOW,
     FLIGHT_RECORDER_SIZE, STEP_REPORT_STEPS, STEP_REPORT_SECONDS, STRAGGLER_REPORT_DISABLE,
+    STRAGGLER_THRESHOLD_PERCENT,
 )
 
 

@@ -2,20 +2,18 @@
 
 Both halves of mtrain compute it: ``mtrain run`` (launcher/supervise/stragglers.py: the table at exit,
 ``--straggler-report N`` and the ``--progress`` line) and each rank's ``straggler_stats()``
-(ringreduce/api.py). So it lives on its own, the standard library and records.py only: the
+(ringreduce/api.py). So it lives in mtrain.common, on the standard library alone: the
 runtime imports it without the launcher's reporting (the hang report), and the launcher without
 the runtime (which starts MPI). How the rows are read: launcher/supervise/stragglers.py's docstring.
 """
 from __future__ import annotations
 
-import os
 import statistics
 from typing import Mapping, NamedTuple, Sequence
 
+from mtrain.common import settings
 from mtrain.common.records.steps import StepSample
 
-ENV_THRESHOLD = "MTRAIN_STRAGGLER_THRESHOLD_PERCENT"
-DEFAULT_THRESHOLD_PERCENT = 20.0
 # A rank is flagged only when it is also this much slower than the median in absolute terms:
 # steps of a few hundred microseconds differ by more than 20% from scheduling noise alone.
 MIN_EXCESS_SECONDS = 0.002
@@ -34,12 +32,9 @@ class StragglerRow(NamedTuple):
     ratio: float        # its median compute over the median rank's (the lower median for an even count)
 
 
-def threshold_percent(environ: Mapping[str, str] = os.environ) -> float:
-    try:
-        value = float(environ.get(ENV_THRESHOLD, DEFAULT_THRESHOLD_PERCENT))
-    except ValueError:
-        return DEFAULT_THRESHOLD_PERCENT
-    return value if value >= 0 else DEFAULT_THRESHOLD_PERCENT
+def threshold_percent(environ: "Mapping[str, str] | None" = None) -> float:
+    """MTRAIN_STRAGGLER_THRESHOLD_PERCENT (its default for a value that is not a number >= 0)."""
+    return float(settings.STRAGGLER_THRESHOLD_PERCENT.read(environ))
 
 
 def straggler_table(samples: Mapping[int, Sequence[StepSample]], hosts: Mapping[int, str],
