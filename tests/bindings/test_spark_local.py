@@ -35,14 +35,31 @@ def test_run_in_local_mode_returns_each_ranks_result_in_rank_order() -> None:
     assert line == "RESULTS [(0, [30.0, 32.0, 34.0]), (1, [30.0, 32.0, 34.0])]"
 
 
-def test_executors_whose_python_lacks_mtrain_are_named_in_one_line(tmp_path) -> None:
-    # The interpreter this venv was made from: Spark's own pyspark reaches it, mtrain does not.
-    base = Path(sys.base_prefix) / "bin" / "python3"
-    probe = subprocess.run([str(base), "-c", "import mtrain"], capture_output=True,
-                           env={"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)})
+def python_without_mtrain(folder: Path) -> Path:
+    """A Python that cannot import mtrain where the executors run: a fresh virtualenv (no pip, none of
+    this environment's packages) of the interpreter this one was made from, so one can always be had,
+    in CI too. Spark's own pyspark reaches it (Spark puts its pyspark.zip on the workers' PYTHONPATH);
+    mtrain does not, unless this environment puts it on every Python's path (PYTHONPATH, say): then
+    the test skips, and in CI (CI=true, where nothing does) it fails."""
+    interpreter = getattr(sys, "_base_executable", sys.executable)
+    made = subprocess.run([interpreter, "-m", "venv", "--without-pip", str(folder)], capture_output=True, text=True,
+                          timeout=60)
+    assert made.returncode == 0, made.stderr
+    python = folder / "bin" / "python"
+    # As the executors run it: this process's environment and working folder.
+    probe = subprocess.run([str(python), "-c", "import mtrain; print(mtrain.__file__)"], capture_output=True,
+                           text=True, env=dict(os.environ), timeout=60)
     if probe.returncode == 0:
-        pytest.skip(f"{base} imports mtrain itself: no Python without it to point Spark at")
-    done = spark_job(1, PYSPARK_PYTHON=str(base))
+        reason = (f"even a fresh virtualenv's Python imports mtrain here ({probe.stdout.strip()}): "
+                  "no Python without it to point Spark at")
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(reason)
+    assert "No module named 'mtrain'" in probe.stderr, probe.stderr
+    return python
+
+
+def test_executors_whose_python_lacks_mtrain_are_named_in_one_line(tmp_path) -> None:
+    bare = python_without_mtrain(tmp_path / "bare")
+    done = spark_job(1, PYSPARK_PYTHON=str(bare))
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("mtrain.launcher.tasks.call_service.CallServerError: mtrain.spark.run: the Spark job of the "

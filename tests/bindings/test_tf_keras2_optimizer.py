@@ -266,6 +266,24 @@ def _elastic_outside_a_job() -> None:
         os.environ.pop(name, None)
 
 
+def _known(r: int, template) -> "list[np.ndarray]":
+    """Rank ``r``'s values in the shapes and dtypes of ``template`` (arrays), distinct per rank, per array
+    and per element, known to every rank without a collective: counts (ints) 3 + r + i, floats small and
+    positive (they stand for learning rates, second moments and variances too)."""
+    out = []
+    for i, like in enumerate(np.asarray(t) for t in template):
+        if like.dtype.kind in "iu":
+            out.append(np.full(like.shape, 3 + r + i, like.dtype))
+        else:
+            out.append((0.01 + 0.01 * np.abs(_values(r, like.size, salt=i))).reshape(like.shape).astype(like.dtype))
+    return out
+
+
+def _all_differ(left, right) -> bool:
+    """Every array of ``left`` differs from its counterpart in ``right`` (lists of different lengths differ)."""
+    return len(left) != len(right) or all(not np.array_equal(p, q) for p, q in zip(left, right))
+
+
 def _keras_state_restores(tf, keras, hvd, optimizers) -> None:
     """KerasState, for each (name, optimizer maker, whether the last rank's optimizer starts fresh): sync
     takes rank 0's weights and slots (a rank whose optimizer never stepped builds its slots) and a restore
@@ -288,9 +306,36 @@ def _keras_state_restores(tf, keras, hvd, optimizers) -> None:
                                   keras.layers.BatchNormalization(), keras.layers.Dense(2)])
         opt = make()  # not distributed (but one): the ranks' weights and slots drift apart
         model.compile(optimizer=opt, loss="mse")
-        if not (fresh and me == n - 1):  # the last rank's optimizer has not stepped: no slots yet (a new host)
+        stepped = not (fresh and me == n - 1)  # the last rank's optimizer has not stepped: no slots yet (a new host)
+        if stepped:
             model.fit(x, y, batch_size=3, verbose=0)
-        root = hvd.broadcast_object(current(model, opt), root_rank=0)
+        # Every rank's weights and slots become known values of its own, so that rank 0's (what sync must
+        # give every rank) are known here without a collective. Where a rank starts fresh, rank 0's optimizer
+        # variables (their number, shapes and dtypes) are those of a like optimizer whose slots are built.
+        own = opt.variables() if callable(opt.variables) else opt.variables
+        slots = [v.numpy() for v in own]
+        if fresh:
+            like = make()
+            with tf.init_scope():
+                (like._create_all_weights if hasattr(like, "_create_all_weights") else like.build)(
+                    list(model.trainable_variables))
+            slots = [v.numpy() for v in (like.variables() if callable(like.variables) else like.variables)]
+            if stepped:
+                assert [(v.numpy().shape, v.numpy().dtype) for v in own] == [(a.shape, a.dtype) for a in slots], \
+                    (kind, "a like optimizer's variables differ from this stepped one's")
+        weights = [w.numpy() for w in model.weights]
+        for variable, value in zip(model.weights, _known(me, weights)):
+            variable.assign(value)
+        if stepped:
+            for variable, value in zip(own, _known(me, slots)):
+                variable.assign(value)
+        root = (_known(0, weights), _known(0, slots))
+        before = current(model, opt)
+        if stepped:
+            assert equal(before, (_known(me, weights), _known(me, slots))), (kind, "the known values before sync")
+        if me != 0:
+            assert _all_differ(before[0], root[0]) and _all_differ(before[1], root[1]), \
+                (kind, "this rank's weights and slots should differ from rank 0's before sync")
         state = hvd.elastic.KerasState(model, opt, batch=me, epoch=10 + me)
         state.sync()
         assert equal(current(model, opt), root) and (state.batch, state.epoch) == (0, 10), (kind, "sync")
@@ -345,9 +390,13 @@ def test_keras3_elastic_state_and_tensorflow_state_restore_after_sync():
     n, me = hvd.size(), hvd.rank()
     _keras_state_restores(tf, keras, hvd, (("keras3", lambda: keras.optimizers.Adam(0.05), True),))
     variables = [tf.Variable(_rows(me, 2, 3)), tf.Variable(float(me))]
-    root = hvd.broadcast_object([v.numpy() for v in variables], root_rank=0)
+    root = [_rows(0, 2, 3), 0.0]  # rank 0's values, known here without a collective
+    if me != 0:
+        assert all(not np.array_equal(v.numpy(), r) for v, r in zip(variables, root)), "differ before sync"
     state = hvd.elastic.TensorFlowState(variables, step=me)
     state.sync()
+    assert all(np.array_equal(v.numpy(), r) for v, r in zip(variables, root)) and state.step == 0, \
+        ("TensorFlowState sync", [v.numpy() for v in variables], root)
     variables[0].assign_add(tf.ones((2, 3), tf.float64))
     state.restore()
     assert all(np.array_equal(v.numpy(), r) for v, r in zip(variables, root)) and state.step == 0, \

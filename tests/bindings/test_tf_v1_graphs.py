@@ -118,6 +118,7 @@ def test_tf1_optimizer_trains_as_one_process_on_the_ranks_data():
     same(_train_v1(tf, hvd, xs, ys, momentum, 3, {}), alone(everyone), "Average, momentum")
     same(_train_v1(tf, hvd, xs, ys, adam, 2, dict(gradient_predivide_factor=2.0)), alone(everyone, adam, 2),
          "Average with a predivide factor, Adam")
+    _check_predivide_keeps_the_sum_finite(tf, hvd)
     # Sum: n times the mean gradient, which plain SGD with n times the learning rate reproduces
     # (rates a float32 holds exactly: TF1 optimizers keep their rate as a float32 tensor).
     sgd = lambda rate: (lambda: tf.compat.v1.train.GradientDescentOptimizer(rate))  # noqa: E731
@@ -125,6 +126,7 @@ def test_tf1_optimizer_trains_as_one_process_on_the_ranks_data():
     # A process set (even ranks): its members average over it alone, the others train on their own.
     evens = hvd.add_process_set([r for r in range(n) if r % 2 == 0])
     try:
+        _horovod_legacy_process_set_case(tf, hvd, evens)
         want = alone(evens.ranks) if me in evens.ranks else alone([me])
         same(_train_v1(tf, hvd, xs, ys, momentum, 3, dict(process_set=evens)), want, f"process set {evens.ranks}")
         # A local variable: its gradient stays this rank's, divided by the set's size (on every
@@ -133,7 +135,6 @@ def test_tf1_optimizer_trains_as_one_process_on_the_ranks_data():
         plain_b = _train_v1(tf, hvd, xs, ys, sgd(0.125 / evens.size()), 1)[1]
         want_w = (alone(evens.ranks, sgd(0.125), 1) if me in evens.ranks else alone([me], sgd(0.125), 1))[0]
         assert np.allclose(got[0], want_w) and np.allclose(got[1], plain_b), "local variable"
-        _horovod_legacy_process_set_case(tf, hvd, evens)
     finally:
         hvd.remove_process_set(evens)
 
@@ -157,6 +158,33 @@ def test_tf1_optimizer_trains_as_one_process_on_the_ranks_data():
     with pytest.raises(ValueError, match="op=Average or op=Sum"):
         hvd.DistributedOptimizer(v1, op=hvd.Max)
     # (op=Adasum with a TF1 optimizer: tests/bindings/test_tf_adasum.py.)
+
+
+def _check_predivide_keeps_the_sum_finite(tf, hvd) -> None:
+    """gradient_predivide_factor (horovod/tensorflow/__init__.py: Average with a factor f is prescale 1/f
+    before the sum, postscale f / size after it): gradients each finite but whose sum over the ranks
+    overflows float64. Without the factor the mean is inf (the sum is taken first); with f = 4 each rank's
+    part is divided before the sum and the mean comes back finite."""
+    n, me = hvd.size(), hvd.rank()
+    # Distinct per rank and per element, up to 1.25e308: any two of them sum past float64's 1.8e308.
+    huge = {r: (1.0 + 0.1 * r + 0.01 * np.arange(6.0)).reshape(3, 2) * 1e308 for r in range(n)}
+
+    def reduced(**distributed) -> np.ndarray:
+        with tf.Graph().as_default():
+            w = tf.compat.v1.get_variable("w", initializer=np.ones((3, 2)))
+            loss = tf.reduce_sum(w * tf.constant(huge[me]))  # d loss / d w: this rank's huge values
+            opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0), **distributed)
+            (grad, _), = opt.compute_gradients(loss, var_list=[w])
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                return session.run(grad)
+
+    plain = reduced()
+    assert np.all(np.isinf(plain)), f"the data should overflow a plain Average's sum: {plain}"
+    got = reduced(gradient_predivide_factor=4.0)
+    want = sum(huge[r] / n for r in range(n))  # the mean, taken without overflowing
+    assert np.all(np.isfinite(got)) and np.allclose(got, want, rtol=1e-12, atol=0), \
+        f"Average with a predivide factor of 4 over {n} ranks: {got} != {want}"
 
 
 def _check_backward_passes(tf, hvd, data) -> None:
@@ -197,9 +225,14 @@ def _check_backward_passes(tf, hvd, data) -> None:
 
 
 def _horovod_legacy_process_set_case(tf, hvd, evens) -> None:
-    """Horovod's test_legacy_DistributedOptimizer_process_sets: a TF1 optimizer whose gradient is the
-    rank, on a reference (non-resource) variable; the set's members get the set's mean rank."""
-    me = hvd.rank()
+    """Horovod's test_legacy_DistributedOptimizer_process_sets: a TF1 optimizer whose gradient is fixed
+    per rank, on a reference (non-resource) variable; the set's members get the set's mean gradient.
+    Horovod's gradient is the rank, whose mean over the even ranks of 3 is the world's (1): here it is
+    (rank + 1) ** 2, whose mean over the set differs from the world's at every size."""
+    n, me = hvd.size(), hvd.rank()
+    gradient = {r: float(r + 1) ** 2 for r in range(n)}
+    set_mean = np.mean([gradient[r] for r in evens.ranks])
+    assert not np.isclose(set_mean, np.mean(list(gradient.values()))), "the set's mean should not be the world's"
     resource_before = tf.compat.v1.resource_variables_enabled()
     tf.compat.v1.disable_resource_variables()
     try:
@@ -210,7 +243,7 @@ def _horovod_legacy_process_set_case(tf, hvd, evens) -> None:
                     self.variable = tf.compat.v1.get_variable("dummy", initializer=[0.0], use_resource=False)
 
                 def compute_gradients(self, *args, **kwargs):
-                    return [(tf.constant([float(me)]), self.variable)]
+                    return [(tf.constant([gradient[me]]), self.variable)]
 
                 def _apply_dense(self, grad, var):
                     return var.assign_add(grad)
@@ -222,7 +255,7 @@ def _horovod_legacy_process_set_case(tf, hvd, evens) -> None:
                 session.run(tf.compat.v1.global_variables_initializer())
                 session.run(update)
                 got = session.run(inner.variable.read_value())[0]
-        want = np.mean(evens.ranks) if me in evens.ranks else float(me)
+        want = set_mean if me in evens.ranks else gradient[me]
         assert np.isclose(got, want), f"Horovod's legacy process-set case: {got} != {want}"
     finally:
         if resource_before:

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Iterator
 
@@ -187,10 +188,46 @@ def test_ranks_end_when_the_driver_dies() -> None:
     assert session_members(ranks.proc.pid) == []
 
 
+class _WatchedCondition(threading.Condition):
+    """The server's condition, telling when a thread waits on it and how each wait ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+        self.ends: list[bool] = []  # per wait: True when notified, False when it timed out
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()  # (under the lock: no notify can come before this wait has begun)
+        notified = super().wait(timeout)
+        self.ends.append(notified)
+        return notified
+
+
 def test_fail_wakes_a_waiter() -> None:
+    """A thread already waiting for the ranks is woken by fail() (notified, not by its wait's timeout
+    of up to 0.5 s running out) and raises the reason."""
     server = CallServer(new_key(), 2, bind="127.0.0.1")
+    watched = server._changed = _WatchedCondition()
     server.start()
-    server.fail("mtrain: the job ended with status 1 before its ranks connected")
-    with pytest.raises(CallServerError, match="the job ended with status 1"):
-        server.wait_for_ranks(60)
-    server.stop()
+    raised: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            server.wait_for_ranks(60)
+        except BaseException as error:  # noqa: B902  (whatever it is, the test names it)
+            raised.append(error)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    try:
+        assert watched.waiting.wait(10), "the waiter never waited for the ranks"
+        server.fail("mtrain: the job ended with status 1 before its ranks connected")
+        thread.join(10)
+        assert not thread.is_alive(), "fail() did not end the wait"
+        assert len(raised) == 1 and isinstance(raised[0], CallServerError), raised
+        assert "the job ended with status 1" in str(raised[0]), raised
+        assert watched.ends and watched.ends[-1] is True, \
+            f"the waiter's last wait timed out instead of being woken by fail(): {watched.ends}"
+    finally:
+        server.stop()
+        thread.join(10)

@@ -89,19 +89,28 @@ def test_a_dropped_connection_ends_the_whole_tree(service, tmp_path):
 
 def test_stop_ends_what_runs(service, tmp_path):
     running, key, address, port = service
-    argv = agent_argv(str(tmp_path), key, "node-1", address, port, "sleep", "300")
+    pid_file = tmp_path / "pid"
+    # The command says it started (its pid, which `exec sleep` keeps) once it runs under the guard.
+    argv = agent_argv(str(tmp_path), key, "node-1", address, port, "echo", "$$", ">", f"{pid_file}.part", "&&",
+                      "mv", f"{pid_file}.part", str(pid_file), "&&", "exec", "sleep", "300")
     before = set(descendants(os.getpid()))  # (other fixtures' processes, a test cluster's sshd say)
-    agent = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
-    while running.running() == 0:
-        assert time.monotonic() < deadline
+    while not pid_file.exists():
+        assert time.monotonic() < deadline and agent.poll() is None, agent.stderr.read() if agent.poll() else ""
         time.sleep(0.05)
+    command = int(pid_file.read_text())
+    assert running.running() == 1
     started = [p for p in descendants(os.getpid()) if p != agent.pid and p not in before]
-    assert started  # the command (and the guard above it) under the service in this process
+    # The command itself and the guard above it, under the service in this process.
+    assert command in started and len(started) >= 2, (command, started)
     running.stop()
     assert running.running() == 0
     assert agent.wait(timeout=15) != 0  # its command was ended, not finished
-    assert not [p for p in started if os.path.exists(f"/proc/{p}") and _state(p) != "Z"]
+    deadline = time.monotonic() + 10  # (a SIGKILLed child of another parent may take a moment to be reaped)
+    while alive := [p for p in started if _state(p) not in ("Z", "gone")]:
+        assert time.monotonic() < deadline, f"left running after stop: {alive} (the command: {command})"
+        time.sleep(0.05)
 
 
 def _state(pid: int) -> str:
