@@ -203,11 +203,19 @@ class _WatchedCondition(threading.Condition):
         return notified
 
 
+class _WatchedServer(CallServer):
+    """A CallServer whose condition is a ``_WatchedCondition`` (the one change a subclass makes)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._changed = self.watched = _WatchedCondition()
+
+
 def test_fail_wakes_a_waiter() -> None:
     """A thread already waiting for the ranks is woken by fail() (notified, not by its wait's timeout
     of up to 0.5 s running out) and raises the reason."""
-    server = CallServer(new_key(), 2, bind="127.0.0.1")
-    watched = server._changed = _WatchedCondition()
+    server = _WatchedServer(new_key(), 2, bind="127.0.0.1")
+    watched = server.watched
     server.start()
     raised: list[BaseException] = []
 
