@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -184,7 +185,9 @@ def test_ranks_end_when_the_driver_dies() -> None:
         kill_session(driver.pid)
         driver.wait()
     assert status != 0
-    assert "rank 0: lost the connection to the driver" in err and "rank 1: lost the connection" in err, err
+    # Every rank notices the lost connection, but the first to leave with it ends the job (MPI_Abort):
+    # a rank that had not yet said so is stopped without a word. At least one says it, and none is left.
+    assert re.search(r"rank [01]: lost the connection to the driver", err), err
     assert session_members(ranks.proc.pid) == []
 
 
