@@ -28,8 +28,8 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from mtrain.common import exit_status
-from mtrain.common.records.user_frames import user_line
 from mtrain.common.records.phase import Phase, PhaseNote
+from mtrain.common.records.user_frames import user_line
 
 MODULE = "mtrain.launcher.pymain"
 # Options of the interpreter (before the program): these take no value...

@@ -43,9 +43,6 @@ import sys
 import threading
 import time
 
-from mtrain.launcher.job import job_files
-from mtrain.launcher import pymain
-from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 from mtrain.common.private import PrivatePathError
 from mtrain.common.records.daemon_env import ENV_USER_UMASK, restore_user_tmpdir
 from mtrain.common.records.elastic import RESUME_MARKER
@@ -56,6 +53,9 @@ from mtrain.common.records.job_layout import ENV_JOB_FILE, JobLayout
 from mtrain.common.records.marker import ENV_MARKER_FD, marker_channel
 from mtrain.common.records.phase import PHASE_MARKER, Phase, PhaseNote
 from mtrain.common.records.steps import STEP_MARKER
+from mtrain.launcher import pymain
+from mtrain.launcher.job import job_files
+from mtrain.launcher.process_tools import die_with_parent, exit_code, exit_now, kill_group
 
 TAIL_LINES = 15
 TERM_GRACE = 3.0

@@ -36,18 +36,18 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import tempfile
+import threading
 import time
 
-from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
-from mtrain.launcher.job import job_files
 from mtrain.common.private import PrivatePathError
 from mtrain.common.records.agent_events import AgentEvent, AgentEventKind, event_line
 from mtrain.common.records.daemon_env import DAEMON_UMASK, ENV_OPENMPI_SESSION_BASE, restore_user_tmpdir
 from mtrain.common.records.elastic import HostUpdates, host_path, updates_file
 from mtrain.common.records.exit_record import signal_name
 from mtrain.common.records.job_layout import ENV_JOB_FILE, ENV_JOB_LAYOUT, JobLayout
+from mtrain.launcher.job import job_files
+from mtrain.launcher.process_tools import become_subreaper, descendants, exit_code, exit_now, signal_process
 
 HEARTBEAT_TIMEOUT = 8.0
 TERM_GRACE = 3.0

@@ -8,13 +8,13 @@ from mtrain.ringreduce.core.errors import (
     InvalidArgumentError,
     JoinedError,
     MismatchError,
+    NotInitializedError,
     ShutdownError,
     StallError,
 )
-from .process_sets import ProcessSet, global_process_set
+from mtrain.ringreduce.process_sets import ProcessSet, global_process_set
 from mtrain.ringreduce.core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from .runtime import (
-    NotInitializedError,
+from mtrain.ringreduce.runtime import (
     add_process_set,
     init,
     is_initialized,
@@ -23,7 +23,7 @@ from .runtime import (
     remove_process_set,
     shutdown,
 )
-from .api import (
+from mtrain.ringreduce.api import (
     allgather,
     allgather_async,
     allgather_object,

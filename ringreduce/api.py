@@ -10,15 +10,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from mtrain.common.straggler_rows import StragglerRow
-
-from mtrain.ringreduce.transport import comm as comm_module
 from mtrain.ringreduce import exits
-from mtrain.ringreduce.transport import p2p
-from mtrain.ringreduce.observe import steps
-from mtrain.ringreduce.engine.cycle import EngineStats
 from mtrain.ringreduce.core.ops import Average, ReduceOp
-from .process_sets import ProcessSet, current, global_process_set
 from mtrain.ringreduce.core.requests import Handle
+from mtrain.ringreduce.engine.cycle import EngineStats
 from mtrain.ringreduce.engine.submit import (
     submit_allgather,
     submit_allgather_object,
@@ -32,6 +27,10 @@ from mtrain.ringreduce.engine.submit import (
     submit_grouped_reducescatter,
     submit_reducescatter,
 )
+from mtrain.ringreduce.observe import steps
+from mtrain.ringreduce.process_sets import ProcessSet, current, global_process_set
+from mtrain.ringreduce.transport import comm as comm_module
+from mtrain.ringreduce.transport import p2p
 
 
 def rank() -> int:

@@ -24,19 +24,16 @@ communicators, the global engine, and the registered and private sets (``SetStat
 """
 from __future__ import annotations
 
-import sys
-
 import dataclasses
+import sys
 import time
 import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from mtrain.ringreduce.transport import mpi
-
+from mtrain.ringreduce.core.errors import InvalidArgumentError, NotInitializedError
 from mtrain.ringreduce.transport import comm as comm_module
-from mtrain.ringreduce.transport import p2p
-from mtrain.ringreduce.core.errors import InvalidArgumentError
+from mtrain.ringreduce.transport import mpi, p2p
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 
@@ -107,11 +104,6 @@ class ProcessSet:
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
-
-
-class NotInitializedError(ValueError, RuntimeError):
-    """A collective was called before ``init()``: a ValueError, as Horovod's ``rank()`` raises, and a
-    RuntimeError, as its collectives raise (horovod/torch/mpi_ops.py wraps them in HorovodInternalError)."""
 
 
 # The registry of the running runtime (None: not initialized). Kept here, beside the class, so that

@@ -11,26 +11,23 @@ import sys
 from typing import Any, Sequence
 
 import numpy as np
-from mtrain.ringreduce.transport import mpi
 
+from mtrain.common import settings
 from mtrain.common.records.error_report import supervised
 from mtrain.common.records.phase import Phase, PhaseNote
-
-from mtrain.ringreduce.transport import comm as comm_module
-from mtrain.ringreduce.transport import cuda
-from mtrain.ringreduce import exits
-from mtrain.ringreduce.core import log
-from mtrain.ringreduce import process_sets as _ps
-from mtrain.ringreduce.observe import recorder
-from mtrain.ringreduce.transport import ring
-from mtrain.common import settings
-from mtrain.ringreduce.transport.executor import Executor
-from mtrain.ringreduce.engine.cycle import Engine
-from mtrain.ringreduce.core.errors import InvalidArgumentError
-from .process_sets import NotInitializedError, ProcessSet, global_process_set  # noqa: F401  (re-exported)
 from mtrain.common.settings import AutotuneConfig, EngineConfig
+from mtrain.ringreduce import exits
+from mtrain.ringreduce import process_sets as _ps
+from mtrain.ringreduce.core import log
+from mtrain.ringreduce.core.errors import InvalidArgumentError
+from mtrain.ringreduce.engine.cycle import Engine
+from mtrain.ringreduce.observe import recorder
 from mtrain.ringreduce.observe.steps import job_meter
 from mtrain.ringreduce.observe.timeline import TraceLink
+from mtrain.ringreduce.process_sets import ProcessSet, global_process_set
+from mtrain.ringreduce.transport import comm as comm_module
+from mtrain.ringreduce.transport import cuda, mpi, ring
+from mtrain.ringreduce.transport.executor import Executor
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 

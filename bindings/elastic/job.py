@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from mtrain.common.records import elastic as records
 from mtrain.common.private import private_folder
+from mtrain.common.records import elastic as records
 
 
 def is_elastic() -> bool:

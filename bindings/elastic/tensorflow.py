@@ -20,7 +20,6 @@ import keras
 import numpy as np
 
 import mtrain.ringreduce as rr
-
 from mtrain import tf_keras_versions as keras2
 
 from . import HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State, run

@@ -2,7 +2,13 @@
 that uses it. They live with the torch binding, ``mtrain.torch.elastic`` (``hvd.elastic``), which
 builds on this framework-free package; nothing here imports back the other way."""
 from mtrain.torch.elastic import (  # noqa: F401  (re-exported)
-    ElasticSampler, HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State, TorchState, run,
+    ElasticSampler,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    ObjectState,
+    State,
+    TorchState,
+    run,
 )
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",

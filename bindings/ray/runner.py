@@ -165,8 +165,9 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """Stop the ranks, then the services, actors and placement group; nothing is left on any node."""
-        from mtrain.launcher.process_tools import signal_process
         import signal
+
+        from mtrain.launcher.process_tools import signal_process
         server, job, placement = self.server, self.job, self.placement
         self.server = self.job = self.placement = None
         if server is not None:

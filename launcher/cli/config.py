@@ -10,8 +10,8 @@ import enum
 import re
 from pathlib import Path
 
-from mtrain.launcher.job.hosts import HostSlots
 from mtrain.launcher.cli.tuning import RankSetting
+from mtrain.launcher.job.hosts import HostSlots
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

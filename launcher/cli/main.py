@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 import mtrain
-from mtrain.launcher.job import hosts as hostlib
+from mtrain.common.private import PrivatePathError
 from mtrain.launcher.cli import tuning
 from mtrain.launcher.cli.config import (
     ElasticSettings,
@@ -29,8 +29,8 @@ from mtrain.launcher.cli.config import (
     StepSettings,
     check_env_item,
 )
-from mtrain.common.private import PrivatePathError
 from mtrain.launcher.cli.run_options import LauncherName, RunOptions
+from mtrain.launcher.job import hosts as hostlib
 
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
 

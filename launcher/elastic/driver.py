@@ -31,19 +31,19 @@ import time
 import uuid
 from typing import Callable
 
-from mtrain.launcher.job import job_files, slurm
-from mtrain.launcher.cli.config import LaunchConfig, Launcher
-from mtrain.launcher.job.hosts import HostSlots, is_local, local_names
-from mtrain.launcher.supervise.outcome import first_failure, print_failure_report
 from mtrain.common.records.agent_events import AgentEventKind
 from mtrain.common.records.elastic import (
     ENV_ELASTIC,
     ENV_ELASTIC_STATE_DIR,
     RESET_EXIT_STATUS,
-    new_job_secret,
     ElasticResume,
+    new_job_secret,
 )
 from mtrain.common.records.exit_record import ExitRecord
+from mtrain.launcher.cli.config import LaunchConfig, Launcher
+from mtrain.launcher.job import job_files, slurm
+from mtrain.launcher.job.hosts import HostSlots, is_local, local_names
+from mtrain.launcher.supervise.outcome import first_failure, print_failure_report
 
 DISCOVERY_INTERVAL = 1.0      # seconds between runs of the discovery script while a generation runs
 DISCOVERY_TIMEOUT = 30.0      # one run of the script

@@ -15,15 +15,6 @@ import uuid
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import mtrain
-from mtrain.launcher.job import mpirun as mpilib
-from mtrain.launcher.job import slurm
-from mtrain.launcher.ssh import agent as ssh_agent
-from mtrain.launcher.cli.config import LaunchConfig, Launcher, MpiKind, StepSettings
-from mtrain.launcher.job.environment import rank_environment
-from mtrain.launcher.job.layout import HostFacts, job_layout, ports_needed
-from mtrain.launcher.job.netif import free_ports
-from mtrain.launcher.supervise.output import log
-from mtrain.launcher.job import job_files
 from mtrain.common.private import PrivatePathError, temporary_folder
 from mtrain.common.records.agent_events import AgentEvent
 from mtrain.common.records.daemon_env import ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR, ENV_USER_UMASK
@@ -41,6 +32,14 @@ from mtrain.common.records.exit_record import ExitRecord
 from mtrain.common.records.gate import Gate
 from mtrain.common.records.job_layout import ENV_JOB_FILE, ENV_JOB_LAYOUT, JobLayout
 from mtrain.common.records.steps import ENV_STEP_REPORT_SECONDS, ENV_STRAGGLER_EVERY, ENV_STRAGGLER_OFF
+from mtrain.launcher.cli.config import LaunchConfig, Launcher, MpiKind, StepSettings
+from mtrain.launcher.job import job_files, slurm
+from mtrain.launcher.job import mpirun as mpilib
+from mtrain.launcher.job.environment import rank_environment
+from mtrain.launcher.job.layout import HostFacts, job_layout, ports_needed
+from mtrain.launcher.job.netif import free_ports
+from mtrain.launcher.ssh import agent as ssh_agent
+from mtrain.launcher.supervise.output import log
 
 if TYPE_CHECKING:
     from mtrain.launcher.job.preflight import HostReport
@@ -542,8 +541,8 @@ def _ipv4_addresses(config: LaunchConfig, hosts: Sequence[str]) -> dict[str, str
 
 
 def _source_to(config: LaunchConfig, host: str) -> str:
-    from mtrain.launcher.ssh import client as ssh
     from mtrain.launcher.job.netif import source_address
+    from mtrain.launcher.ssh import client as ssh
     target = ssh.resolve(host, config.ssh)
     return source_address(target.hostname, target.port) or ""
 
@@ -571,8 +570,8 @@ def _ipv4_of(name: str) -> str:
 def _route_subnets(config: LaunchConfig) -> tuple[str, ...]:
     """Subnets of our interfaces on the routes to the remote hosts; () if any is unknown.
     The hosts' names are looked up in parallel: this runs before mpirun starts."""
-    from mtrain.launcher.ssh import client as ssh
     from mtrain.launcher.job.netif import source_address, subnet_of
+    from mtrain.launcher.ssh import client as ssh
     subnets: dict[str, str | None] = {}
 
     def route(host: str) -> None:

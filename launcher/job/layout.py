@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
+from mtrain.common.records.job_layout import JobLayout
 from mtrain.launcher.job.hosts import HostSlots
 from mtrain.launcher.job.netif import choose_interface
-from mtrain.common.records.job_layout import JobLayout
 
 
 @dataclasses.dataclass(frozen=True)

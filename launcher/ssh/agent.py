@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from mtrain.launcher.process_tools import die_with_parent, exit_now
 
 if TYPE_CHECKING:
-    from mtrain.launcher.cli.config import SshOptions
     from mtrain.common.records.agent_events import AgentEventKind
+    from mtrain.launcher.cli.config import SshOptions
 
 # Every rank's launch waits for its agents: the path through the connection master imports only
 # what it needs (the settings, records and paramiko are loaded when the agent connects itself).
@@ -157,8 +157,8 @@ def _through_master(path: str, host: str, words: list[str], events_path: str | N
                     stop: threading.Event, shared: list) -> int | None:
     """Run the command over the launcher's shared connection; our exit status, or None when
     the master is not there or has no connection to `host` (then we connect ourselves)."""
-    from mtrain.launcher.ssh.master import MasterSession, Outcome
     from mtrain.common.records.agent_events import AgentEventKind
+    from mtrain.launcher.ssh.master import MasterSession, Outcome
     session = MasterSession(path)
     if not session.connect():
         return None
@@ -221,11 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as error:
         print(f"mtrain-agent: {error}; {usage}", file=sys.stderr)
         return 255
-    from mtrain.launcher.ssh import client as ssh  # paramiko is imported only once we know we need it
-    from mtrain.launcher.cli.config import SshOptions
     from mtrain.common.records.agent_events import AgentEventKind
     from mtrain.common.records.elastic import HostUpdates
     from mtrain.common.records.gate import Gate
+    from mtrain.launcher.cli.config import SshOptions
+    from mtrain.launcher.ssh import client as ssh  # paramiko is imported only once we know we need it
     if port is not None:
         options = SshOptions(port, options.identity_file, options.accept_new_hosts, options.connect_timeout)
     # Accepting new host keys writes known_hosts: leave that to the preflight alone.

@@ -11,9 +11,9 @@ import signal
 import sys
 from typing import Sequence
 
-from mtrain.launcher.process_tools import exit_code
 from mtrain.common.records.agent_events import AgentEvent, AgentEventKind
 from mtrain.common.records.exit_record import ExitRecord, signal_name
+from mtrain.launcher.process_tools import exit_code
 
 CAUSE_WINDOW = 1.0         # failures closer than this are ordered by evidence, not by clock
 # A host whose connection or whose MPI daemon died: the job there is gone.

@@ -19,9 +19,9 @@ import threading
 from collections import deque
 from typing import Iterable, NamedTuple, Sequence
 
-from mtrain.launcher.supervise.hang_report import ranks_text
 from mtrain.common.records.steps import StepReport, StepSample
 from mtrain.common.straggler_rows import StragglerRow, straggler_table, threshold_percent
+from mtrain.launcher.supervise.hang_report import ranks_text
 
 MIN_STEPS = 10          # the table at exit needs at least this many measured steps
 ROWS_SHOWN = 32         # larger jobs: the flagged ranks and the fastest and slowest others

@@ -29,12 +29,6 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from mtrain.launcher.cli.config import StepSettings
-from mtrain.launcher.supervise.hang_report import FAILURE_QUIET_SECONDS, Collector, HangReport
-from mtrain.launcher.process_tools import die_with_parent, live_processes, signal_process
-from mtrain.launcher.supervise.outcome import LOST_HOST_KINDS, JobEnd, exit_status
-from mtrain.launcher.supervise.output import RANK_PREFIX, OutputSink, log
-from mtrain.launcher.supervise.progress import ProgressDisplay, describe
 from mtrain.common.records.agent_events import EVENT_MARKER, AgentEvent, AgentEventReader
 from mtrain.common.records.daemon_env import DAEMON_UMASK
 from mtrain.common.records.elastic import RESUME_MARKER, ElasticResume
@@ -43,6 +37,12 @@ from mtrain.common.records.flight_recorder import DUMP_MARKER, DUMP_REQUEST_MARK
 from mtrain.common.records.gate import Gate
 from mtrain.common.records.phase import PHASE_MARKER, Phase, PhaseNote
 from mtrain.common.records.steps import STEP_MARKER, StepReport
+from mtrain.launcher.cli.config import StepSettings
+from mtrain.launcher.process_tools import die_with_parent, live_processes, signal_process
+from mtrain.launcher.supervise.hang_report import FAILURE_QUIET_SECONDS, Collector, HangReport
+from mtrain.launcher.supervise.outcome import LOST_HOST_KINDS, JobEnd, exit_status
+from mtrain.launcher.supervise.output import RANK_PREFIX, OutputSink, log
+from mtrain.launcher.supervise.progress import ProgressDisplay, describe
 from mtrain.launcher.supervise.stragglers import MIN_STEPS, StepBoard, format_table, title_for
 
 STOP_GRACE = 5.0           # SIGTERM → SIGKILL for the whole session

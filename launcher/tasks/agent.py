@@ -56,7 +56,8 @@ def _report(events: str | None, host: str, detail: str, lost: bool) -> None:
 
 def run(host: str, words: list[str], settings: dict, stop: threading.Event, held: list) -> int:
     """Run the daemon command `words` on `host` through its TaskService; our exit status."""
-    from mtrain.launcher.ssh import wire as frames, agent as ssh_agent
+    from mtrain.launcher.ssh import agent as ssh_agent
+    from mtrain.launcher.ssh import wire as frames
     from mtrain.launcher.tasks import service as task_service
     from mtrain.launcher.tasks.service import FrameKind, ProtocolError, receive_frame, send_frame
     events = settings.get("events")

@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Any
 
+from mtrain.launcher.process_tools import exit_now
 from mtrain.launcher.tasks.call_service import (
     ENV_ADDRESS,
     ENV_KEY,
@@ -33,7 +34,6 @@ from mtrain.launcher.tasks.call_service import (
     receive_message,
     send_message,
 )
-from mtrain.launcher.process_tools import exit_now
 
 CONNECT_SECONDS = 60.0
 _PREFIX = "mtrain call_worker"

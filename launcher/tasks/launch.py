@@ -54,13 +54,13 @@ def run_through_tasks(command: Sequence[str], services: Mapping[str, tuple[str, 
     `prefix_timestamp` are `mtrain run`'s --mpi-args, --network-interface and
     --prefix-output-with-timestamp.  The job's exit status: nonzero when a rank failed, which is
     named on stderr."""
-    from mtrain.launcher.job import launch
-    from mtrain.launcher.supervise import supervisor as supervise
-    from mtrain.launcher.tasks import agent as task_agent
-    from mtrain.launcher.job.mpirun import find_mpirun
     from mtrain.common.private import temporary_folder
     from mtrain.common.records.daemon_env import ENV_MPIRUN_TMPDIR, ENV_USER_TMPDIR, ENV_USER_UMASK
     from mtrain.common.records.elastic import ENV_JOB_SECRET, new_job_secret
+    from mtrain.launcher.job import launch
+    from mtrain.launcher.job.mpirun import find_mpirun
+    from mtrain.launcher.supervise import supervisor as supervise
+    from mtrain.launcher.tasks import agent as task_agent
     plan = tuple(HostSlots(host, count) for host, count in slots.items() if count > 0)
     if not plan:
         raise ValueError("no slots: nothing to run")
@@ -109,6 +109,7 @@ def start_through_tasks(command: Sequence[str], services: Mapping[str, tuple[str
     child's environment and a 0600 file it removes, never on a command line; the child dies
     with us.  Its stdout and stderr are ours.  `options`: run_through_tasks' keywords."""
     import json
+
     from mtrain.common.private import temporary_folder, write_private
     folder = tempfile.mkdtemp(prefix="mtrain-tasks-", dir=temporary_folder())  # 0700
     spec = os.path.join(folder, "job.json")
@@ -129,6 +130,7 @@ def main(argv: "list[str] | None" = None) -> int:
     """`python -m mtrain.launcher.tasks.launch SPEC`: what start_through_tasks starts."""
     import json
     import shutil
+
     from mtrain.common.private import read_private
     from mtrain.launcher.process_tools import die_with_parent
     argv = sys.argv[1:] if argv is None else argv

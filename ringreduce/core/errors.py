@@ -100,3 +100,8 @@ class Refusal(NamedTuple):
 
     def error(self, message: str) -> Exception:
         return REFUSABLE[self.error_class](message)
+
+
+class NotInitializedError(ValueError, RuntimeError):
+    """A collective was called before ``init()``: a ValueError, as Horovod's ``rank()`` raises, and a
+    RuntimeError, as its collectives raise (horovod/torch/mpi_ops.py wraps them in HorovodInternalError)."""

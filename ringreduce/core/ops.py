@@ -11,7 +11,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mtrain.ringreduce.core.errors import InvalidArgumentError  # a RuntimeError, as Horovod's refusals; and the ValueError of before
+from mtrain.ringreduce.core.errors import (
+    InvalidArgumentError,  # a RuntimeError, as Horovod's refusals; and the ValueError of before
+)
 
 
 class Kind(enum.IntEnum):

@@ -19,11 +19,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from mtrain.ringreduce.transport.backend import backend_for
 from mtrain.ringreduce.core.errors import Refusal
 from mtrain.ringreduce.core.ops import Kind, ReduceOp, dtype_code
-
-
+from mtrain.ringreduce.transport.backend import backend_for
 
 # Ops submitted without a name are named by a per-rank counter under this prefix
 # (``SubmitQueue.auto_name``); such names never repeat, so the response cache never keeps them.

@@ -39,30 +39,26 @@ import time
 import traceback
 from typing import Any, NamedTuple
 
-from mtrain.ringreduce.transport import mpi
-
 from mtrain.common.records.error_report import FailureCause, report_error
-
-from mtrain.ringreduce.observe import autotune
-from mtrain.ringreduce.transport import cuda
-from mtrain.ringreduce.engine import join
-from mtrain.ringreduce.observe import recorder
-from mtrain.ringreduce.observe.autotune import Knobs, Tuner
-from mtrain.ringreduce.transport.executor import Executor
-from mtrain.ringreduce.engine.dispatch import Dispatcher
+from mtrain.common.settings import DEFAULT_CACHE_CAPACITY, EngineConfig
 from mtrain.ringreduce.core.errors import EngineError, ShutdownError, Verdict
+from mtrain.ringreduce.core.ops import ReduceOp
+from mtrain.ringreduce.core.requests import AllreduceOp, Completion, Handle, Request, RequestState, Signature
+from mtrain.ringreduce.engine import join
+from mtrain.ringreduce.engine.dispatch import Dispatcher
 from mtrain.ringreduce.engine.fusion import PLAN_CACHE_SIZE
+from mtrain.ringreduce.engine.submit_queue import SubmitQueue, Taken
 from mtrain.ringreduce.negotiation.cache import ResponseCache
 from mtrain.ringreduce.negotiation.coordinator import Coordinator
 from mtrain.ringreduce.negotiation.messages import Gathered, Report
 from mtrain.ringreduce.negotiation.steady import SteadyBatch
 from mtrain.ringreduce.negotiation.vector import Agreement, Control, Negotiator
-from mtrain.ringreduce.core.ops import ReduceOp
-from mtrain.ringreduce.core.requests import AllreduceOp, Completion, Handle, Request, RequestState, Signature
-from mtrain.common.settings import DEFAULT_CACHE_CAPACITY, EngineConfig
+from mtrain.ringreduce.observe import autotune, recorder
+from mtrain.ringreduce.observe.autotune import Knobs, Tuner
 from mtrain.ringreduce.observe.steps import StepMeter
-from mtrain.ringreduce.engine.submit_queue import SubmitQueue, Taken
 from mtrain.ringreduce.observe.timeline import TimelineSwitch, TraceLink
+from mtrain.ringreduce.transport import cuda, mpi
+from mtrain.ringreduce.transport.executor import Executor
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 

@@ -18,17 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from mtrain.ringreduce.transport.backend import NumpyBackend
-from mtrain.ringreduce.core.ops import Kind
-from mtrain.ringreduce.transport.executor import Executor
-from mtrain.ringreduce.engine.fusion import FusionBuffers, Plan, PlanCache, Ring
-from mtrain.ringreduce.core.ops import Adasum
-from mtrain.ringreduce.observe.recorder import FlightRecorder
-from mtrain.ringreduce.core.requests import HOST, Completion, Request
 from mtrain.common.settings import EngineConfig
-from mtrain.ringreduce.observe.steps import StepMeter
+from mtrain.ringreduce.core.ops import Adasum, Kind
+from mtrain.ringreduce.core.requests import HOST, Completion, Request
+from mtrain.ringreduce.engine.fusion import FusionBuffers, Plan, PlanCache, Ring
 from mtrain.ringreduce.engine.submit_queue import SubmitQueue
+from mtrain.ringreduce.observe.recorder import FlightRecorder
+from mtrain.ringreduce.observe.steps import StepMeter
 from mtrain.ringreduce.observe.timeline import TimelineSwitch
+from mtrain.ringreduce.transport.backend import NumpyBackend
+from mtrain.ringreduce.transport.executor import Executor
 
 # The most op names one learned step may hold (``SubmitQueue.wait_for_cycle``'s expectation).
 STEP_NAMES_MAX = 1 << 16

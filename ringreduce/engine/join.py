@@ -16,11 +16,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mtrain.ringreduce.transport.backend import backend_for
-from mtrain.ringreduce.core.ops import Kind
 from mtrain.ringreduce.core.errors import JoinedError
-from mtrain.ringreduce.core.ops import ReduceOp, dtype_from_code
+from mtrain.ringreduce.core.ops import Kind, ReduceOp, dtype_from_code
 from mtrain.ringreduce.core.requests import PLACEHOLDER, Handle, Request, Signature
+from mtrain.ringreduce.transport.backend import backend_for
 
 
 class JoinState:

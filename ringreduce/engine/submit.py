@@ -15,13 +15,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from mtrain.ringreduce import exits
-from mtrain.ringreduce.transport.adasum import is_power_of_two
-from mtrain.ringreduce.transport.backend import is_device_array
-from mtrain.ringreduce.core.ops import Kind
-from mtrain.ringreduce.engine.cycle import Engine
 from mtrain.ringreduce.core.errors import HorovodInternalError, InvalidArgumentError, Refusal
-from mtrain.ringreduce.core.ops import Adasum, ReduceOp, check_op, check_reducible, dtype_code
-from mtrain.ringreduce.process_sets import ProcessSet, current, global_process_set, installed
+from mtrain.ringreduce.core.ops import Adasum, Kind, ReduceOp, check_op, check_reducible, dtype_code
 from mtrain.ringreduce.core.requests import (
     AllreduceOp,
     Handle,
@@ -30,6 +25,10 @@ from mtrain.ringreduce.core.requests import (
     make_refusal,
     make_request,
 )
+from mtrain.ringreduce.engine.cycle import Engine
+from mtrain.ringreduce.process_sets import ProcessSet, current, global_process_set, installed
+from mtrain.ringreduce.transport.adasum import is_power_of_two
+from mtrain.ringreduce.transport.backend import is_device_array
 
 
 class Checked(NamedTuple):

@@ -22,8 +22,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from mtrain.ringreduce.core.errors import InvalidArgumentError, Refusal, ShutdownError
-from mtrain.ringreduce.core.requests import UNNAMED_PREFIX
-from mtrain.ringreduce.core.requests import Handle, Request
+from mtrain.ringreduce.core.requests import UNNAMED_PREFIX, Handle, Request
 
 # A burst of submissions is over (the engine starts its cycle) once none came for this
 # long, or after HOLD_CYCLES cycle times in all (SubmitQueue.wait_for_cycle). A burst that repeats the

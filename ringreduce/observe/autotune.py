@@ -34,10 +34,10 @@ import statistics
 import time
 from typing import Any, NamedTuple, Sequence
 
-from mtrain.ringreduce.core import log
-from mtrain.ringreduce.transport.executor import Algorithm, Executor
-from mtrain.ringreduce.observe.optim import BayesianOptimizer
 from mtrain.common.settings import AutotuneConfig, EngineConfig
+from mtrain.ringreduce.core import log
+from mtrain.ringreduce.observe.optim import BayesianOptimizer
+from mtrain.ringreduce.transport.executor import Algorithm, Executor
 from mtrain.ringreduce.transport.shm import Transport
 
 SUBSAMPLES = 5  # Horovod's SAMPLES: a sample's score is the median of this many sub-samples

@@ -41,10 +41,8 @@ from mtrain.common.records.flight_recorder import (
     SetRecord,
 )
 from mtrain.common.records.user_frames import frame_line
-
-from mtrain.ringreduce.core.ops import Kind
 from mtrain.ringreduce.core.errors import Refusal
-from mtrain.ringreduce.core.ops import dtype_from_code
+from mtrain.ringreduce.core.ops import Kind, dtype_from_code
 
 
 def size_from_environment() -> int:

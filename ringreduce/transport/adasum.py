@@ -46,11 +46,10 @@ import sys
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
-from mtrain.ringreduce.transport import mpi
 
-from mtrain.ringreduce.transport import ring
-from mtrain.ringreduce.transport.backend import NumpyBackend
 from mtrain.ringreduce.core.ops import ReduceOp
+from mtrain.ringreduce.transport import mpi, ring
+from mtrain.ringreduce.transport.backend import NumpyBackend
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 

@@ -28,9 +28,9 @@ import threading
 from typing import Any, Callable, Protocol, Sequence, Union
 
 import numpy as np
-from mtrain.ringreduce.transport import mpi
 
 from mtrain.ringreduce.core.ops import ReduceOp, reducer, reducers
+from mtrain.ringreduce.transport import mpi
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 

@@ -7,16 +7,15 @@ import sys
 import time
 import traceback
 
+from mtrain.common.records.error_report import FailureCause, report_error, supervised
+from mtrain.common.records.exit_record import ExitRecord, own_failure_line
+from mtrain.common.records.user_frames import user_line
+from mtrain.ringreduce import exits
+
 # The background engine makes every MPI call of the runtime from one thread that
 # is not the main thread: that needs MPI_THREAD_SERIALIZED. mpi4py asks for
 # MULTIPLE by default, which also lets user code call MPI from its own threads.
 from mtrain.ringreduce.transport import mpi
-
-from mtrain.common.records.error_report import FailureCause, report_error, supervised
-from mtrain.common.records.exit_record import ExitRecord, own_failure_line
-from mtrain.common.records.user_frames import user_line
-
-from mtrain.ringreduce import exits
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 

@@ -17,14 +17,12 @@ import sys
 from typing import Sequence
 
 import numpy as np
-from mtrain.ringreduce.transport import mpi
 
-from mtrain.ringreduce.transport import library, ring
 from mtrain.common import settings
-from mtrain.ringreduce.transport import shm, size_table
+from mtrain.ringreduce.core.ops import ReduceOp
+from mtrain.ringreduce.transport import library, mpi, ring, shm, size_table
 from mtrain.ringreduce.transport.adasum import AdasumRunner
 from mtrain.ringreduce.transport.backend import NumpyBackend, backend_for, finishing_factor
-from mtrain.ringreduce.core.ops import ReduceOp
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from mtrain.ringreduce.transport import mpi
 
-from mtrain.ringreduce.transport.backend import finishing_factor
 from mtrain.ringreduce.core.ops import ReduceOp
+from mtrain.ringreduce.transport import mpi
+from mtrain.ringreduce.transport.backend import finishing_factor
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 

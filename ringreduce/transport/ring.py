@@ -52,10 +52,9 @@ import bisect
 import collections
 from typing import Any, Callable, Iterator, Sequence
 
-from mtrain.ringreduce.transport import mpi
-
-from mtrain.ringreduce.transport.backend import Backend, finishing_factor
 from mtrain.ringreduce.core.ops import ReduceOp
+from mtrain.ringreduce.transport import mpi
+from mtrain.ringreduce.transport.backend import Backend, finishing_factor
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 

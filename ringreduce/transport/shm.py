@@ -95,14 +95,12 @@ import tempfile
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from mtrain.ringreduce.transport import mpi
 
 from mtrain.common.private import check_private, remove_private
-
-from mtrain.ringreduce.transport import ring
-from mtrain.ringreduce.transport.backend import NumpyBackend, finishing_factor
-from mtrain.ringreduce.core.ops import ReduceOp, reducer
 from mtrain.common.settings import TextChoice
+from mtrain.ringreduce.core.ops import ReduceOp, reducer
+from mtrain.ringreduce.transport import mpi, ring
+from mtrain.ringreduce.transport.backend import NumpyBackend, finishing_factor
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 

@@ -36,11 +36,10 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
-from mtrain.ringreduce.transport import mpi
 
 from mtrain.common import private
-
 from mtrain.ringreduce.core import log
+from mtrain.ringreduce.transport import mpi
 
 MPI = mpi.deferred(__name__)  # mpi4py's MPI from init() on (importing the runtime starts no MPI)
 
