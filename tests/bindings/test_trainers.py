@@ -3,7 +3,8 @@ their gradients on the "mtrain" torch.distributed backend, each checked against 
 
 The programs are in trainer_jobs.py; none of them imports mtrain (docs/trainers.md says how the
 backend and Lightning's devices reach them). A trainer's start-up costs seconds on two cores, so
-each case is one job.
+each case is one job. The examples (examples/train_*.py) run unchanged under example_weights.py,
+which reports each rank's trained weights, and are checked against the same job on gloo.
 """
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def test_accelerate_trains_on_the_mtrain_group():
 
 
 def test_transformers_trainer_loss_equals_a_single_process_run():
-    """Two ranks with batch 4 each log, step by step, the losses one process logs with batch 8."""
+    """Two ranks with batch 4 each log, step by step, the losses one process logs with batch 8. The Trainer
+    steps with plain SGD and no clipping (trainer_jobs.py), so only the mean of the ranks' gradients takes
+    the single process's steps: their sum, or each rank's own, logs other losses from the second step on."""
     ranks = results(mtrain_run(["transformers", "mtrain", "4"]))
     single = run_job([sys.executable, str(JOBS), "transformers", "none", "8"], 120, "transformers, one process",
                      env=job_env(), cwd=REPO)
@@ -101,14 +104,39 @@ def test_nccl_on_a_cpu_only_host_ends_with_the_trainers_error(args, message):
     assert len(failure) == 1 and re.search(message, failure[0]), done.stderr[-3000:]
 
 
+EXAMPLE_WEIGHTS = Path(__file__).resolve().parent / "example_weights.py"
+_WEIGHTS = re.compile(r"^\[(\d+)\]<stdout>:WEIGHTS (.*)$")
+
+
+def run_example(example: str, args: "list[str]", backend: str) -> subprocess.CompletedProcess:
+    """``mtrain run -np 2`` of the example, unchanged, on `backend`; each rank reports its trained weights."""
+    argv = [sys.executable, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", sys.executable,
+            str(EXAMPLE_WEIGHTS), str(REPO / "examples" / example), "--backend", backend, *args]
+    done = run_job(argv, 120, f"{example} on {backend}", env=job_env(), cwd=REPO)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def rank_weights(done: subprocess.CompletedProcess) -> "list[dict]":
+    found = {int(m.group(1)): json.loads(m.group(2)) for m in map(_WEIGHTS.match, done.stdout.splitlines()) if m}
+    assert sorted(found) == [0, 1], done.stdout[-3000:] + done.stderr[-3000:]
+    return [found[0], found[1]]
+
+
 @pytest.mark.parametrize("example, args", [("train_lightning.py", ["--epochs", "3"]),
                                            ("train_accelerate.py", ["--epochs", "3"]),
                                            ("train_transformers.py", [])], ids=["lightning", "accelerate",
                                                                                 "transformers"])
 def test_example_learns_on_two_ranks(example, args):
-    argv = [sys.executable, "-m", "mtrain.launcher.cli.main", "run", "-np", "2", sys.executable,
-            str(REPO / "examples" / example), *args]
-    done = run_job(argv, 120, example, env=job_env(), cwd=REPO)
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    """The example learns on mtrain's backend, and every rank ends with the weights the same job reaches
+    on torch's gloo backend: the ranks' mean gradient, step by step (ranks that exchange nothing end
+    apart, and a sum of gradients ends elsewhere, though both may still learn the digits)."""
+    done = run_example(example, args, "mtrain")
     found = re.search(r"^\[0\]<stdout>:2 ranks on mtrain: test accuracy ([0-9.]+)$", done.stdout, re.MULTILINE)
     assert found and float(found.group(1)) > 0.85, done.stdout[-3000:]
+    ranks, gloo = rank_weights(done), rank_weights(run_example(example, args, "gloo"))
+    assert ranks[0]["sha256"] == ranks[1]["sha256"], ranks  # every rank holds the same weights
+    assert gloo[0]["sha256"] == gloo[1]["sha256"], gloo
+    for result in ranks:
+        assert result["count"] == gloo[0]["count"] and result["moved"] > 1e-2, (result, gloo[0])
+        assert result["projections"] == pytest.approx(gloo[0]["projections"], rel=1e-4, abs=1e-4), (result, gloo[0])

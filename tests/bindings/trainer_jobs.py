@@ -4,7 +4,7 @@ tiny model. Each prints one ``RESULT {json}`` line per rank.
 
     python trainer_jobs.py lightning BACKEND     # DDPStrategy(process_group_backend=BACKEND), defaults else
     python trainer_jobs.py accelerate BACKEND    # init_process_group(BACKEND), then Accelerator(cpu=True)
-    python trainer_jobs.py transformers BACKEND BATCH   # Trainer on a BertForSequenceClassification from a config
+    python trainer_jobs.py transformers BACKEND BATCH   # Trainer (plain SGD, no clipping) on a tiny BERT
 
 No line imports mtrain: under ``mtrain run`` the backend name comes from torch's autoload of
 ``mtrain.autoload`` and Lightning's devices from the job (docs/trainers.md). Lightning and
@@ -140,9 +140,13 @@ def transformers(backend: str, batch: int) -> None:
     model = BertForSequenceClassification(config)
     # average_tokens_across_devices=False: Transformers then logs the mean loss of the global batch (with
     # True it logs that loss times the number of ranks), which a single-process run must equal.
+    # Plain SGD at a constant rate, no clipping: each step moves the weights by the gradient itself, so a
+    # gradient that is the ranks' sum (or one rank's own) takes other steps than the global batch's mean
+    # (AdamW and clipping would scale most of that difference away).
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=6,
                              use_cpu=True, logging_steps=1, report_to=[], seed=0, save_strategy="no",
-                             learning_rate=1e-3, disable_tqdm=True, ddp_backend=ddp_backend,
+                             optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
+                             max_grad_norm=0.0, disable_tqdm=True, ddp_backend=ddp_backend,
                              average_tokens_across_devices=False)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
     trainer.train()

@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 import ray
 import torch
@@ -22,11 +23,18 @@ def emit(name, value):
 
 
 class Probe:
-    """The executable_cls: made once in each rank at start()."""
+    """The executable_cls: made once in each rank at start(). Each instance draws a token of its own
+    and counts the calls it served, so a rank whose instance were made again would show it."""
 
     def __init__(self, value, scale=1):
         self.value = value * scale
         self.pid = os.getpid()
+        self.token = os.urandom(8).hex()
+        self.calls = 0
+
+    def serve(self):
+        self.calls += 1
+        return [self.value, self.pid, self.token, self.calls]
 
 
 def where(_=None):
@@ -105,10 +113,11 @@ def main():
     emit("where", executor.run(where))
     emit("order", executor.run(lambda base, step=1: int(os.environ["OMPI_COMM_WORLD_RANK"]) * step + base,
                                args=[100], kwargs={"step": 10}))
-    emit("execute", executor.execute(lambda probe: [probe.value, probe.pid]))
-    emit("execute_single", executor.execute_single(lambda probe: probe.value))
+    emit("execute", [executor.execute(lambda probe: probe.serve()) for _ in range(2)])
+    emit("execute_single", executor.execute_single(lambda probe: probe.serve()))
     emit("trained", executor.run(train, args=[steps, 4]))
     emit("alone", train_alone(steps, 8, 1234))
+    emit("untrained", train_alone(0, 8, 1234))
     try:
         executor.run(fail_on_rank_1)
         emit("failure", None)
@@ -126,10 +135,18 @@ def main():
     executor.shutdown()
     print("SHUT DOWN", flush=True)
     sys.stdin.readline()
-    # A second executor, packed (num_workers), whose rank 1 dies in the middle of a call.
+    # A second executor, packed (num_workers), whose rank 1 dies in the middle of a call. PACK puts its two
+    # 1-CPU bundles on one node once a node has 2 CPUs free: wait until Ray has freed the first executor's.
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.monotonic() > deadline:
+            break  # (the test then sees where the ranks went, and the resources, in the report)
+        time.sleep(0.2)
+    emit("free_before_packing", ray.available_resources().get("CPU", 0))
     packed = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=2)
     packed.start()
     emit("packed", packed.run(lambda: [int(os.environ["OMPI_COMM_WORLD_RANK"]), socket.gethostname()]))
+    emit("packed_nodes", [[node.hostname, node.slots] for node in packed.placement.nodes])
     try:
         packed.run(die_on_rank_1)
         emit("death", None)

@@ -115,10 +115,16 @@ def test_run_gives_results_in_rank_order(report):
 
 
 def test_executable_is_made_once_in_each_rank(report):
-    where, executed = _result(report, "where"), _result(report, "execute")
-    assert [value for value, _ in executed] == [21, 21]
-    assert [pid for _, pid in executed] == [w["pid"] for w in where]  # the ranks live on between calls
-    assert _result(report, "execute_single") == 21
+    where, (first, second) = _result(report, "where"), _result(report, "execute")
+    assert [value for value, _, _, _ in first] == [21, 21]  # made with executable_args and executable_kwargs
+    assert [pid for _, pid, _, _ in first] == [w["pid"] for w in where]  # the ranks live on between calls
+    # Each rank's instance (its token) serves every call and counts them: one instance per rank, kept.
+    tokens = [token for _, _, token, _ in first]
+    assert len(set(tokens)) == 2, first
+    assert [calls for _, _, _, calls in first] == [1, 1], first
+    assert [[value, pid, token, calls] for value, pid, token, calls in second] == [
+        [value, pid, token, 2] for value, pid, token, _ in first], (first, second)
+    assert _result(report, "execute_single") == [21, first[0][1], tokens[0], 3], (first, second)
 
 
 def test_distributed_training_equals_single_process_training(report):
@@ -127,8 +133,12 @@ def test_distributed_training_equals_single_process_training(report):
     for result in trained:
         for got, want in zip(result["weights"], alone):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
-    start = [0.0] * len(alone[0])
-    assert alone[0] != pytest.approx(start)  # (training moved the weights: the comparison means something)
+    # (Training moved every parameter from rank 0's start, which the ranks left after the broadcast: the
+    # comparison means something.)
+    untrained = _result(report, "untrained")
+    assert len(untrained) == len(alone) == 2, (untrained, alone)
+    for start, want in zip(untrained, alone):
+        assert want != pytest.approx(start, rel=1e-3, abs=1e-3), (start, want)
 
 
 def test_a_failing_worker_raises_naming_its_rank(report):
@@ -158,10 +168,14 @@ def test_a_killed_driver_leaves_no_process_on_either_node(report):
     assert report["left"][2] == [], "\n".join(report["left"][2])
 
 
-def test_packed_workers_run_where_ray_put_them(report):
-    packed = _result(report, "packed")
+def test_packed_workers_run_on_one_node(report):
+    """num_workers=2 asks for PACK: both 1-CPU bundles on one node of 2 free CPUs, so both ranks in one
+    host (num_hosts=2, STRICT_SPREAD, put one on each: test_ranks_start_through_the_actors_without_ssh)."""
+    packed, nodes = _result(report, "packed"), _result(report, "packed_nodes")
+    assert _result(report, "free_before_packing") == 4, "Ray had not freed the first executor's CPUs"
     assert [rank for rank, _ in packed] == [0, 1]
-    assert {host for _, host in packed} <= {"mtr-a", "mtr-b"}
+    assert len(nodes) == 1 and nodes[0][0] in ("mtr-a", "mtr-b") and nodes[0][1] == 2, nodes
+    assert [host for _, host in packed] == [nodes[0][0]] * 2, (packed, nodes)
 
 
 def test_a_rank_that_dies_ends_the_job_naming_it(report):

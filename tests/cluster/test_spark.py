@@ -91,11 +91,12 @@ def test_run_returns_every_rank_result_in_rank_order(spark, cluster) -> None:
 
 
 def train(steps: int) -> dict:
-    """Rank r trains on its half of a fixed data set with DistributedOptimizer; the final weights."""
+    """Rank r trains on its half of a fixed data set with DistributedOptimizer; the final weights. Each
+    rank starts from weights of its own (seed r): only broadcast_parameters gives them rank 0's."""
     import torch
     import mtrain.torch as hvd
     hvd.init()
-    torch.manual_seed(0)
+    torch.manual_seed(hvd.rank())
     model = torch.nn.Linear(4, 1)
     features = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10
     targets = features.sum(dim=1, keepdim=True) * torch.linspace(0.5, 2.0, 8).reshape(8, 1)
@@ -111,7 +112,7 @@ def train(steps: int) -> dict:
 
 
 def train_alone(steps: int) -> dict:
-    """The same model trained by one process on the whole data set (means of equal halves)."""
+    """The same model trained by one process on the whole data set (means of equal halves), from rank 0's start."""
     import torch
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
