@@ -22,7 +22,7 @@ handler reads it there.  A program started otherwise (plain ``mpirun python ...`
 only what ``sys.exit`` (and the ``exit``/``quit`` builtins), wrapped here, noted in the
 main thread; a program that catches that SystemExit and goes on (argparse errors inside
 ``try``) has the note forgotten at its next ``init()`` or collective.  An uncaught
-exception never gets here: the abort hook in ``comm.py`` ends the job first.
+exception never gets here: the abort hook in ``transport/comm.py`` ends the job first.
 """
 from __future__ import annotations
 

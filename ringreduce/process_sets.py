@@ -5,7 +5,7 @@ communicator. ``init(process_sets=[...])`` registers sets at start-up;
 ``add_process_set`` and ``remove_process_set`` change them later; every rank
 makes the same calls in the same order, members or not. Each registered set
 has an id (0 is ``global_process_set``, every rank) and, on its members, its
-own communicators and its own engine (``engine.py``): its own background
+own communicators and its own engine (``engine/cycle.py``): its own background
 thread and negotiation, so ops on different sets never wait for each other.
 
 Ops take ``process_set=``; a ``root_rank`` stays a global rank (as in Horovod),

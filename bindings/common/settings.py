@@ -264,10 +264,10 @@ AUTOTUNE_GAUSSIAN_PROCESS_NOISE = Setting("MTRAIN_AUTOTUNE_GAUSSIAN_PROCESS_NOIS
                                           "a number > 0", 0.8)
 
 # The collectives' own (mtrain's alone). The choices are collectives.Algorithm's and
-# shm.Transport's texts (collectives.py checks that they agree); None defaults: the path's own.
+# shm.Transport's texts (transport/executor.py checks that they agree); None defaults: the path's own.
 ALLREDUCE_ALGORITHMS = ("auto", "ring", "shm", "hierarchical", "mpi")
 SHM_TRANSPORTS = ("auto", "cma", "segment")
-DEFAULT_SHM_STRIPE_BYTES = 2 << 20  # shm.DEFAULT_STRIPE_BYTES (collectives.py checks that they agree)
+DEFAULT_SHM_STRIPE_BYTES = 2 << 20  # shm.DEFAULT_STRIPE_BYTES (transport/executor.py checks that they agree)
 RING_SEGMENT_BYTES = Setting("MTRAIN_RING_SEGMENT_BYTES", None, _number, "a number >= 0", None)
 SMALL_ALLREDUCE_BYTES = Setting("MTRAIN_SMALL_ALLREDUCE_BYTES", None, _number, "a number >= 0", None)
 ALLREDUCE_ALGORITHM = Setting(

@@ -27,7 +27,7 @@ back. Submitting does not wake the engine thread; it finds new ops at its next t
 cycle time, as Horovod's background loop), or at once when a thread waits.
 
 Errors are delivered to the handles of every rank (``synchronize`` raises
-them; the classes live in ``errors.py``): mismatched submissions, stalls past
+them; the classes live in ``core/errors.py``): mismatched submissions, stalls past
 MTRAIN_STALL_SHUTDOWN_SECONDS, and shutdown with ops in flight. Nothing waits
 forever on a rank that has left.
 """

@@ -2,12 +2,12 @@
 
 All-reduces run in the rings ``fusion.py`` plans (small tensors packed into one reusable
 fusion buffer, large ones reduced in place with no copy), other collectives one by one
-(``collectives.py``). Then the handles are completed, or failed, and their names freed in
+(``transport/executor.py``). Then the handles are completed, or failed, and their names freed in
 the submit queue (``submit_queue.py``); waiters are woken once per batch.
 
 The dispatcher also keeps what the other instruments need from each batch: the timeline's
-spans, the step meter's timings (``steps.py``), the flight recorder's entries
-(``recorder.py``), the autotuner's byte counts (``autotune.py``), and the names run since the
+spans, the step meter's timings (``observe/steps.py``), the flight recorder's entries
+(``observe/recorder.py``), the autotuner's byte counts (``observe/autotune.py``), and the names run since the
 engine was last idle, from which the submit queue learns what a step submits.
 """
 from __future__ import annotations

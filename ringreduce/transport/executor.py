@@ -1,6 +1,6 @@
 """Collectives on NumPy (or device) arrays, one at a time, once every rank has agreed to run them.
 
-Nothing here checks arguments. ``submit.py`` validates each one once, in the
+Nothing here checks arguments. ``engine/submit.py`` validates each one once, in the
 caller's thread (dtype, op, root, splits; objects are pickled there, unpickled in api.py), and the engine's
 negotiation (``negotiation/``) runs an op only once every rank has
 submitted it under the same name with the same collective, dtype, shape, op,
