@@ -1,5 +1,9 @@
 """ringreduce: the collective runtime inside every mtrain rank."""
-# Importing the runtime starts no MPI: init() does (transport/mpi.py).
+from mtrain.ringreduce.transport import mpi as _mpi
+
+# Outside a launched job, importing the runtime starts no MPI (init() does); inside one, every
+# rank joins MPI here, since MPI_Init waits for every rank of the job (transport/mpi.py).
+_mpi.start_if_launched()
 from mtrain.ringreduce.engine.cycle import EngineStats
 from mtrain.ringreduce.core.requests import AllreduceOp, Handle, Signature
 from mtrain.ringreduce.core.errors import (

