@@ -34,7 +34,7 @@ class StragglerRow(NamedTuple):
 
 def threshold_percent(environ: "Mapping[str, str] | None" = None) -> float:
     """MTRAIN_STRAGGLER_THRESHOLD_PERCENT (its default for a value that is not a number >= 0)."""
-    return float(settings.STRAGGLER_THRESHOLD_PERCENT.read(environ))
+    return settings.STRAGGLER_THRESHOLD_PERCENT.read(environ)
 
 
 def straggler_table(samples: Mapping[int, Sequence[StepSample]], hosts: Mapping[int, str],
